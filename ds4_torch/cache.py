@@ -1,0 +1,160 @@
+"""The static DS4 KV cache: every tensor a decode step needs, allocated once.
+
+Per layer (B = batch, W = sliding window, D = head_dim, m = compress rate,
+C = ceil(max_context / m), dI = index_head_dim, s = bytes per element of the cache dtype):
+
+- `window`      [B, W, D]      ring buffer of the last W kv rows; position q lives in slot q % W.
+- compressor state (CSA and HCA layers), one `CompressorState`:
+  - `rows`      [B, C+1, D]    compressed rows; row w pools window w (positions w*m .. w*m+m-1).
+                               Row C is a scratch row: predicated writes of windows that did not
+                               close land there, so no write ever needs a branch or a resize.
+  - `open_kv`, `open_gate` [B, m, Dc]  projections of the open window (slot = position % m),
+                               gates already carry the position bias. Dc = 2D for CSA (Ca | Cb
+                               halves), D for HCA.
+  - CSA only: `prev_kv`, `prev_gate` [B, m, D]  the Ca half of the last closed window (the
+                               overlap); gates start at -inf so window 0 ignores them.
+- CSA layers also hold a second `CompressorState` for the lightning indexer, the same with
+  D -> dI.
+- `positions`   [B] int64      tokens consumed per sequence. Everything else (compressed row
+                               counts, ring slots, emit phases) is derived from it.
+
+nbytes = 8*B + sum over layers of s*B*[ W*D
+         + HCA: (C+1)*D + 2*m*D
+         + CSA: (C+1)*D + 2*m*2D + 2*m*D  +  (C+1)*dI + 2*m*2dI + 2*m*dI ]
+(`DS4Cache.nbytes` sums the real tensors; a test checks it against this formula.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import CSA, HCA, SLIDING, DS4Config
+
+
+@dataclass
+class CompressorState:
+    rows: torch.Tensor
+    open_kv: torch.Tensor
+    open_gate: torch.Tensor
+    prev_kv: torch.Tensor | None = None
+    prev_gate: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv, self.prev_gate) if t is not None]
+
+    def reset(self, batch_index=None) -> None:
+        sel = slice(None) if batch_index is None else batch_index
+        for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv):
+            if t is not None:
+                t[sel] = 0
+        if self.prev_gate is not None:
+            self.prev_gate[sel] = float("-inf")
+
+
+@dataclass
+class LayerCache:
+    kind: str
+    rate: int
+    window: torch.Tensor
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+    states: list = field(init=False)
+
+    def __post_init__(self):
+        self.states = [s for s in (self.compressor, self.indexer) if s is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.window] + [t for s in self.states for t in s.tensors()]
+
+
+def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device) -> CompressorState:
+    width = 2 * dim if overlap else dim
+    state = CompressorState(
+        rows=torch.zeros(batch, capacity + 1, dim, dtype=dtype, device=device),
+        open_kv=torch.zeros(batch, rate, width, dtype=dtype, device=device),
+        open_gate=torch.zeros(batch, rate, width, dtype=dtype, device=device),
+    )
+    if overlap:
+        state.prev_kv = torch.zeros(batch, rate, dim, dtype=dtype, device=device)
+        state.prev_gate = torch.full((batch, rate, dim), float("-inf"), dtype=dtype, device=device)
+    return state
+
+
+class DS4Cache:
+    """Preallocated decode state for `batch_size` sequences of up to `max_context` tokens."""
+
+    def __init__(self, config: DS4Config, batch_size: int = 1, max_context: int = 4096,
+                 dtype: torch.dtype = torch.float32, device=None):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
+        self.config = config
+        self.batch_size = batch_size
+        self.max_context = max_context
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.layers: list[LayerCache] = []
+        for i, kind in enumerate(config.layer_types):
+            rate = config.compress_rate(i)
+            window = torch.zeros(batch_size, config.sliding_window, config.head_dim, dtype=dtype, device=self.device)
+            compressor = indexer = None
+            if kind != SLIDING:
+                capacity = self.capacity(rate)
+                compressor = _compressor_state(batch_size, capacity, rate, config.head_dim, kind == CSA, dtype,
+                                               self.device)
+                if kind == CSA:
+                    indexer = _compressor_state(batch_size, capacity, rate, config.index_head_dim, True, dtype,
+                                                self.device)
+            self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
+
+    def capacity(self, rate: int) -> int:
+        """Compressed rows a layer of rate `rate` can hold: ceil(max_context / rate)."""
+        return math.ceil(self.max_context / rate)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.positions] + [t for layer in self.layers for t in layer.tensors()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def compressed_counts(self, layer_idx: int) -> torch.Tensor:
+        """Compressed rows written so far per sequence for a layer (0 for sliding layers)."""
+        rate = self.layers[layer_idx].rate
+        return self.positions // rate if rate else torch.zeros_like(self.positions)
+
+    def reset(self, batch_index: int | None = None) -> None:
+        """Forget everything (or one sequence), keeping the allocation."""
+        sel = slice(None) if batch_index is None else batch_index
+        self.positions[sel] = 0
+        for layer in self.layers:
+            layer.window[sel] = 0
+            for state in layer.states:
+                state.reset(batch_index)
+
+    def load_sequence(self, index: int, source: "DS4Cache", source_index: int = 0) -> None:
+        """Copy one sequence's whole state from `source` (same config and max_context) into slot
+        `index`: how sequences at different positions come to share a batch."""
+        if source.config != self.config or source.max_context != self.max_context:
+            raise ValueError("load_sequence needs a source cache with the same config and max_context")
+        for dst, src in zip(self.tensors(), source.tensors()):
+            dst[index].copy_(src[source_index])
+
+    def check_room(self, new_tokens: int) -> None:
+        """Raise (before anything is written) if `new_tokens` more tokens do not fit."""
+        longest = int(self.positions.max())
+        if longest + new_tokens > self.max_context:
+            raise ValueError(f"cache is full: {longest} tokens cached + {new_tokens} new > max_context "
+                             f"{self.max_context}; allocate a larger cache with model.new_cache(max_context=...)")
+
+    def __repr__(self) -> str:
+        kinds = {SLIDING: 0, CSA: 0, HCA: 0}
+        for layer in self.layers:
+            kinds[layer.kind] += 1
+        return (f"DS4Cache(batch_size={self.batch_size}, max_context={self.max_context}, dtype={self.dtype}, "
+                f"layers={kinds}, nbytes={self.nbytes})")

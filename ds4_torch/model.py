@@ -1,0 +1,597 @@
+"""The DeepSeek-V4 (DS4) model with a static compressed KV cache.
+
+Parameter names equal transformers' `DeepseekV4ForCausalLM`, so its checkpoints load as they
+are. Unlike transformers, every forward goes through a preallocated `DS4Cache` (the stateless
+forward uses a throwaway one), and nothing position-dependent is a Python value: positions,
+ring slots, emit predicates and visibility all come from `cache.positions`, so the same code
+serves a prefill chunk of any size and a single decode token, for sequences at different
+positions in one batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import CompressorState, DS4Cache, LayerCache
+from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
+from .kernels import AttentionOps, resolve_backend
+
+# Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
+# sinks, biases); we do the same so bf16 models round the same way.
+FP32_PARAM_MARKERS = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias",
+                      "q_a_norm", "kv_norm", "input_layernorm", "post_attention_layernorm", "model.norm")
+
+
+# --------------------------------------------------------------------------- small pieces
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x, eps: float):
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rope_inv_freq(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
+    """Inverse frequencies of plain RoPE or YaRN (one per interleaved channel pair)."""
+    pos_freqs = spec.theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim)
+    if spec.yarn_factor is None:
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations):
+        return rope_dim * math.log(spec.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (spec.yarn_factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+class Rotary(nn.Module):
+    """cos/sin for given positions; interleaved pairs on the last `rope_dim` channels."""
+
+    def __init__(self, spec: RopeSpec, rope_dim: int):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(spec, rope_dim), persistent=False)
+        self.scaling = spec.attention_factor
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq
+        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the trailing rope channels of x [..., S, (H,) D]; cos/sin [..., S, rope_dim/2]."""
+    if x.dim() == cos.dim() + 1:  # a heads axis sits between positions and channels
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    cos = cos.repeat_interleave(2, dim=-1)
+    sin = sin.repeat_interleave(2, dim=-1)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+# --------------------------------------------------------------------------- compressor
+class Compressor(nn.Module):
+    """Pools every `rate` tokens into one row: softmax(gate + position_bias) over the window's
+    slots, weights on kv, then RMSNorm and RoPE at the window's first position. With `overlap`
+    (CSA) each row pools 2*rate slots: the Ca half of the previous window and the Cb half of its
+    own; the parameters then have 2*dim outputs."""
+
+    def __init__(self, config: DS4Config, rate: int, dim: int, overlap: bool):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width))
+        self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
+
+    def update(self, state: CompressorState, x, start, rotary: Rotary, ops: AttentionOps):
+        """Feed T new tokens (x [B,T,hidden], first at position `start` [B]) into `state`:
+        write every window that closes into `state.rows` and keep the open one in the frontier."""
+        m, T = self.rate, x.shape[1]
+        B = x.shape[0]
+        device = x.device
+        kv = self.kv_proj(x)
+        steps = torch.arange(T, device=device)
+        slot = (start[:, None] + steps) % m  # [B, T]
+        gate = self.gate_proj(x) + self.position_bias.to(x.dtype)[slot]
+
+        # Source rows addressed by absolute position: [prev (Ca) | open window | new tokens].
+        first_window = start // m  # w0 [B]
+        base = first_window * m  # first position of the open window
+        own_kv = torch.cat([state.open_kv, kv], dim=1)  # [B, m+T, Dc]
+        own_gate = torch.cat([state.open_gate, gate], dim=1)
+
+        def own_index(pos):  # position (>= base) -> row of own_kv
+            rel = pos - base.view(-1, *([1] * (pos.dim() - 1)))
+            s = start.view(-1, *([1] * (pos.dim() - 1)))
+            idx = torch.where(pos < s, rel, m + pos - s)
+            return idx.clamp(0, m + T - 1)
+
+        n_cand = T // m + 1
+        cand = torch.arange(n_cand, device=device)
+        windows = first_window[:, None] + cand  # [B, J]
+        emit = (windows + 1) * m <= (start + T)[:, None]
+        slots = torch.arange(m, device=device)
+        cur_pos = windows[..., None] * m + slots  # [B, J, m]
+
+        def gather(src, index):  # src [B, N, F], index [B, J, m] -> [B, J, m, F]
+            flat = index.reshape(B, -1, 1).expand(-1, -1, src.shape[-1])
+            return src.gather(1, flat).view(*index.shape, src.shape[-1])
+
+        cur_idx = own_index(cur_pos)
+        if self.overlap:
+            d = self.dim
+            prev_pos = cur_pos - m
+            ca_src_kv = torch.cat([state.prev_kv, own_kv[..., :d]], dim=1)  # [B, m + m+T, D]
+            ca_src_gate = torch.cat([state.prev_gate, own_gate[..., :d]], dim=1)
+            ca_idx = torch.where(cand[None, :, None] == 0, slots.expand(B, n_cand, m), m + own_index(prev_pos))
+            pool_kv = torch.cat([gather(ca_src_kv, ca_idx), gather(own_kv[..., d:], cur_idx)], dim=2)
+            pool_gate = torch.cat([gather(ca_src_gate, ca_idx), gather(own_gate[..., d:], cur_idx)], dim=2)
+        else:
+            pool_kv, pool_gate = gather(own_kv, cur_idx), gather(own_gate, cur_idx)
+        rows = self.kv_norm(ops.compress_pool(pool_kv, pool_gate))  # [B, J, D]
+        cos, sin = rotary(windows * m, rows.dtype)
+        rows = apply_rope(rows, cos, sin)
+        capacity = state.rows.shape[1] - 1
+        target = torch.where(emit, windows, torch.full_like(windows, capacity))  # non-emits -> scratch row
+        state.rows.scatter_(1, target[..., None].expand(-1, -1, rows.shape[-1]), rows.to(state.rows.dtype))
+
+        # Frontier after the chunk: the open window and (CSA) the Ca half of the last closed one.
+        end = start + T
+        end_window = end // m
+        open_pos = end_window[:, None] * m + slots  # [B, m]
+        open_idx = own_index(open_pos[:, None])[:, 0]  # [B, m]
+        keep_new = (open_pos < end[:, None])[..., None]
+        new_open_kv = torch.where(keep_new, gather(own_kv, open_idx[:, None])[:, 0], state.open_kv)
+        new_open_gate = torch.where(keep_new, gather(own_gate, open_idx[:, None])[:, 0], state.open_gate)
+        if self.overlap:
+            closed = end_window - first_window  # windows closed in this chunk, per sequence
+            last_pos = (end_window[:, None] - 1) * m + slots
+            last_idx = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos[:, None])[:, 0])
+            new_prev_kv = gather(ca_src_kv, last_idx[:, None])[:, 0]
+            new_prev_gate = gather(ca_src_gate, last_idx[:, None])[:, 0]
+            state.prev_kv.copy_(new_prev_kv)
+            state.prev_gate.copy_(new_prev_gate)
+        state.open_kv.copy_(new_open_kv)
+        state.open_gate.copy_(new_open_gate)
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own overlapping compressor at index_head_dim, plus query heads."""
+
+    def __init__(self, config: DS4Config, rate: int):
+        super().__init__(config, rate, config.index_head_dim, overlap=True)
+        self.num_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.q_b_proj = nn.Linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+
+    def select(self, state, x, q_residual, cos, sin, visible, ops: AttentionOps):
+        B, T, _ = x.shape
+        q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+        capacity = state.rows.shape[1] - 1
+        return ops.indexer_select(q, head_weights, state.rows[:, :capacity], visible, self.topk)
+
+
+class CompressorModule(Compressor):
+    """`self_attn.compressor` of a CSA or HCA layer (named as in transformers)."""
+
+    def __init__(self, config: DS4Config, kind: str):
+        rate = config.compress_rates[kind]
+        super().__init__(config, rate, config.head_dim, overlap=kind == CSA)
+        self.indexer = Indexer(config, rate) if kind == CSA else None
+
+
+# --------------------------------------------------------------------------- attention
+class GroupedLinear(nn.Linear):
+    """Block-diagonal projection: each of `groups` head groups has its own slice of the weight."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int):
+        super().__init__(in_per_group, out_features, bias=False)
+        self.groups = groups
+
+    def forward(self, x):  # x [..., groups, in_per_group] -> [..., groups, out/groups]
+        w = self.weight.view(self.groups, -1, x.shape[-1])
+        return torch.einsum("...gi,gri->...gr", x, w)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DS4Config, layer_idx: int):
+        super().__init__()
+        c = config
+        self.config, self.layer_idx = c, layer_idx
+        self.kind = c.layer_types[layer_idx]
+        self.num_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.scale = c.head_dim ** -0.5
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
+                                      c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads))
+        self.compressor = CompressorModule(c, self.kind) if self.kind != SLIDING else None
+
+    def forward(self, x, layer_cache: LayerCache, start, rope, ops: AttentionOps):
+        """x [B,T,hidden] (normed), `start` [B] position of x[:, 0], rope = (rotary, cos, sin)."""
+        B, T, _ = x.shape
+        rotary, cos, sin = rope
+        eps = self.config.rms_norm_eps
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim), eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, T, D]: key and value
+
+        # Window keys: the ring (positions before `start`) then this chunk's own rows.
+        W = self.window
+        steps = torch.arange(T, device=x.device)
+        query_pos = start[:, None] + steps  # [B, T]
+        ring = layer_cache.window
+        slots = torch.arange(W, device=x.device)
+        last = start[:, None] - 1
+        ring_pos = last - (last - slots) % W  # position held by each ring slot [B, W]
+        ring_mask = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > query_pos[..., None] - W)
+        chunk_mask = (steps[None, :] <= steps[:, None]) & (steps[:, None] - steps[None, :] < W)
+        window_kv = torch.cat([ring, kv.to(ring.dtype)], dim=1)
+        window_mask = torch.cat([ring_mask, chunk_mask.expand(B, T, T)], dim=2)
+
+        if self.compressor is not None:
+            m = self.compressor.rate
+            self.compressor.update(layer_cache.compressor, x, start, rotary, ops)
+            capacity = layer_cache.compressor.rows.shape[1] - 1
+            comp_kv = layer_cache.compressor.rows[:, :capacity]
+            visible = torch.arange(capacity, device=x.device) < ((query_pos + 1) // m)[..., None]  # [B, T, C]
+            if self.kind == CSA:
+                indexer = self.compressor.indexer
+                indexer.update(layer_cache.indexer, x, start, rotary, ops)
+                visible = indexer.select(layer_cache.indexer, x, q_residual, cos, sin, visible, ops)
+        else:
+            comp_kv = kv.new_zeros(B, 0, self.head_dim)
+            visible = torch.zeros(B, T, 0, dtype=torch.bool, device=x.device)
+
+        out = ops.attention(q, window_kv, window_mask, comp_kv.to(q.dtype), visible, self.sinks, self.scale)
+        out = apply_rope(out, cos, -sin)  # undo the rotation values carried (K == V)
+
+        # Ring update: slot r keeps the newest position congruent to r that has been seen.
+        new_last = start[:, None] + T - 1
+        newest = new_last - (new_last - slots) % W  # [B, W]
+        from_chunk = (newest >= start[:, None])[..., None]
+        chunk_rows = kv.gather(1, (newest - start[:, None]).clamp(0, T - 1)[..., None].expand(-1, -1, kv.shape[-1]))
+        ring.copy_(torch.where(from_chunk, chunk_rows.to(ring.dtype), ring))
+
+        grouped = out.reshape(B, T, self.config.o_groups, -1)
+        return self.o_b_proj(self.o_a_proj(grouped).flatten(2))
+
+
+# --------------------------------------------------------------------------- MoE
+def _score(logits, fn: str):
+    if fn == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if fn == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+class Router(nn.Module):
+    """Top-k router (`moe`) or hash router (`hash_moe`: experts from tid2eid[token])."""
+
+    def __init__(self, config: DS4Config, hashed: bool):
+        super().__init__()
+        self.hashed, self.top_k, self.fn = hashed, config.num_experts_per_tok, config.scoring_func
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+
+    def forward(self, flat, token_ids):
+        scores = _score(F.linear(flat, self.weight), self.fn)
+        if self.hashed:
+            indices = self.tid2eid[token_ids.reshape(-1)].long()
+        else:
+            indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I]."""
+
+    # Below this many (token, expert) pairs, gather the chosen experts' weights (decode); above,
+    # loop over the experts that were hit (prefill), touching each weight once.
+    GATHER_LIMIT = 16
+
+    def __init__(self, config: DS4Config):
+        super().__init__()
+        E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.limit = E, config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+
+    def expert_weights(self, expert_ids):
+        """Weights of the given experts (quantized storages override this to dequantize)."""
+        return self.gate_up_proj[expert_ids], self.down_proj[expert_ids]
+
+    def _act(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+    def forward(self, flat, indices, weights):
+        N, k = indices.shape
+        if N * k <= self.GATHER_LIMIT:
+            gate_up, down = self.expert_weights(indices.reshape(-1))
+            h = self._act(torch.einsum("nh,nih->ni", flat.repeat_interleave(k, 0), gate_up))
+            out = torch.einsum("ni,nhi->nh", h, down) * weights.reshape(-1, 1).to(flat.dtype)
+            return out.view(N, k, -1).sum(1)
+        out = torch.zeros_like(flat)
+        flat_idx = indices.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
+        begin = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[begin:begin + n]
+            begin += n
+            tokens = pairs // k
+            gate_up, down = self.expert_weights(torch.tensor([e], device=flat.device))
+            h = self._act(F.linear(flat[tokens], gate_up[0]))
+            y = F.linear(h, down[0]) * weights.reshape(-1)[pairs, None].to(flat.dtype)
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: DS4Config):
+        super().__init__()
+        H, I = config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: DS4Config, layer_idx: int):
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer_idx] == "hash_moe")
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x, token_ids):
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        weights, indices = self.gate(flat, token_ids)
+        return self.experts(flat, indices, weights).view(B, T, H) + self.shared_experts(x)
+
+
+# --------------------------------------------------------------------------- mHC
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connection: collapse the streams for a block (pre), expand its
+    output (post) and mix the residual streams with a Sinkhorn-projected matrix (comb)."""
+
+    def __init__(self, config: DS4Config):
+        super().__init__()
+        n = config.hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams):
+        B, T = streams.shape[:2]
+        n = self.n
+        flat = unweighted_rms_norm(streams.view(B, T, -1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(B, T, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+class HyperHead(nn.Module):
+    def __init__(self, config: DS4Config):
+        super().__init__()
+        n = config.hc_mult
+        self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(n))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams):
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DS4Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MoE(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    @staticmethod
+    def _mix(post, comb, block_out, streams):
+        dtype = streams.dtype
+        # comb is consumed transposed: out_k = sum_j comb[j, k] * stream_j.
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams)
+
+    def forward(self, streams, token_ids, layer_cache, start, rope, ops):
+        post, comb, collapsed = self.attn_hc(streams)
+        attn = self.self_attn(self.input_layernorm(collapsed), layer_cache, start, rope, ops)
+        streams = self._mix(post, comb, attn, streams)
+        post, comb, collapsed = self.ffn_hc(streams)
+        return self._mix(post, comb, self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams)
+
+
+class DS4Model(nn.Module):
+    def __init__(self, config: DS4Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+        self.rotary_main = Rotary(config.rope_main, config.qk_rope_head_dim)
+        self.rotary_compress = Rotary(config.rope_compress, config.qk_rope_head_dim)
+
+
+# --------------------------------------------------------------------------- the LM
+class DS4ForCausalLM(nn.Module):
+    def __init__(self, config: DS4Config, attn_backend: str = "auto"):
+        super().__init__()
+        self.config = config
+        self.model = DS4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.attn_backend = attn_backend
+        self.ops = resolve_backend(attn_backend, "cpu")
+
+    # ----------------------------------------------------------------- dtype / device
+    def to_dtype(self, dtype: torch.dtype) -> "DS4ForCausalLM":
+        """Cast to `dtype`, keeping the small numerically sensitive parameters in fp32."""
+        for name, param in self.named_parameters():
+            target = torch.float32 if any(mark in name for mark in FP32_PARAM_MARKERS) else dtype
+            if param.is_floating_point() and param.dtype != target:
+                param.data = param.data.to(target)
+        for name, buf in self.named_buffers():
+            if buf.is_floating_point() and "inv_freq" not in name and "e_score_correction_bias" not in name:
+                buf.data = buf.data.to(dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device=None, attn_backend: str = "auto",
+                        quantized: str = "dequantize", progress: bool | None = None) -> "DS4ForCausalLM":
+        """Load a local directory: config.json + model.safetensors (or a sharded index)."""
+        from .loading import load_checkpoint_into
+
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        config = DS4Config.from_pretrained(path)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        with torch.device("meta"):
+            model = cls(config, attn_backend=attn_backend)
+        model.to_empty(device=device)
+        model.to_dtype(dtype)
+        model._init_buffers()
+        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress)
+        model.ops = resolve_backend(attn_backend, device)
+        return model.eval()
+
+    def _init_buffers(self) -> None:
+        """Recompute non-persistent buffers (lost when a model is built on the meta device)."""
+        for rotary, spec in ((self.model.rotary_main, self.config.rope_main),
+                             (self.model.rotary_compress, self.config.rope_compress)):
+            rotary.inv_freq = rope_inv_freq(spec, self.config.qk_rope_head_dim).to(self.device)
+
+    def save_pretrained(self, path) -> None:
+        """Write config.json + model.safetensors in transformers' layout."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.config.save(path)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+    # ----------------------------------------------------------------- cache
+    def new_cache(self, batch_size: int = 1, max_context: int = 4096, dtype: torch.dtype | None = None) -> DS4Cache:
+        return DS4Cache(self.config, batch_size, max_context, dtype=dtype or self.dtype, device=self.device)
+
+    def kv_bytes_per_token(self, context: int = 4096) -> float:
+        """Cache bytes per token of context for one sequence (the cache's exact size / context)."""
+        return self.new_cache(1, context).nbytes / context
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, cache: DS4Cache | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for `input_ids` [B, T].
+
+        Without a cache: a stateless forward over the whole sequence. With one: consume the T new
+        tokens of every sequence (a prefill chunk or one decode token) and advance the cache."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if cache is None:
+            cache = self.new_cache(B, T)
+        elif cache.batch_size != B:
+            raise ValueError(f"input_ids has batch {B} but the cache holds {cache.batch_size} sequences")
+        else:
+            cache.check_room(T)
+        return self._forward(input_ids, cache)
+
+    def _forward(self, input_ids, cache: DS4Cache):
+        c = self.config
+        B, T = input_ids.shape
+        start = cache.positions
+        positions = start[:, None] + torch.arange(T, device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        ropes = {}
+        for name, rotary in (("main", self.model.rotary_main), ("compress", self.model.rotary_compress)):
+            cos, sin = rotary(positions, x.dtype)
+            ropes[name] = (rotary, cos, sin)
+        streams = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+        for layer, layer_cache in zip(self.model.layers, cache.layers):
+            rope = ropes["main"] if layer.self_attn.kind == SLIDING else ropes["compress"]
+            # The compressors always rope with the compress rotary, whatever the layer's rope.
+            rope = (self.model.rotary_compress, rope[1], rope[2])
+            streams = layer(streams, input_ids, layer_cache, start, rope, self.ops)
+        cache.positions.add_(T)
+        hidden = self.model.norm(self.model.hc_head(streams))
+        return self.lm_head(hidden)
