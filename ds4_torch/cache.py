@@ -98,6 +98,8 @@ class DS4Cache:
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        # Sequences whose state a failed step may have left half-written: unusable until reset.
+        self.invalid: set[int] = set()
         self.layers: list[LayerCache] = []
         for i, kind in enumerate(config.layer_types):
             rate = config.compress_rate(i)
@@ -131,6 +133,10 @@ class DS4Cache:
     def reset(self, batch_index: int | None = None) -> None:
         """Forget everything (or one sequence), keeping the allocation."""
         sel = slice(None) if batch_index is None else batch_index
+        if batch_index is None:
+            self.invalid.clear()
+        else:
+            self.invalid.discard(batch_index)
         self.positions[sel] = 0
         for layer in self.layers:
             layer.window[sel] = 0
@@ -145,9 +151,37 @@ class DS4Cache:
         for dst, src in zip(self.tensors(), source.tensors()):
             dst[index].copy_(src[source_index])
 
-    def check_room(self, new_tokens: int) -> None:
+    def narrow(self, n: int) -> "DS4Cache":
+        """The first `n` sequences as a cache sharing this one's storage (views, no copies)."""
+        if n == self.batch_size:
+            return self
+        view = object.__new__(DS4Cache)
+        view.__dict__.update(self.__dict__)
+        view.batch_size = n
+        view.positions = self.positions[:n]
+        view.invalid = self.invalid  # shared: a failure in the view invalidates the parent's rows
+        view.layers = [
+            LayerCache(layer.kind, layer.rate, layer.window[:n],
+                       *[CompressorState(*[t[:n] if t is not None else None for t in (
+                           s.rows, s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)]) if s is not None else None
+                         for s in (layer.compressor, layer.indexer)])
+            for layer in self.layers
+        ]
+        return view
+
+    def invalidate(self, indices) -> None:
+        """Mark sequences unusable (their state is unknown after a failed step) until reset."""
+        self.invalid.update(int(i) for i in indices)
+
+    def check_usable(self, n: int | None = None) -> None:
+        bad = sorted(i for i in self.invalid if n is None or i < n)
+        if bad:
+            raise RuntimeError(f"cache sequences {bad} were invalidated by a failed step; call cache.reset() "
+                               f"(or reset(i)) before using them again")
+
+    def check_room(self, new_tokens: int, n: int | None = None) -> None:
         """Raise (before anything is written) if `new_tokens` more tokens do not fit."""
-        longest = int(self.positions.max())
+        longest = int(self.positions[:n].max())
         if longest + new_tokens > self.max_context:
             raise ValueError(f"cache is full: {longest} tokens cached + {new_tokens} new > max_context "
                              f"{self.max_context}; allocate a larger cache with model.new_cache(max_context=...)")

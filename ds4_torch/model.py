@@ -325,9 +325,10 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I]."""
 
-    # Below this many (token, expert) pairs, gather the chosen experts' weights (decode); above,
-    # loop over the experts that were hit (prefill), touching each weight once.
-    GATHER_LIMIT = 16
+    # Up to this many (token, expert) pairs, gather the chosen experts' weights: no data-dependent
+    # shapes, so decode steps trace, compile and capture. Above it (prefill), loop over the experts
+    # that were hit, touching each weight once.
+    GATHER_LIMIT = 64
 
     def __init__(self, config: DS4Config):
         super().__init__()
@@ -346,7 +347,7 @@ class Experts(nn.Module):
 
     def forward(self, flat, indices, weights):
         N, k = indices.shape
-        if N * k <= self.GATHER_LIMIT:
+        if N * k <= self.GATHER_LIMIT or torch.compiler.is_compiling():
             gate_up, down = self.expert_weights(indices.reshape(-1))
             h = self._act(torch.einsum("nh,nih->ni", flat.repeat_interleave(k, 0), gate_up))
             out = torch.einsum("ni,nhi->nh", h, down) * weights.reshape(-1, 1).to(flat.dtype)
@@ -573,6 +574,7 @@ class DS4ForCausalLM(nn.Module):
         elif cache.batch_size != B:
             raise ValueError(f"input_ids has batch {B} but the cache holds {cache.batch_size} sequences")
         else:
+            cache.check_usable()
             cache.check_room(T)
         return self._forward(input_ids, cache)
 

@@ -1,0 +1,182 @@
+"""Decode paths: eager, and captured graphs replayed step after step.
+
+`make_decoder(model, cache, mode)` returns a decoder whose `.step(ids[B]) -> logits[B, V]`
+consumes one token per sequence and advances the cache. The graph path captures the model's
+decode step once per batch size and replays it. That is only correct because everything
+position-dependent in the step is read from tensors (`cache.positions`) and the cache never
+reallocates; the capture backends make that checkable:
+
+- `cuda`: `torch.cuda.CUDAGraph` over the static buffers, in a private memory pool.
+- `emulator` (every other device): the step is traced once with `make_fx` over the very same
+  static buffers and the FX graph is replayed. Tracing runs on real tensors, so any Python value
+  read at capture time (an `.item()`, an `int(...)`, a branch) is frozen into the graph exactly
+  as a CUDA graph would freeze it, and shows up here as a divergence from eager.
+
+A failure during a step (a device error, an OOM, or one injected with `DS4_TORCH_FAULT`)
+drops every captured graph, marks the batch's sequences invalid in the cache (they must be reset
+before reuse) and re-raises: nothing that could poison a later request survives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cache import DS4Cache
+from .capabilities import capabilities
+from .faults import fault_point
+
+MODES = ("auto", "eager", "graph")
+ENV = "DS4_TORCH_DECODE_MODE"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so asynchronous errors surface here, inside our handling."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def resolve_mode(mode: str, device) -> str:
+    mode = os.environ.get(ENV) or mode
+    if mode not in MODES:
+        raise ValueError(f"unknown decode mode {mode!r} (from {ENV} or the argument); modes: {', '.join(MODES)}")
+    if mode == "auto":
+        return "graph" if capabilities(device).cuda_graphs else "eager"
+    return mode
+
+
+def make_decoder(model, cache: DS4Cache, mode: str = "auto") -> "Decoder":
+    """A decoder for `model` over `cache`; env DS4_TORCH_DECODE_MODE overrides `mode`."""
+    resolved = resolve_mode(mode, cache.device)
+    return GraphDecoder(model, cache) if resolved == "graph" else EagerDecoder(model, cache)
+
+
+class Decoder:
+    mode = "eager"
+
+    def __init__(self, model, cache: DS4Cache):
+        self.model, self.cache = model, cache
+
+    def _check(self, input_ids: torch.Tensor) -> int:
+        if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"step expects token ids of shape [batch] (int64), got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}")
+        n = input_ids.shape[0]
+        if not 1 <= n <= self.cache.batch_size:
+            raise ValueError(f"step got {n} tokens but the cache holds {self.cache.batch_size} sequences")
+        self.cache.check_usable(n)
+        self.cache.check_room(1, n)
+        return n
+
+    def _eager_step(self, input_ids, n):
+        return self.model._forward(input_ids.view(n, 1), self.cache.narrow(n))[:, 0]
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        n = self._check(input_ids)
+        try:
+            fault_point("decode")
+            logits = self._step(input_ids.to(self.cache.device), n)
+            synchronize(self.cache.device)
+        except BaseException:
+            self._fail(n)
+            raise
+        return logits
+
+    def _step(self, input_ids, n):
+        return self._eager_step(input_ids, n)
+
+    def _fail(self, n: int) -> None:
+        self.cache.invalidate(range(n))
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop whatever was captured (nothing, for eager)."""
+
+
+class EagerDecoder(Decoder):
+    mode = "eager"
+
+
+class _Captured:
+    """One captured decode step for a batch size: static input ids, static logits, replay()."""
+
+    def __init__(self, decoder: "GraphDecoder", n: int):
+        self.n = n
+        cache = decoder.cache.narrow(n)
+        self.buffers = [t.data_ptr() for t in cache.tensors()]
+        self.ids = torch.zeros(n, dtype=torch.long, device=cache.device)
+        snapshot = [t.clone() for t in cache.tensors()]
+        model = decoder.model
+
+        def step(ids, *state):  # `state` are the cache's tensors: graph inputs, not constants
+            return model._forward(ids.view(n, 1), cache)[:, 0]
+
+        self.inputs = [self.ids, *cache.tensors()]
+        try:
+            if cache.device.type == "cuda":
+                self._capture_cuda(step, decoder.pool)
+            else:
+                from torch.fx.experimental.proxy_tensor import make_fx
+
+                self.ids.copy_(decoder.warmup_ids(n))
+                self.graph = make_fx(step, tracing_mode="real")(*self.inputs)
+                self.logits = None
+        finally:
+            # Capture ran (emulator) or warmed up (CUDA) the step on the live state: put it back.
+            for t, saved in zip(cache.tensors(), snapshot):
+                t.copy_(saved)
+
+    def _capture_cuda(self, step, pool) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits, autotuning
+            for _ in range(2):
+                step(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = step(*self.inputs)
+
+    def replay(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)  # copy into the captured buffer; never rebind it
+        if isinstance(self.graph, torch.cuda.CUDAGraph):
+            self.graph.replay()
+            return self.logits.clone()
+        return self.graph(*self.inputs)
+
+
+class GraphDecoder(Decoder):
+    mode = "graph"
+
+    def __init__(self, model, cache: DS4Cache):
+        super().__init__(model, cache)
+        self.graphs: dict[int, _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
+        self.backend = "cuda" if cache.device.type == "cuda" else "emulator"
+        self.eager_fallbacks = 0
+
+    def warmup_ids(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.long, device=self.cache.device)
+
+    def _replayable(self, captured: _Captured) -> bool:
+        # A graph only ever touches the buffers it captured: if the cache was reallocated, replay
+        # would read stale memory, so such a step runs eagerly (and the graph is recaptured).
+        return captured.buffers == [t.data_ptr() for t in self.cache.narrow(captured.n).tensors()]
+
+    def _step(self, input_ids, n):
+        captured = self.graphs.get(n)
+        if captured is not None and not self._replayable(captured):
+            del self.graphs[n]
+            self.eager_fallbacks += 1
+            return self._eager_step(input_ids, n)
+        if captured is None:
+            captured = self.graphs[n] = _Captured(self, n)
+        return captured.replay(input_ids)
+
+    def reset(self) -> None:
+        self.graphs.clear()
+        if self.cache.device.type == "cuda":
+            torch.cuda.empty_cache()
