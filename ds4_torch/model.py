@@ -188,13 +188,14 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
 
-    def select(self, state, x, q_residual, cos, sin, visible, ops: AttentionOps):
+    def select(self, state, x, q_residual, start, cos, sin, ops: AttentionOps):
+        """Top-k compressed rows per query: [B, T, K] row indices, -1 where nothing is picked."""
         B, T, _ = x.shape
         q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
         capacity = state.rows.shape[1] - 1
-        return ops.indexer_select(q, head_weights, state.rows[:, :capacity], visible, self.topk)
+        return ops.indexer_topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
 
 
 class CompressorModule(Compressor):
@@ -248,39 +249,24 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, T, D]: key and value
 
-        # Window keys: the ring (positions before `start`) then this chunk's own rows.
-        W = self.window
-        steps = torch.arange(T, device=x.device)
-        query_pos = start[:, None] + steps  # [B, T]
+        # Keys: the ring (positions before `start`), this chunk's own rows, the compressed rows.
         ring = layer_cache.window
-        slots = torch.arange(W, device=x.device)
-        last = start[:, None] - 1
-        ring_pos = last - (last - slots) % W  # position held by each ring slot [B, W]
-        ring_mask = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > query_pos[..., None] - W)
-        chunk_mask = (steps[None, :] <= steps[:, None]) & (steps[:, None] - steps[None, :] < W)
-        window_kv = torch.cat([ring, kv.to(ring.dtype)], dim=1)
-        window_mask = torch.cat([ring_mask, chunk_mask.expand(B, T, T)], dim=2)
-
+        comp, comp_sel, rate = kv.new_zeros(B, 0, self.head_dim), None, 0
         if self.compressor is not None:
-            m = self.compressor.rate
+            rate = self.compressor.rate
             self.compressor.update(layer_cache.compressor, x, start, rotary, ops)
-            capacity = layer_cache.compressor.rows.shape[1] - 1
-            comp_kv = layer_cache.compressor.rows[:, :capacity]
-            visible = torch.arange(capacity, device=x.device) < ((query_pos + 1) // m)[..., None]  # [B, T, C]
+            comp = layer_cache.compressor.rows[:, :-1]  # the last row is scratch
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer.update(layer_cache.indexer, x, start, rotary, ops)
-                visible = indexer.select(layer_cache.indexer, x, q_residual, cos, sin, visible, ops)
-        else:
-            comp_kv = kv.new_zeros(B, 0, self.head_dim)
-            visible = torch.zeros(B, T, 0, dtype=torch.bool, device=x.device)
-
-        out = ops.attention(q, window_kv, window_mask, comp_kv.to(q.dtype), visible, self.sinks, self.scale)
+                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, start, cos, sin, ops)
+        out = ops.attention(q, ring, kv, start, comp, comp_sel, rate, self.sinks, self.scale)
         out = apply_rope(out, cos, -sin)  # undo the rotation values carried (K == V)
 
         # Ring update: slot r keeps the newest position congruent to r that has been seen.
+        W = self.window
         new_last = start[:, None] + T - 1
-        newest = new_last - (new_last - slots) % W  # [B, W]
+        newest = new_last - (new_last - torch.arange(W, device=x.device)) % W  # [B, W]
         from_chunk = (newest >= start[:, None])[..., None]
         chunk_rows = kv.gather(1, (newest - start[:, None]).clamp(0, T - 1)[..., None].expand(-1, -1, kv.shape[-1]))
         ring.copy_(torch.where(from_chunk, chunk_rows.to(ring.dtype), ring))

@@ -26,22 +26,22 @@ class TieWatch:
         self.min_gap = float("inf")
         self.calls = 0
 
-    def __call__(self, q, head_weights, rows, visible, k):
+    def __call__(self, q, head_weights, rows, start, rate, k):
+        visible = reference.visible_rows(start, q.shape[1], rows.shape[1], rate)
         scores = reference.indexer_scores(q, head_weights, rows).masked_fill(~visible, float("-inf"))
-        n_visible = visible.sum(-1)
         if scores.shape[-1] > k:
             top = scores.topk(k + 1, dim=-1).values
-            active = n_visible > k  # only queries where the indexer actually drops rows
+            active = visible.sum(-1) > k  # only queries where the indexer actually drops rows
             if active.any():
                 self.calls += 1
                 self.min_gap = min(self.min_gap, float((top[..., k - 1] - top[..., k])[active].min()))
-        return reference.indexer_select(q, head_weights, rows, visible, k)
+        return reference.indexer_topk(q, head_weights, rows, start, rate, k)
 
 
 def load_ours(path, watch: TieWatch | None = None):
     model = DS4ForCausalLM.from_pretrained(path, dtype=torch.float32)
     if watch is not None:
-        model.ops = dataclasses.replace(TORCH_OPS, indexer_select=watch)
+        model.ops = dataclasses.replace(TORCH_OPS, indexer_topk=watch)
     return model
 
 

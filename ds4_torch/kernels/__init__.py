@@ -17,10 +17,10 @@ class AttentionOps:
     name: str
     attention: Callable
     compress_pool: Callable
-    indexer_select: Callable
+    indexer_topk: Callable
 
 
-TORCH_OPS = AttentionOps("torch", reference.attention, reference.compress_pool, reference.indexer_select)
+TORCH_OPS = AttentionOps("torch", reference.attention, reference.compress_pool, reference.indexer_topk)
 BACKENDS = ("auto", "torch")
 
 

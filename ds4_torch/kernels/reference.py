@@ -4,16 +4,21 @@ These define the semantics every other backend must reproduce (the Triton kernel
 against them). They work on any device and dtype that torch supports for matmul/softmax, with
 fp32 accumulation where it matters (softmaxes, indexer scores).
 
-Shapes (B batch, T queries, H heads, D head dim, S window keys, C compressed rows):
-- attention: q [B,T,H,D], window_kv [B,S,D], window_mask [B,T,S] bool, comp_kv [B,C,D],
-  comp_mask [B,T,C] bool, sinks [H] -> [B,T,H,D]. One softmax over the window keys, the
-  compressed keys and the per-head sink logit (the sink adds to the denominator only). K == V.
-- compress_pool: kv [..., S, D], gate [..., S, D] -> [..., D]: per-channel softmax over the S
+Shapes (B batch, T queries, H heads, D head dim, W window, C compressed rows, K picks):
+- attention(q [B,T,H,D], ring [B,W,D], chunk_kv [B,T,D], start [B], comp [B,C,D], comp_sel,
+  rate, sinks [H], scale) -> [B,T,H,D]. Query t = start + i sees, in one softmax with the
+  per-head sink logit (which adds to the denominator only; K == V):
+  - ring slot r, holding position q_r = start-1 - ((start-1-r) mod W), iff 0 <= q_r and t-W < q_r;
+  - chunk row j iff j <= i and i - j < W;
+  - compressed row w iff w < (t+1) // rate, and, when `comp_sel` [B,T,K] is given (CSA), only
+    the rows it lists (-1 entries list nothing).
+- compress_pool(kv [..., S, D], gate [..., S, D]) -> [..., D]: per-channel softmax over the S
   slots of `gate`, weights applied to `kv`.
-- indexer_select: q [B,T,Hi,dI], head_weights [B,T,Hi], rows [B,C,dI], visible [B,T,C],
-  k -> selected [B,T,C] bool: the k best visible rows by score
-  sum_h w_h * relu(q_h . row) * dI^-1/2 (w already carries Hi^-1/2).
-  Tie rule (shared by every backend): among equal scores the lower row index wins.
+- indexer_topk(q [B,T,Hi,dI], head_weights [B,T,Hi], rows [B,C,dI], start [B], rate, k)
+  -> [B,T,min(k,C)] int64: the best visible rows (w < (t+1)//rate) by
+  score = sum_h w_h * relu(q_h . row) * dI^-1/2 (w already carries Hi^-1/2), best first; slots
+  beyond the visible count hold -1. Tie rule (shared by every backend): among equal scores the
+  lower row index wins.
 """
 
 from __future__ import annotations
@@ -21,12 +26,39 @@ from __future__ import annotations
 import torch
 
 
-def attention(q, window_kv, window_mask, comp_kv, comp_mask, sinks, scale: float):
-    keys = torch.cat([window_kv, comp_kv], dim=1)  # [B, S+C, D]; K == V
-    mask = torch.cat([window_mask, comp_mask], dim=2)  # [B, T, S+C]
+def query_positions(start, T: int):
+    return start[:, None] + torch.arange(T, device=start.device)  # [B, T]
+
+
+def window_mask(start, T: int, W: int):
+    """[B, T, W+T] bool: which ring slots and chunk rows each query sees."""
+    steps = torch.arange(T, device=start.device)
+    query_pos = query_positions(start, T)
+    last = start[:, None] - 1
+    ring_pos = last - (last - torch.arange(W, device=start.device)) % W  # position held by each slot
+    ring = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > query_pos[..., None] - W)
+    chunk = (steps[None, :] <= steps[:, None]) & (steps[:, None] - steps[None, :] < W)
+    return torch.cat([ring, chunk.expand(start.shape[0], T, T)], dim=2)
+
+
+def visible_rows(start, T: int, C: int, rate: int):
+    """[B, T, C] bool: compressed rows complete before each query (w < (t+1)//rate)."""
+    return torch.arange(C, device=start.device) < ((query_positions(start, T) + 1) // rate)[..., None]
+
+
+def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+    B, T = q.shape[:2]
+    W, C = ring.shape[1], comp.shape[1]
+    keys = torch.cat([ring, chunk_kv.to(ring.dtype), comp.to(ring.dtype)], dim=1).to(q.dtype)
+    comp_mask = visible_rows(start, T, C, rate) if C else comp.new_zeros(B, T, 0, dtype=torch.bool)
+    if comp_sel is not None and C:
+        picked = torch.zeros(B, T, C + 1, dtype=torch.bool, device=q.device)
+        picked.scatter_(-1, torch.where(comp_sel >= 0, comp_sel, C), True)  # -1 -> a dropped column
+        comp_mask = comp_mask & picked[..., :C]
+    mask = torch.cat([window_mask(start, T, W), comp_mask], dim=2)
     logits = torch.einsum("bthd,bsd->bhts", q, keys) * scale
     logits = logits.masked_fill(~mask[:, None], float("-inf"))
-    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(logits.shape[0], -1, logits.shape[2], 1)
+    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(B, -1, T, 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = torch.softmax(combined, dim=-1)[..., :-1]
@@ -44,10 +76,11 @@ def indexer_scores(q, head_weights, rows):
     return (scores * head_weights.float().unsqueeze(-1)).sum(dim=2)  # [B, T, C]
 
 
-def indexer_select(q, head_weights, rows, visible, k: int):
+def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
+    T, C = q.shape[1], rows.shape[1]
+    visible = visible_rows(start, T, C, rate)
     scores = indexer_scores(q, head_weights, rows).masked_fill(~visible, float("-inf"))
-    k = min(k, scores.shape[-1])
+    k = min(k, C)
     # A stable descending sort keeps equal scores in index order: the lower index wins a tie.
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    selected = torch.zeros_like(visible).scatter_(-1, order, True)
-    return selected & visible
+    return torch.where(visible.gather(-1, order), order, -1)
