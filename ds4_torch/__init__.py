@@ -1,0 +1,41 @@
+"""ds4_torch: a PyTorch implementation of DeepSeek-V4 (DS4) models.
+
+Public names are imported lazily (module-level ``__getattr__``) so that light modules
+such as ``ds4_torch.tokenizer`` import without pulling in the model code.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_LAZY = {
+    "DS4Config": "config",
+    "DS4ForCausalLM": "model",
+    "DS4Cache": "cache",
+    "load_tokenizer": "tokenizer",
+    "generate": "generation",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # for type checkers and IDEs only
+    from .cache import DS4Cache
+    from .config import DS4Config
+    from .generation import generate
+    from .model import DS4ForCausalLM
+    from .tokenizer import load_tokenizer
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # cache: __getattr__ is only consulted on a miss
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

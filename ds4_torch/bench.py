@@ -1,0 +1,163 @@
+"""`ds4-torch bench TARGET`: speed and cache-size comparisons.
+
+`bench model` runs the same weights through our model and through transformers'
+`DeepseekV4ForCausalLM.generate`, on the same machine, one run each, greedy, and reports
+prefill and decode throughput and KV cache bytes per token.
+"""
+from __future__ import annotations
+
+import csv
+import sys
+import tempfile
+import time
+
+import torch
+
+TARGETS = ("model",)
+
+
+def add_parser(sub, model_help: str) -> None:
+    from .cli import positive_int
+
+    b = sub.add_parser("bench", help=f"benchmarks (targets: {', '.join(TARGETS)})")
+    targets = b.add_subparsers(dest="target", required=True, metavar="TARGET",
+                               title=f"targets ({', '.join(TARGETS)})")
+    m = targets.add_parser("model", help="our model vs transformers' DeepseekV4ForCausalLM.generate")
+    m.add_argument("--model", metavar="DIR", help=model_help)
+    m.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    m.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    m.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    m.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    m.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- measuring
+def _storage_bytes(obj, seen: set[int]) -> int:
+    """Bytes of the distinct tensor storages reachable from a cache object.
+
+    Counts storages, not views: a view that keeps a larger buffer alive costs the whole
+    buffer, and K and V sharing one storage count once.
+    """
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(obj, dict):
+        return sum(_storage_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_storage_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        return sum(_storage_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+class _Timestamps:
+    """A transformers streamer that only records when tokens arrive.
+
+    `generate` calls put() once with the prompt (before prefill), then once per new
+    token; the gap to the second call is prefill plus the first sampling step.
+    """
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        self.times.append(time.perf_counter())
+
+
+def bench_ours(model, prompt: list[int], new_tokens: int) -> dict:
+    from .generation import generate
+
+    context = len(prompt) + new_tokens
+    cache = model.new_cache(batch_size=1, max_context=context)
+    tokens = []
+    start = time.perf_counter()
+    first = None
+    # One prefill chunk, as transformers prefills the whole prompt in one forward.
+    for t in generate(model, prompt, new_tokens, cache=cache, prefill_chunk=len(prompt)):
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(t)
+    end = time.perf_counter()
+    cached = int(cache.positions[0])  # tokens the cache holds (the last one is never fed back)
+    return {
+        "tokens": tokens, "prefill_s": first - start, "decode_s": end - first,
+        "kv_bytes_per_token": model.kv_bytes_per_token(cached),
+        "kv_bytes_total": cache.nbytes,
+    }
+
+
+def bench_transformers(hf_model, prompt: list[int], new_tokens: int) -> dict:
+    ids = torch.tensor([prompt], dtype=torch.long)
+    stamps = _Timestamps()
+    with torch.inference_mode():
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,  # never stop early, so both runs time the same count
+            do_sample=False, use_cache=True, streamer=stamps, return_dict_in_generate=True,
+            pad_token_id=0,  # silences the "no pad token" warning; batch 1 needs no padding
+        )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    cached = len(prompt) + len(tokens) - 1
+    kv = _storage_bytes(out.past_key_values, set())
+    prompt_put, first_token = stamps.times[0], stamps.times[1]
+    return {
+        "tokens": tokens, "prefill_s": first_token - prompt_put, "decode_s": stamps.times[-1] - first_token,
+        "kv_bytes_per_token": kv / cached, "kv_bytes_total": kv,
+    }
+
+
+def run(args) -> int:
+    from .cli import CLIError, load_model
+
+    if args.new_tokens < 2:
+        raise CLIError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    model = load_model(args.model)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # keep the report readable
+    with tempfile.TemporaryDirectory(prefix="ds4-bench-") as tmp:
+        model.save_pretrained(tmp)  # config.json + model.safetensors in transformers' layout
+        hf_model = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+    print(f"bench model: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, fp32, greedy", file=sys.stderr)
+    results = {
+        "ds4_torch": bench_ours(model, prompt, args.new_tokens),
+        "transformers": bench_transformers(hf_model, prompt, args.new_tokens),
+    }
+    agree = sum(a == b for a, b in zip(results["ds4_torch"]["tokens"], results["transformers"]["tokens"]))
+
+    rows = []
+    for name, r in results.items():
+        rows.append({
+            "impl": name,
+            "prefill_tok_s": args.prompt_len / r["prefill_s"],
+            "decode_tok_s": (args.new_tokens - 1) / r["decode_s"],
+            "kv_bytes_per_token": r["kv_bytes_per_token"],
+            "kv_bytes_total": r["kv_bytes_total"],
+        })
+    print(f"{'impl':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'KV bytes/token':>15} {'KV bytes total':>15}")
+    for r in rows:
+        print(f"{r['impl']:<14} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
+              f"{r['kv_bytes_per_token']:>15.1f} {r['kv_bytes_total']:>15,}")
+    print(f"greedy tokens identical: {agree}/{args.new_tokens}")
+    print("(ours: KV bytes from the cache's size formula, transformers: storages held by its cache after "
+          "generation; per token = total / tokens in the cache)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0

@@ -1,0 +1,1 @@
+"""HTTP server for ds4_torch models (comes in a later issue)."""

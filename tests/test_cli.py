@@ -1,0 +1,197 @@
+"""The ds4-torch command, run in-process through main() (plus one real subprocess)."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds4_torch import __version__
+from ds4_torch.cli import main
+from ds4_torch.default_model import build_default_model, default_config
+from ds4_torch.model import DS4ForCausalLM
+from ds4_torch.tokenizer import load_tokenizer
+
+from test_tokenizer import write_bpe
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return build_default_model()
+
+
+def greedy_stateless(model, ids, n):
+    """Reference continuation: the whole sequence through the cache-free forward each step."""
+    ids = list(ids)
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
+            out.append(nxt)
+            ids.append(nxt)
+    return out
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def assert_one_line_error(rc, err, *fragments):
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ds4-torch: error:"), err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in lines[0]
+
+
+# --------------------------------------------------------------------------- generate
+def test_generate_default_model_matches_stateless_greedy(capsys, default_model):
+    prompt = "To be, or not to be"
+    # 40 tokens cross the window (16) and several compressed rows of every rate.
+    rc, out, err = run_cli(capsys, "generate", "-p", prompt, "-n", "40")
+    assert rc == 0, err
+    expected = greedy_stateless(default_model, prompt.encode(), 40)
+    assert out == bytes(expected).decode("utf-8", errors="replace") + "\n"
+    assert "40 new tokens" in err
+
+
+def test_generate_chat_uses_the_chat_format(capsys, default_model):
+    rc, out, _ = run_cli(capsys, "generate", "--chat", "-p", "Hi", "-n", "5")
+    assert rc == 0
+    chat = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>".encode()
+    assert out == bytes(greedy_stateless(default_model, chat, 5)).decode("utf-8", errors="replace") + "\n"
+
+
+def test_generate_sampling_is_seeded(capsys):
+    args = ("generate", "-p", "abc", "-n", "24", "--temperature", "1.5", "--top-k", "50", "--seed")
+    outs = [run_cli(capsys, *args, seed)[1] for seed in ("7", "7", "8")]
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+
+
+def test_generate_bad_sampling_setting(capsys):
+    rc, _, err = run_cli(capsys, "generate", "-p", "abc", "--top-p", "0")
+    assert_one_line_error(rc, err, "top_p")
+
+
+def test_generate_with_checkpoint_dir(capsys, tmp_path):
+    """--model DIR: weights saved by save_pretrained, a BPE tokenizer.json next to them."""
+    write_bpe(tmp_path, {"eos_token": "<｜end▁of▁sentence｜>"})
+    tok = load_tokenizer(tmp_path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = DS4ForCausalLM(default_config().replace(vocab_size=tok.vocab_size)).eval()
+    model.save_pretrained(tmp_path)
+
+    prompt = "To be, or not"
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tmp_path), "-p", prompt, "-n", "12")
+    assert rc == 0, err
+    expected = greedy_stateless(model, tok.encode(prompt), 12)
+    if tok.eos_token_id in expected:  # generation stops after EOS
+        expected = expected[: expected.index(tok.eos_token_id) + 1]
+    assert out == tok.decode(expected) + "\n"
+
+
+def test_generate_missing_model_dir(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    rc, _, err = run_cli(capsys, "generate", "--model", str(missing), "-p", "x")
+    assert_one_line_error(rc, err, str(missing))
+
+
+def test_generate_dir_without_tokenizer(capsys, tmp_path):
+    default_config().save(tmp_path)
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "-p", "x")
+    assert_one_line_error(rc, err, "tokenizer.json")
+
+
+@pytest.mark.parametrize("command", ["generate", "info"])
+@pytest.mark.parametrize("config_text, fragment", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({**default_config().to_hf_dict(), "layer_types": ["sliding_attention"]}), "layer_types"),
+])
+def test_bad_config(capsys, tmp_path, command, config_text, fragment):
+    write_bpe(tmp_path)
+    (tmp_path / "config.json").write_text(config_text, encoding="utf-8")
+    extra = ["-p", "x"] if command == "generate" else []
+    rc, _, err = run_cli(capsys, command, "--model", str(tmp_path), *extra)
+    assert_one_line_error(rc, err, fragment)
+
+
+# --------------------------------------------------------------------------- info
+def test_info_default_model(capsys, default_model):
+    rc, out, _ = run_cli(capsys, "info", "--ctx", "1000")
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [
+        ["0", "sliding_attention", "-", "hash_moe"],
+        ["1", "compressed_sparse_attention", "4", "moe"],
+        ["2", "heavily_compressed_attention", "16", "moe"],
+        ["3", "compressed_sparse_attention", "4", "moe"],
+    ]
+    n_params = sum(p.numel() for p in default_model.parameters())
+    assert f"parameters: {n_params:,}" in out
+    nbytes = default_model.new_cache(1, 1000).nbytes
+    assert f"total for batch 1: {nbytes:,} bytes" in out
+    assert f"{nbytes / 1000:,.1f} bytes/token" in out
+
+
+def test_info_reads_config_only(capsys, tmp_path, default_model):
+    """A checkpoint directory needs only config.json: info never loads weights."""
+    default_config().save(tmp_path)
+    rc, out, _ = run_cli(capsys, "info", "--model", str(tmp_path), "--dtype", "bfloat16")
+    assert rc == 0
+    assert f"parameters: {sum(p.numel() for p in default_model.parameters()):,}" in out
+    assert "KV cache (bfloat16) at context 4096" in out
+
+
+@pytest.mark.parametrize("argv", [["info", "--ctx", "0"], ["generate", "-p", "x", "-n", "-3"],
+                                  ["bench", "model", "--prompt-len", "x"]])
+def test_bad_numbers_are_usage_errors(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_bench_needs_two_new_tokens(capsys):
+    rc, _, err = run_cli(capsys, "bench", "model", "--new-tokens", "1")
+    assert_one_line_error(rc, err, "--new-tokens")
+
+
+def test_info_subprocess():
+    r = subprocess.run([sys.executable, "-m", "ds4_torch", "info"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "parameters:" in r.stdout and "bytes/token" in r.stdout
+
+
+# --------------------------------------------------------------------------- bench, misc
+def test_bench_model(capsys, tmp_path):
+    table = tmp_path / "bench.csv"
+    rc, out, _ = run_cli(capsys, "bench", "model", "--prompt-len", "40", "--new-tokens", "6",
+                         "--threads", "1", "--csv", str(table))
+    assert rc == 0
+    # Same weights, both greedy: transformers must pick the same tokens as we do.
+    assert "greedy tokens identical: 6/6" in out
+    rows = list(csv.DictReader(table.open()))
+    assert [r["impl"] for r in rows] == ["ds4_torch", "transformers"]
+    for r in rows:
+        assert float(r["prefill_tok_s"]) > 0 and float(r["decode_tok_s"]) > 0
+        assert float(r["kv_bytes_per_token"]) > 0
+
+
+def test_bench_unknown_target(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "attention"])
+    assert e.value.code == 2
+    assert "choose from 'model'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ds4-torch {__version__}"
