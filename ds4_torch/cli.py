@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     try:
         for token in generate(
             model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, eos_token_id=eos or None,
+            top_k=args.top_k, seed=args.seed, eos_token_id=eos or None, decode_mode=args.decode_mode,
         ):
             n += 1
             out.write(stream.push(token))
@@ -136,6 +136,10 @@ def cmd_info(args) -> int:
     per_token = model.kv_bytes_per_token(args.ctx)
     print(f"KV cache ({args.dtype}) at context {args.ctx}: {per_token:,.1f} bytes/token; "
           f"total for batch 1: {cache.nbytes:,} bytes ({cache.nbytes / 2**20:.2f} MiB)")
+    from .capabilities import capabilities
+
+    print("capabilities of this machine:")
+    print("  " + capabilities().table().replace("\n", "\n  "))
     return 0
 
 
@@ -173,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat format")
+    g.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
+                   help="decode path: graph = captured CUDA graphs (an emulator off CUDA); auto picks graph "
+                        "where the device supports it (env DS4_TORCH_DECODE_MODE overrides)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="layers, parameter count and KV cache size of a model")

@@ -48,6 +48,31 @@ def resolve_mode(mode: str, device) -> str:
     return mode
 
 
+def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, on_chunk=None):
+    """Feed `input_ids` [B, T] through the cache in chunks of `chunk` tokens; return the logits of
+    the last token fed [B, V]. `on_chunk(tokens_done)` runs after each chunk: returning False
+    stops early (the prefix fed so far stays valid in the cache) and `prefill` returns None.
+    A failing chunk invalidates the batch's sequences and re-raises."""
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    B, T = input_ids.shape
+    cache.check_usable(B)
+    cache.check_room(T, B)
+    target = cache.narrow(B)
+    logits = None
+    for a in range(0, T, chunk):
+        try:
+            fault_point("prefill")
+            logits = model(input_ids[:, a:a + chunk], cache=target)[:, -1]
+            synchronize(cache.device)
+        except BaseException:
+            cache.invalidate(range(B))
+            raise
+        if on_chunk is not None and on_chunk(min(a + chunk, T)) is False:
+            return None if a + chunk < T else logits
+    return logits
+
+
 def make_decoder(model, cache: DS4Cache, mode: str = "auto") -> "Decoder":
     """A decoder for `model` over `cache`; env DS4_TORCH_DECODE_MODE overrides `mode`."""
     resolved = resolve_mode(mode, cache.device)

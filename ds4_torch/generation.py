@@ -5,6 +5,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .decode import make_decoder, prefill
+
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
     """Raise ValueError for sampling settings that make no sense."""
@@ -70,6 +72,7 @@ def generate(
     eos_token_id: int | Iterable[int] | None = None,
     prefill_chunk: int = 256,
     cache=None,
+    decode_mode: str = "auto",
 ) -> Iterator[int]:
     """Yield new token ids one at a time, as they are produced (batch size 1).
 
@@ -108,11 +111,11 @@ def generate(
             generator.manual_seed(seed)
     eos = _eos_set(eos_token_id)
 
-    with torch.inference_mode():
+    # no_grad, not inference_mode: the graph decoder traces the step over the cache's tensors.
+    with torch.no_grad():
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        for start in range(0, ids.shape[1], prefill_chunk):
-            logits = model(ids[:, start:start + prefill_chunk], cache=cache)
-        last = logits[0, -1]
+        last = prefill(model, cache, ids, prefill_chunk)[0]
+        decoder = make_decoder(model, cache, decode_mode)
         for produced in range(1, max_new_tokens + 1):
             token = sample_next(last, temperature, top_p, top_k, generator)
             yield token
@@ -120,5 +123,4 @@ def generate(
                 return
             if int(cache.positions[0]) >= cache.max_context:
                 return  # no room to feed this token back: stop cleanly
-            step = torch.tensor([[token]], dtype=torch.long, device=device)
-            last = model(step, cache=cache)[0, -1]
+            last = decoder.step(torch.tensor([token], dtype=torch.long, device=device))[0]

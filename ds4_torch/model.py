@@ -20,6 +20,7 @@ from torch import nn
 from .cache import CompressorState, DS4Cache, LayerCache
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import AttentionOps, resolve_backend
+from .kernels.reference import apply_rope, rms_norm
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
 # sinks, biases); we do the same so bf16 models round the same way.
@@ -35,9 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def unweighted_rms_norm(x, eps: float):
@@ -75,19 +74,6 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[..., None].float() * self.inv_freq
         return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate the trailing rope channels of x [..., S, (H,) D]; cos/sin [..., S, rope_dim/2]."""
-    if x.dim() == cos.dim() + 1:  # a heads axis sits between positions and channels
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    cos = cos.repeat_interleave(2, dim=-1)
-    sin = sin.repeat_interleave(2, dim=-1)
-    rope_dim = cos.shape[-1]
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
 
 
 # --------------------------------------------------------------------------- compressor
@@ -151,9 +137,8 @@ class Compressor(nn.Module):
             pool_gate = torch.cat([gather(ca_src_gate, ca_idx), gather(own_gate[..., d:], cur_idx)], dim=2)
         else:
             pool_kv, pool_gate = gather(own_kv, cur_idx), gather(own_gate, cur_idx)
-        rows = self.kv_norm(ops.compress_pool(pool_kv, pool_gate))  # [B, J, D]
-        cos, sin = rotary(windows * m, rows.dtype)
-        rows = apply_rope(rows, cos, sin)
+        cos, sin = rotary(windows * m, x.dtype)
+        rows = ops.compress_rows(pool_kv, pool_gate, self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [B, J, D]
         capacity = state.rows.shape[1] - 1
         target = torch.where(emit, windows, torch.full_like(windows, capacity))  # non-emits -> scratch row
         state.rows.scatter_(1, target[..., None].expand(-1, -1, rows.shape[-1]), rows.to(state.rows.dtype))

@@ -16,11 +16,11 @@ from . import reference
 class AttentionOps:
     name: str
     attention: Callable
-    compress_pool: Callable
+    compress_rows: Callable
     indexer_topk: Callable
 
 
-TORCH_OPS = AttentionOps("torch", reference.attention, reference.compress_pool, reference.indexer_topk)
+TORCH_OPS = AttentionOps("torch", reference.attention, reference.compress_rows, reference.indexer_topk)
 BACKENDS = ("auto", "torch")
 
 

@@ -12,8 +12,9 @@ Shapes (B batch, T queries, H heads, D head dim, W window, C compressed rows, K 
   - chunk row j iff j <= i and i - j < W;
   - compressed row w iff w < (t+1) // rate, and, when `comp_sel` [B,T,K] is given (CSA), only
     the rows it lists (-1 entries list nothing).
-- compress_pool(kv [..., S, D], gate [..., S, D]) -> [..., D]: per-channel softmax over the S
-  slots of `gate`, weights applied to `kv`.
+- compress_rows(kv [B,J,S,D], gate [B,J,S,D], norm_weight [D], eps, cos, sin [B,J,R/2])
+  -> [B,J,D]: per-channel softmax over the S slots of `gate` (fp32), weights applied to `kv`,
+  then RMSNorm (weight in fp32) and interleaved RoPE on the last R channels.
 - indexer_topk(q [B,T,Hi,dI], head_weights [B,T,Hi], rows [B,C,dI], start [B], rate, k)
   -> [B,T,min(k,C)] int64: the best visible rows (w < (t+1)//rate) by
   score = sum_h w_h * relu(q_h . row) * dI^-1/2 (w already carries Hi^-1/2), best first; slots
@@ -65,9 +66,30 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     return torch.einsum("bhts,bsd->bthd", probs.to(keys.dtype), keys)
 
 
-def compress_pool(kv, gate):
+def rms_norm(x, weight, eps: float):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate interleaved pairs of the trailing channels of x [..., S, (H,) D]; cos/sin
+    [..., S, R/2] give the angle of each pair; the first D - R channels pass through."""
+    if x.dim() == cos.dim() + 1:  # a heads axis sits between positions and channels
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    cos = cos.repeat_interleave(2, dim=-1)
+    sin = sin.repeat_interleave(2, dim=-1)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
     weights = torch.softmax(gate, dim=-2, dtype=torch.float32).to(kv.dtype)
-    return (kv * weights).sum(dim=-2)
+    pooled = (kv * weights).sum(dim=-2)
+    return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
 
 
 def indexer_scores(q, head_weights, rows):
