@@ -478,11 +478,12 @@ class DS4ForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The compute dtype (the embedding's: never quantized, unlike linears in keep mode)."""
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
