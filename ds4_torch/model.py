@@ -140,7 +140,8 @@ class Compressor(nn.Module):
         cos, sin = rotary(windows * m, x.dtype)
         rows = ops.compress_rows(pool_kv, pool_gate, self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [B, J, D]
         capacity = state.rows.shape[1] - 1
-        target = torch.where(emit, windows, torch.full_like(windows, capacity))  # non-emits -> scratch row
+        # Windows that did not close (or would not fit) go to the scratch row: no branch, no overflow.
+        target = torch.where(emit & (windows < capacity), windows, torch.full_like(windows, capacity))
         state.rows.scatter_(1, target[..., None].expand(-1, -1, rows.shape[-1]), rows.to(state.rows.dtype))
 
         # Frontier after the chunk: the open window and (CSA) the Ca half of the last closed one.
@@ -545,7 +546,9 @@ class DS4ForCausalLM(nn.Module):
             cache = self.new_cache(B, T)
         elif cache.batch_size != B:
             raise ValueError(f"input_ids has batch {B} but the cache holds {cache.batch_size} sequences")
-        else:
+        elif not torch.compiler.is_compiling():
+            # Host-side checks read tensor values; a compiled caller (the decoder) does them
+            # before entering the compiled region, and writes past capacity land in scratch rows.
             cache.check_usable()
             cache.check_room(T)
         return self._forward(input_ids, cache)
