@@ -510,6 +510,29 @@ class DS4ForCausalLM(nn.Module):
         model.ops = resolve_backend(attn_backend, device)
         return model.eval()
 
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "DS4ForCausalLM":
+        """A fresh random initialisation for training (as transformers initialises DS4): normal(std)
+        matrices, unit norms and mHC scales, zero biases/sinks/position biases, a random hash
+        routing table."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", ".scale", "hc_scale")):
+                p.fill_(1.0)
+            elif name.endswith((".base", "hc_base", "sinks", "position_bias")):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        for module in self.modules():
+            if isinstance(module, Router):
+                if module.hashed:
+                    E = self.config.n_routed_experts
+                    module.tid2eid.copy_(torch.stack([torch.randperm(E, generator=g)[:module.top_k]
+                                                      for _ in range(module.tid2eid.shape[0])]))
+                else:
+                    module.e_score_correction_bias.zero_()
+        return self
+
     def _init_buffers(self) -> None:
         """Recompute non-persistent buffers (lost when a model is built on the meta device)."""
         for rotary, spec in ((self.model.rotary_main, self.config.rope_main),

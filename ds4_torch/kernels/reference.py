@@ -47,7 +47,9 @@ def visible_rows(start, T: int, C: int, rate: int):
     return torch.arange(C, device=start.device) < ((query_positions(start, T) + 1) // rate)[..., None]
 
 
-def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+def attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+    """The softmax of `attention` made explicit: probabilities [B,H,T,W+T+C+1] over ring slots,
+    chunk rows, compressed rows and (last) the sink; and the keys [B,W+T+C,D] they weight."""
     B, T = q.shape[:2]
     W, C = ring.shape[1], comp.shape[1]
     keys = torch.cat([ring, chunk_kv.to(ring.dtype), comp.to(ring.dtype)], dim=1).to(q.dtype)
@@ -62,8 +64,12 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(B, -1, T, 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("bhts,bsd->bthd", probs.to(keys.dtype), keys)
+    return torch.softmax(combined, dim=-1), keys
+
+
+def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+    probs, keys = attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
+    return torch.einsum("bhts,bsd->bthd", probs[..., :-1].to(keys.dtype), keys)
 
 
 def rms_norm(x, weight, eps: float):
