@@ -345,14 +345,14 @@ def _validate(c: DS4Config) -> None:
                  "hc_sinkhorn_iters"):
         positive(name)
     if not isinstance(c.layer_types, tuple) or len(c.layer_types) != c.num_hidden_layers:
-        raise ValueError(f"config field `layer_types` must list one type per layer "
-                         f"({c.num_hidden_layers}), got {c.layer_types!r}")
+        got = f"{len(c.layer_types)} entries" if isinstance(c.layer_types, tuple) else repr(c.layer_types)
+        raise ValueError(f"config field `layer_types` must list one type per layer ({c.num_hidden_layers}), got {got}")
     bad = sorted({t for t in c.layer_types if t not in LAYER_TYPES})
     if bad:
         raise ValueError(f"config field `layer_types` has unknown types {bad}; allowed {list(LAYER_TYPES)}")
     if not isinstance(c.mlp_layer_types, tuple) or len(c.mlp_layer_types) != c.num_hidden_layers:
-        raise ValueError(f"config field `mlp_layer_types` must list one type per layer "
-                         f"({c.num_hidden_layers}), got {c.mlp_layer_types!r}")
+        got = f"{len(c.mlp_layer_types)} entries" if isinstance(c.mlp_layer_types, tuple) else repr(c.mlp_layer_types)
+        raise ValueError(f"config field `mlp_layer_types` must list one type per layer ({c.num_hidden_layers}), got {got}")
     bad = sorted({t for t in c.mlp_layer_types if t not in MLP_LAYER_TYPES})
     if bad:
         raise ValueError(f"config field `mlp_layer_types` has unknown types {bad}; allowed {list(MLP_LAYER_TYPES)}")

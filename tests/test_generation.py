@@ -8,9 +8,28 @@ V = 16
 
 
 class FakeCache:
+    """Just the bookkeeping of DS4Cache that generation and the decoder rely on."""
+
+    batch_size = 1
+    device = torch.device("cpu")
+
     def __init__(self, max_context):
         self.positions = torch.zeros(1, dtype=torch.long)
         self.max_context = max_context
+        self.invalid = set()
+
+    def narrow(self, n):
+        return self
+
+    def check_usable(self, n=None):
+        assert not self.invalid
+
+    def check_room(self, new_tokens, n=None):
+        if int(self.positions[0]) + new_tokens > self.max_context:
+            raise ValueError("cache is full")
+
+    def invalidate(self, indices):
+        self.invalid.update(indices)
 
 
 class CountingModel(torch.nn.Module):
@@ -25,6 +44,9 @@ class CountingModel(torch.nn.Module):
         return FakeCache(max_context)
 
     def forward(self, ids, cache):
+        return self._forward(ids, cache)
+
+    def _forward(self, ids, cache):  # what the decoder calls (checks done by the caller)
         t = ids.shape[1]
         if int(cache.positions[0]) + t > cache.max_context:
             raise ValueError("cache full")  # the real model's contract

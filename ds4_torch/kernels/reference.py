@@ -11,7 +11,7 @@ Shapes (B batch, T queries, H heads, D head dim, W window, C compressed rows, K 
   - ring slot r, holding position q_r = start-1 - ((start-1-r) mod W), iff 0 <= q_r and t-W < q_r;
   - chunk row j iff j <= i and i - j < W;
   - compressed row w iff w < (t+1) // rate, and, when `comp_sel` [B,T,K] is given (CSA), only
-    the rows it lists (-1 entries list nothing).
+    the rows it lists (distinct row indices; -1 entries list nothing).
 - compress_rows(kv [B,J,S,D], gate [B,J,S,D], norm_weight [D], eps, cos, sin [B,J,R/2])
   -> [B,J,D]: per-channel softmax over the S slots of `gate` (fp32), weights applied to `kv`,
   then RMSNorm (weight in fp32) and interleaved RoPE on the last R channels.
@@ -68,8 +68,33 @@ def attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, 
 
 
 def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+    T, C = q.shape[1], comp.shape[1]
+    if comp_sel is not None and T * comp_sel.shape[-1] < C:
+        return _attention_picked(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
     probs, keys = attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
     return torch.einsum("bhts,bsd->bthd", probs[..., :-1].to(keys.dtype), keys)
+
+
+def _attention_picked(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+    """The same softmax when the indexer's picks are few next to the compressed rows (decode at long
+    context): gather the K picked rows per query instead of masking all C, so the cost grows with
+    the window and top-k, not with the context."""
+    B, T, H, D = q.shape
+    K = comp_sel.shape[-1]
+    window_keys = torch.cat([ring, chunk_kv.to(ring.dtype)], dim=1).to(q.dtype)  # [B, W+T, D]
+    window_logits = torch.einsum("bthd,bsd->bhts", q, window_keys) * scale
+    window_logits = window_logits.masked_fill(~window_mask(start, T, ring.shape[1])[:, None], float("-inf"))
+    rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D)).view(B, T, K, D)
+    rows = rows.to(q.dtype)
+    visible = (comp_sel >= 0) & (comp_sel < ((query_positions(start, T) + 1) // rate)[..., None])
+    picked_logits = torch.einsum("bthd,btkd->bhtk", q, rows) * scale
+    picked_logits = picked_logits.masked_fill(~visible[:, None], float("-inf"))
+    sink = sinks.to(q.dtype).view(1, -1, 1, 1).expand(B, -1, T, 1)
+    combined = torch.cat([window_logits, picked_logits, sink], dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)
+    S = window_keys.shape[1]
+    return (torch.einsum("bhts,bsd->bthd", probs[..., :S], window_keys)
+            + torch.einsum("bhtk,btkd->bthd", probs[..., S:S + K], rows))
 
 
 def rms_norm(x, weight, eps: float):

@@ -1,0 +1,387 @@
+"""Triton kernels for the DS4 attention ops (same semantics as `reference.py`, the oracle).
+
+Built for a CUDA GPU; on CPU they run under the Triton interpreter (TRITON_INTERPRET=1 must be
+set before this module is imported, because `@triton.jit` reads it when the decorator runs).
+
+Kernels and launch grids (B batch, T queries, H heads, D head dim, W window, C compressed rows,
+K picks per query, L = K for CSA else C):
+
+- `_attention_partial_kernel`, grid (B*T, cdiv(H, BLOCK_H), splits). One program = one query
+  token x a block of heads x one split of that query's key list. The key list of query t is
+      n in [0, W):      window position p = t-W+1+n (p >= 0), read from ring slot p % W when
+                        p < start, else from chunk row p - start (the chunk's own rows);
+      n in [W, W+L):    compressed entry n-W: row n-W (HCA) or row comp_sel[n-W] (CSA),
+                        visible iff row < (t+1)//rate.
+  All heads share the keys (one KV head, K == V), so heads are the M side of `tl.dot`. Each
+  split runs one online softmax (exp2 domain) over its contiguous range of key blocks and
+  writes a partial output plus its log-sum-exp (flash-decoding). T == 1 is decode, T > 1 is
+  prefill: the same kernel, because the key list above is already per query (a CSA query has
+  its own selection, so queries cannot share compressed tiles anyway).
+  Launch sizes depend only on capacities (W, C or K, B, T, H), never on positions: `start` is
+  read inside the kernel, visibility is a mask, and HCA stops at the last visible row with a
+  device-side bound. The same launch is valid at every decode step (CUDA-graph friendly).
+- `_attention_merge_kernel`, grid (B*T, H): merges the splits and adds the per-head sink logit
+  to the denominator.
+- `_compress_rows_kernel`, grid (B*J,): per-channel online softmax over the S slots of `gate`,
+  weights on `kv`, RMSNorm, interleaved RoPE on the last R channels, all fused. Channels are
+  handled as (even, odd) pairs so RoPE needs no register shuffle.
+- `_indexer_keys_kernel`, grid (B*T, cdiv(C, BLOCK_C)): fp32 scores over all rows, invisible
+  rows -inf, each packed into a unique int64 sort key (order-preserving score bits << 32 |
+  (2^31-1 - row)). The top-k itself is `torch.topk` on those keys: keys are unique, so the
+  result is deterministic and a tie in score goes to the lower row index (the reference rule).
+
+Numerics: every load is converted right away to the compute dtype (fp32 under the interpreter,
+whose bf16 arithmetic on raw loads is garbage; the input dtype on a GPU so `tl.dot` runs on
+tensor cores). Softmaxes, norms and scores accumulate in fp32; fp32 dots are "ieee" (no TF32).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- attention
+@triton.jit
+def _attention_partial_kernel(
+    q_ptr, ring_ptr, chunk_ptr, start_ptr, comp_ptr, sel_ptr, o_ptr, lse_ptr,
+    T, H, D, W, C, L, rate, scale_log2e, blocks_per_split,
+    s_qb, s_qt, s_qh,  # q [B, T, H, D]
+    s_rb, s_rw,  # ring [B, W, D]
+    s_cb, s_ct,  # chunk_kv [B, T, D]
+    s_kb, s_kc,  # comp [B, C, D]
+    s_sb, s_st, s_sk,  # comp_sel [B, T, K]
+    s_os, s_oh,  # partial o [B*T, S, H, D] (query stride = S * s_os)
+    HAS_SEL: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_q, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    b, i = pid_q // T, pid_q % T
+    b64 = b.to(tl.int64)
+    start = tl.load(start_ptr + b).to(tl.int32)
+    t = start + i  # this query's position
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    hmask, dmask = heads < H, dims < D
+    q = tl.load(q_ptr + b64 * s_qb + i * s_qt + heads[:, None] * s_qh + dims[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+
+    n_visible = (t + 1) // rate  # compressed rows complete before t
+    if HAS_SEL:
+        n_keys = W + L  # every listed entry may be visible: mask them one by one
+    else:
+        n_keys = W + tl.minimum(L, n_visible)  # HCA: rows past the visible count are never read
+    lo = pid_s * blocks_per_split * BLOCK_N
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_N, n_keys)
+
+    # Finite start for the running max, so a split whose keys are all masked stays NaN-free.
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        # Window keys: positions t-W+1 .. t, from the ring (before start) or the chunk.
+        in_window = n < W
+        p = t - W + 1 + n
+        from_ring = p < start
+        slot = tl.where(p >= 0, p, 0) % W
+        row_ring = ring_ptr + b64 * s_rb + slot * s_rw
+        row_chunk = chunk_ptr + b64 * s_cb + (p - start) * s_ct
+        # Compressed keys: entry e of this query's list.
+        e = n - W
+        in_comp = (n >= W) & (n < hi)
+        if HAS_SEL:
+            row = tl.load(sel_ptr + b64 * s_sb + i * s_st + e * s_sk, mask=in_comp, other=-1).to(tl.int32)
+        else:
+            row = e
+        comp_ok = in_comp & (row >= 0) & (row < n_visible) & (row < C)
+        row_comp = comp_ptr + b64 * s_kb + tl.where(comp_ok, row, 0) * s_kc
+        valid = (in_window & (p >= 0)) | comp_ok
+        rows = tl.where(in_window, tl.where(from_ring, row_ring, row_chunk), row_comp)
+        k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(COMPUTE), k, input_precision="ieee")  # K == V
+        m_i = m_new
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # log2 units
+    o_base = o_ptr + (pid_q.to(tl.int64) * n_splits + pid_s) * s_os
+    tl.store(o_base + heads[:, None] * s_oh + dims[None, :], o, mask=hmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + (pid_q.to(tl.int64) * n_splits + pid_s) * H + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _attention_merge_kernel(
+    o_ptr, lse_ptr, sinks_ptr, out_ptr,
+    H, D, n_splits,
+    s_os, s_oh,  # partial o [B*T, S, H, D]
+    s_ob, s_oh_out,  # out viewed as [B*T, H, D]
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_q, h = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    smask = splits < n_splits
+    lse = tl.load(lse_ptr + (pid_q.to(tl.int64) * n_splits + splits) * H + h, mask=smask, other=float("-inf"))
+    sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # LOG2E; the sink logit is not scaled
+    m = tl.maximum(tl.max(lse, axis=0), sink)  # finite: the sink always takes part
+    denom = tl.sum(tl.exp2(lse - m), axis=0) + tl.exp2(sink - m)  # empty splits add 0
+
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < D
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(n_splits):  # one split at a time: a [splits, D] tile would not fit in registers
+        w = tl.exp2(tl.load(lse_ptr + (pid_q.to(tl.int64) * n_splits + s) * H + h) - m)
+        o = tl.load(o_ptr + (pid_q.to(tl.int64) * n_splits + s) * s_os + h * s_oh + dims, mask=dmask, other=0.0)
+        out += w * o
+    out = out / denom
+    tl.store(out_ptr + pid_q.to(tl.int64) * s_ob + h * s_oh_out + dims, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+# --------------------------------------------------------------------------- compressor
+@triton.jit
+def _compress_rows_kernel(
+    kv_ptr, gate_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
+    J, S, D, R2, eps,  # R2 = rotated pairs (R/2)
+    s_kb, s_kj, s_ks,  # kv [B, J, S, D]
+    s_gb, s_gj, s_gs,  # gate [B, J, S, D]
+    s_cb, s_cj,  # cos, sin [B, J, R/2]
+    s_ob, s_oj,  # out [B, J, D]
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b, j = (pid // J).to(tl.int64), pid % J
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < D
+
+    # Per-channel online softmax over the slots, S in tiles (HCA has 128 slots of 512 channels).
+    m = tl.full([BLOCK_D], -1.0e30, tl.float32)  # finite start: -inf gates (CSA's first window) stay NaN-free
+    den = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        slots = s0 + tl.arange(0, BLOCK_S)
+        mask = (slots < S)[:, None] & dmask[None, :]
+        g = tl.load(gate_ptr + b * s_gb + j * s_gj + slots[:, None] * s_gs + dims[None, :], mask=mask,
+                    other=float("-inf")).to(tl.float32)
+        x = tl.load(kv_ptr + b * s_kb + j * s_kj + slots[:, None] * s_ks + dims[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(g, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(g - m_new[None, :])
+        den = den * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p * x, axis=0)
+        m = m_new
+    pooled = tl.where(dmask, acc / tl.where(dmask, den, 1.0), 0.0)
+
+    # RMSNorm over the D channels.
+    rstd = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
+    y = pooled * rstd * tl.load(weight_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
+
+    # Interleaved RoPE on the last R channels: pair c = (2c, 2c+1) rotates by angle c - (D/2 - R2).
+    even, odd = tl.split(tl.reshape(y, [BLOCK_D // 2, 2]))
+    pairs = tl.arange(0, BLOCK_D // 2)
+    angle = pairs - (D // 2 - R2)
+    rot = (angle >= 0) & (pairs < D // 2)
+    cos = tl.load(cos_ptr + b * s_cb + j * s_cj + angle, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + b * s_cb + j * s_cj + angle, mask=rot, other=0.0).to(tl.float32)
+    out = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), [BLOCK_D])
+    tl.store(out_ptr + b * s_ob + j * s_oj + dims, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+# --------------------------------------------------------------------------- indexer
+@triton.jit
+def _indexer_keys_kernel(
+    q_ptr, hw_ptr, rows_ptr, start_ptr, keys_ptr,
+    T, HI, DI, C, rate, scale,
+    s_qb, s_qt, s_qh,  # q [B, T, Hi, dI]
+    s_wb, s_wt,  # head_weights [B, T, Hi] (head stride 1)
+    s_rb, s_rc,  # rows [B, C, dI]
+    COMPUTE: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DI: tl.constexpr,
+):
+    pid_q, pid_c = tl.program_id(0), tl.program_id(1)
+    b, i = pid_q // T, pid_q % T
+    b64 = b.to(tl.int64)
+    n_visible = (tl.load(start_ptr + b).to(tl.int32) + i + 1) // rate
+
+    heads = tl.arange(0, BLOCK_HI)
+    dims = tl.arange(0, BLOCK_DI)
+    hmask, dmask = heads < HI, dims < DI
+    q = tl.load(q_ptr + b64 * s_qb + i * s_qt + heads[:, None] * s_qh + dims[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+    hw = tl.load(hw_ptr + b64 * s_wb + i * s_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    rows = tl.load(rows_ptr + b64 * s_rb + cols[:, None] * s_rc + dims[None, :],
+                   mask=cmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+    dots = tl.dot(q, tl.trans(rows), input_precision="ieee")  # [BLOCK_HI, BLOCK_C], fp32
+    score = tl.sum(tl.maximum(dots, 0.0) * scale * hw[:, None], axis=0)
+
+    # Unique sort key: order-preserving bits of the score (high word), then 2^31-1 - row (low
+    # word), so a larger key is a better score and, among equal scores, a lower row.
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0 tie in the reference: one key
+    score = tl.where(cols < n_visible, score, float("-inf"))
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+    tl.store(keys_ptr + pid_q.to(tl.int64) * C + cols, key, mask=cmask)
+
+
+# --------------------------------------------------------------------------- launchers
+# True when the decorators above produced interpreter functions (TRITON_INTERPRET=1 at import).
+INTERPRETED = not isinstance(_attention_partial_kernel, triton.runtime.JITFunction)
+MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than this costs more in merging than it saves
+INTERPRETER_SM_COUNT = 4  # stands in for the SM count when there is no GPU
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    """Block size for a dimension of n: a power of two, at least `floor` (tl.dot wants >= 16)."""
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _compute_dtype(dtype: torch.dtype):
+    """Dtype of dot operands: fp32 under the interpreter (its bf16 arithmetic is broken) and for
+    fp32 inputs; otherwise the input dtype, so dots run on tensor cores with fp32 accumulation."""
+    if INTERPRETED or dtype == torch.float32:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda" and not INTERPRETED:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
+def attention_config(H: int, D: int, dtype: torch.dtype) -> dict:
+    """Block sizes and warps of the partial kernel. Wide heads (D >= 256, V4-Flash has 512) take
+    16-head blocks (the smallest M of a tensor-core dot) and 8 warps: 153 registers, no spills at
+    sm_90 in bf16 (4 warps: 213; 64-head blocks reach wgmma but spill; see the compile report).
+    fp32 inputs (tests) take half the key tile to stay within sm_80 shared memory."""
+    block_d = _pow2(D)
+    if block_d < 256:
+        return dict(BLOCK_H=min(64, _pow2(H)), BLOCK_N=16, BLOCK_D=block_d, num_warps=4)
+    return dict(BLOCK_H=16, BLOCK_N=16 if dtype == torch.float32 else 32, BLOCK_D=block_d, num_warps=8)
+
+
+def attention_num_splits(programs: int, key_blocks: int, device) -> int:
+    """Splits of each query's key list: enough programs to fill the GPU twice, each split at
+    least MIN_BLOCKS_PER_SPLIT key blocks. Depends on capacities only (CUDA-graph safe)."""
+    want = triton.cdiv(2 * _sm_count(device), programs)
+    return max(1, min(want, triton.cdiv(key_blocks, MIN_BLOCKS_PER_SPLIT)))
+
+
+def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float, num_splits=None):
+    """Triton version of `reference.attention` (same arguments); `num_splits` forces the split
+    count (tests)."""
+    B, T, H, D = q.shape
+    W, C = ring.shape[1], comp.shape[1]
+    # The reference brings every key to the ring's dtype first.
+    ring, chunk_kv, comp = (_last_dim_contiguous(x.to(ring.dtype)) for x in (ring, chunk_kv, comp))
+    q = _last_dim_contiguous(q)
+    has_sel = comp_sel is not None and C > 0
+    L = comp_sel.shape[2] if has_sel else C
+    sel = comp_sel if has_sel else start  # never read without a selection
+    sel_strides = sel.stride() if has_sel else (0, 0, 0)
+
+    config = attention_config(H, D, q.dtype)
+    head_blocks = triton.cdiv(H, config["BLOCK_H"])
+    key_blocks = triton.cdiv(W + L, config["BLOCK_N"])
+    splits = num_splits or attention_num_splits(B * T * head_blocks, key_blocks, q.device)
+    blocks_per_split = triton.cdiv(key_blocks, splits)
+
+    o = torch.empty(B * T, splits, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    if B * T == 0:
+        return out
+    _attention_partial_kernel[(B * T, head_blocks, splits)](
+        q, ring, chunk_kv, start, comp, sel, o, lse,
+        T, H, D, W, C, L, max(rate, 1), scale * LOG2E, blocks_per_split,
+        q.stride(0), q.stride(1), q.stride(2),
+        ring.stride(0), ring.stride(1),
+        chunk_kv.stride(0), chunk_kv.stride(1),
+        comp.stride(0), comp.stride(1),
+        *sel_strides,
+        o.stride(1), o.stride(2),
+        HAS_SEL=has_sel, COMPUTE=_compute_dtype(q.dtype), **config,
+    )
+    _attention_merge_kernel[(B * T, H)](
+        o, lse, sinks, out,
+        H, D, splits,
+        o.stride(1), o.stride(2),
+        H * D, D,
+        BLOCK_S=_pow2(splits, 2), BLOCK_D=config["BLOCK_D"], num_warps=4,
+    )
+    return out
+
+
+def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
+    """Triton version of `reference.compress_rows`."""
+    B, J, S, D = kv.shape
+    kv, gate = _last_dim_contiguous(kv), _last_dim_contiguous(gate)  # gate keeps its dtype: fp32 softmax
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(B, J, D, dtype=kv.dtype, device=kv.device)
+    if B * J == 0:
+        return out
+    block_d = _pow2(D)
+    _compress_rows_kernel[(B * J,)](
+        kv, gate, norm_weight, cos, sin, out,
+        J, S, D, cos.shape[-1], eps,
+        kv.stride(0), kv.stride(1), kv.stride(2),
+        gate.stride(0), gate.stride(1), gate.stride(2),
+        cos.stride(0), cos.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_S=min(_pow2(S, 2), max(2, 4096 // block_d)), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def indexer_keys(q, head_weights, rows, start, rate: int):
+    """[B, T, C] int64 unique sort keys (see `_indexer_keys_kernel`)."""
+    B, T, HI, DI = q.shape
+    C = rows.shape[1]
+    q, rows = _last_dim_contiguous(q), _last_dim_contiguous(rows)
+    head_weights = _last_dim_contiguous(head_weights)
+    keys = torch.empty(B, T, C, dtype=torch.int64, device=q.device)
+    if B * T * C == 0:
+        return keys
+    block_c = 64
+    _indexer_keys_kernel[(B * T, triton.cdiv(C, block_c))](
+        q, head_weights, rows, start, keys,
+        T, HI, DI, C, rate, DI ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2),
+        head_weights.stride(0), head_weights.stride(1),
+        rows.stride(0), rows.stride(1),
+        COMPUTE=_compute_dtype(q.dtype), BLOCK_HI=_pow2(HI), BLOCK_C=block_c, BLOCK_DI=_pow2(DI), num_warps=4,
+    )
+    return keys
+
+
+def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
+    """Triton version of `reference.indexer_topk`: scores and keys in Triton, then `torch.topk`
+    over the unique keys (deterministic; lower index wins a tie), -1 past the visible count."""
+    B, T = q.shape[:2]
+    C = rows.shape[1]
+    k = min(k, C)
+    if k == 0:
+        return torch.empty(B, T, 0, dtype=torch.int64, device=q.device)
+    picks = torch.topk(indexer_keys(q, head_weights, rows, start, rate), k, dim=-1, sorted=True).indices
+    n_visible = (start[:, None] + torch.arange(T, device=q.device) + 1) // rate  # [B, T]
+    return torch.where(picks < n_visible[..., None], picks, -1)

@@ -1,0 +1,181 @@
+"""Every Triton kernel compiles for sm_80 and sm_90 at V4-Flash sizes (no GPU needed), and a
+resource report lands in reports/kernel_compile.csv.
+
+How: the launchers in `triton_kernels` are run on meta tensors at V4-Flash sizes with each kernel
+swapped for a recorder, so the compile sees exactly the arguments, block sizes and warps a real
+launch would. Each launch becomes `triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+target=GPUTarget("cuda", cc, 32))`, specialised the way the JIT specialises (ints equal to 1
+become constants, pointers and multiples of 16 get divisibility 16).
+
+Why a subprocess: this test session sets TRITON_INTERPRET=1 before triton is imported, which
+turns triton's own standard library (tl.sum, tl.max, ... are @triton.jit functions) into
+interpreter functions. Compiling then fails, even from `kernel.fn` re-wrapped in a JITFunction
+("'ir.value' object has no attribute 'data'" in tl.sum), and flipping the variable back at
+compile time breaks triton's gluon import. So the compile runs in a child process whose
+environment has no TRITON_INTERPRET (this file is also the child's script).
+
+Registers and spills: `CompiledKernel.metadata` has no register count without a driver (n_regs
+and n_spills are filled when the cubin is loaded on a GPU), so they are parsed from the
+`ptxas -v` log of triton's own ptxas call (the ptxas shipped in triton/backends/nvidia/bin),
+printed by setting `knobs.nvidia.dump_ptxas_log`. Shared memory is `metadata.shared` (triton
+allocates it dynamically, so ptxas reports none).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "reports" / "kernel_compile.csv"
+TARGETS = (80, 90)
+# Opt-in shared memory per block: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+FIELDS = ["case", "kernel", "target", "num_warps", "blocks", "registers", "spill_stores", "spill_loads",
+          "shared_bytes", "tensor_cores", "compile_s"]
+
+
+def test_kernels_compile_for_sm80_and_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    child = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+    assert child.returncode == 0, f"kernel compile failed:\n{child.stdout[-4000:]}\n{child.stderr[-8000:]}"
+    rows = json.loads(child.stdout.strip().splitlines()[-1])
+    assert rows == list(csv.DictReader(REPORT.open())), "report and child output disagree"
+    cases = {(r["case"], r["kernel"]) for r in rows}
+    assert {r["target"] for r in rows} == {f"sm_{cc}" for cc in TARGETS}
+    assert len(rows) == len(cases) * len(TARGETS)
+    assert {k for _, k in cases} == {"_attention_partial_kernel", "_attention_merge_kernel",
+                                     "_compress_rows_kernel", "_indexer_keys_kernel"}
+    for r in rows:
+        cc = int(r["target"][3:])
+        assert int(r["shared_bytes"]) <= MAX_SHARED[cc], r  # else OutOfResources at the first launch
+        if "bf16" in r["case"] and r["kernel"] in ("_attention_partial_kernel", "_indexer_keys_kernel"):
+            assert r["tensor_cores"] == "yes", r  # bf16 dots must reach mma / wgmma
+
+
+# --------------------------------------------------------------------------- child process
+def v4_flash_launches():
+    """(case, kernel, args, kwargs) of every kernel launch at V4-Flash sizes, recorded from the
+    real launchers on meta tensors."""
+    import torch
+
+    from ds4_torch.kernels import triton_kernels as tk
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((case, self.kernel, args, kwargs))
+
+    tk._sm_count = lambda device: 132  # an H100: the split counts (and merge tiles) of a real launch
+    for name in ("_attention_partial_kernel", "_attention_merge_kernel", "_compress_rows_kernel",
+                 "_indexer_keys_kernel"):
+        setattr(tk, name, Recorder(getattr(tk, name)))
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    H, D, W, K, HI, DI, ROPE = 64, 512, 128, 512, 64, 128, 64  # V4-Flash
+    context = 65536
+    c_csa, c_hca = context // 4, context // 128
+    start = meta(1, dtype=torch.int64)
+    sinks = meta(H, dtype=torch.float32)
+    for case, T, C, sel, rate, dtype in (
+        ("csa_decode_bf16", 1, c_csa, True, 4, torch.bfloat16),
+        ("hca_decode_bf16", 1, c_hca, False, 128, torch.bfloat16),
+        ("csa_prefill_bf16", 512, c_csa, True, 4, torch.bfloat16),
+        ("hca_decode_fp32", 1, c_hca, False, 128, torch.float32),
+    ):
+        comp_sel = meta(1, T, K, dtype=torch.int64) if sel else None
+        tk.attention(meta(1, T, H, D, dtype=dtype), meta(1, W, D, dtype=dtype), meta(1, T, D, dtype=dtype), start,
+                     meta(1, C, D, dtype=dtype), comp_sel, rate, sinks, D ** -0.5)
+    for case, S, width in (("csa_compressor_bf16", 8, D), ("hca_compressor_bf16", 128, D),
+                           ("indexer_compressor_bf16", 8, DI)):
+        tk.compress_rows(meta(1, 1, S, width), meta(1, 1, S, width), meta(width), 1e-6,
+                         meta(1, 1, ROPE // 2), meta(1, 1, ROPE // 2))
+    case = "indexer_decode_bf16"
+    tk.indexer_keys(meta(1, 1, HI, DI), meta(1, 1, HI, dtype=torch.float32), meta(1, c_csa, DI), start, 4)
+    return launches
+
+
+def specialise(kernel, args, kwargs):
+    """(signature, constexprs, attrs, options) as the JIT would build them for this launch."""
+    import torch
+
+    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+               torch.int32: "*i32"}
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = {**dict(zip(kernel.arg_names, args)), **kwargs}
+    signature, constexprs, attrs = {}, {}, {}
+    for idx, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if torch.is_tensor(value):
+            signature[name] = pointer[value.dtype]
+            attrs[(idx,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
+        elif name in kwargs or (type(value) is int and value == 1):  # declared or specialised constant
+            signature[name], constexprs[name] = "constexpr", value
+        elif type(value) is int:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    return signature, constexprs, attrs, options
+
+
+def compile_report():
+    import contextlib
+    import io
+    import re
+    import time
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    knobs.nvidia.dump_ptxas_log = True  # triton prints its `ptxas -v` log: registers and spills
+    knobs.compilation.always_compile = True  # a cache hit would skip ptxas, and with it the log
+    rows = []
+    for case, kernel, args, kwargs in v4_flash_launches():
+        signature, constexprs, attrs, options = specialise(kernel, args, kwargs)
+        blocks = " ".join(f"{k}={v}" for k, v in constexprs.items() if k.startswith("BLOCK"))
+        for cc in TARGETS:
+            log = io.StringIO()
+            began = time.perf_counter()
+            with contextlib.redirect_stdout(log):
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                          target=GPUTarget("cuda", cc, 32), options=options)
+            seconds = time.perf_counter() - began
+            text = log.getvalue()
+            registers = re.search(r"Used (\d+) registers", text)
+            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+            assert registers and spills, f"no ptxas -v log for {case} {kernel.__name__}:\n{text}"
+            rows.append(dict(
+                case=case, kernel=kernel.__name__, target=f"sm_{cc}", num_warps=str(compiled.metadata.num_warps),
+                blocks=blocks, registers=registers.group(1), spill_stores=spills.group(1),
+                spill_loads=spills.group(2), shared_bytes=str(compiled.metadata.shared),
+                tensor_cores="yes" if re.search(r"\b(wgmma|mma)\.", compiled.asm["ptx"]) else "no",
+                compile_s=f"{seconds:.1f}"))
+    REPORT.parent.mkdir(exist_ok=True)
+    with REPORT.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("compile the kernels with TRITON_INTERPRET unset (see the module docstring)")
+    compile_report()

@@ -1,0 +1,300 @@
+"""Triton kernels (under the interpreter, see conftest) and custom ops vs the torch reference.
+
+Tolerances: fp32 <= 1e-5 absolute on outputs of magnitude ~1; fp16/bf16 within 8 ulps
+(8 * eps of the dtype, relative, 1 absolute floor) of the fp32 reference evaluated on the same
+(already rounded) inputs: the kernels accumulate in fp32 and round once, so the fp32 reference
+is the right target (the low-precision reference itself rounds at every step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4_torch.kernels import TORCH_OPS, TRITON_OPS, ops, reference, resolve_backend
+from ds4_torch.kernels import triton_kernels as tk
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def randn(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    actual, expected = actual.float(), expected.float()
+    assert torch.isfinite(actual).all()
+    if dtype == torch.float32:
+        tol = 1e-5 * torch.ones_like(expected)
+    else:
+        tol = 8 * torch.finfo(dtype).eps * expected.abs().clamp(min=1.0)
+    err = (actual - expected).abs()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance {tol.max().item():.3g})"
+
+
+def distinct_selection(B, T, K, C, seed, n_none=1):
+    """comp_sel as the indexer makes it: distinct rows per query, -1 in the last n_none slots.
+    Rows may be past the visible count: the kernels must mask those too."""
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(B * T)]).view(B, T, K)
+    sel[..., K - n_none:] = -1
+    return sel
+
+
+# --------------------------------------------------------------------------- attention
+# (name, B, T, H, D, W, C, rate, starts, K or None for HCA)
+ATTENTION_CASES = [
+    ("decode_ring_wrap_hca", 1, 1, 3, 16, 5, 9, 2, [13], None),
+    ("decode_partial_window_hca", 1, 1, 3, 16, 5, 9, 2, [2], None),
+    ("decode_first_token", 1, 1, 2, 16, 4, 4, 2, [0], None),
+    ("decode_ring_wrap_csa", 1, 1, 3, 16, 5, 12, 2, [21], 4),
+    ("decode_staggered_csa", 3, 1, 2, 16, 4, 10, 2, [0, 5, 19], 3),
+    ("decode_none_visible", 2, 1, 2, 16, 4, 6, 4, [1, 2], None),
+    ("decode_sliding_only", 2, 1, 2, 16, 6, 0, 0, [3, 40], None),
+    ("prefill_staggered_hca", 3, 4, 2, 16, 5, 8, 2, [0, 3, 17], None),
+    ("prefill_staggered_csa", 3, 4, 2, 16, 5, 10, 2, [0, 3, 17], 3),
+    ("prefill_chunk_longer_than_window", 1, 7, 2, 24, 3, 5, 3, [4], None),
+    ("prefill_sliding_only", 2, 5, 3, 16, 4, 0, 0, [0, 9], None),
+]
+
+
+def attention_inputs(B, T, H, D, W, C, rate, starts, K, dtype, seed=0):
+    q = randn(B, T, H, D, seed=seed, dtype=dtype)
+    ring = randn(B, W, D, seed=seed + 1, dtype=dtype)
+    chunk = randn(B, T, D, seed=seed + 2, dtype=dtype)
+    comp = randn(B, C, D, seed=seed + 3, dtype=dtype)
+    sel = distinct_selection(B, T, K, C, seed + 4) if K else None
+    sinks = randn(H, seed=seed + 5)
+    return q, ring, chunk, torch.tensor(starts), comp, sel, rate, sinks, D ** -0.5
+
+
+def upcast(args):
+    return [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+
+
+# Every case in fp32; two representative ones in bf16/fp16 (the interpreter is slow).
+ATTENTION_PARAMS = [(case, torch.float32) for case in ATTENTION_CASES] + [
+    (case, dtype) for case in ATTENTION_CASES for dtype in DTYPES[1:]
+    if case[0] in ("decode_ring_wrap_csa", "prefill_staggered_hca")]
+
+
+@pytest.mark.parametrize("case,dtype", ATTENTION_PARAMS, ids=lambda x: x[0] if isinstance(x, tuple) else str(x))
+def test_attention_matches_reference(case, dtype):
+    args = attention_inputs(*case[1:], dtype)
+    expected = reference.attention(*upcast(args))
+    assert_close(tk.attention(*args), expected, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 9])
+def test_attention_split_counts_agree(num_splits):
+    """Decode over 100 compressed rows (8 key blocks of 16): every split count, including some
+    that leave splits empty, gives the reference's answer."""
+    args = attention_inputs(2, 1, 2, 16, 8, 120, 2, [250, 37], None, torch.float32)
+    expected = reference.attention(*args)
+    assert_close(tk.attention(*args, num_splits=num_splits), expected, torch.float32)
+
+
+def test_attention_default_split_count_changes_with_size():
+    """The split count follows capacity; these sizes cross its steps and stay correct."""
+    seen = {}
+    for C in (4, 40, 200):
+        args = attention_inputs(1, 1, 2, 16, 8, C, 2, [3 * C], None, torch.float32, seed=C)
+        block_n = tk.attention_config(2, 16, torch.float32)["BLOCK_N"]
+        splits = tk.attention_num_splits(1, -(-(8 + C) // block_n), torch.device("cpu"))
+        seen[C] = splits
+        assert_close(tk.attention(*args), reference.attention(*args), torch.float32)
+    assert seen[4] == 1 and seen[4] < seen[40] <= seen[200], seen
+
+
+def test_attention_no_compressed_rows_with_selection():
+    """C == 0 with an (empty) selection: the sliding window alone."""
+    args = list(attention_inputs(1, 2, 2, 16, 4, 0, 2, [6], None, torch.float32))
+    args[5] = torch.empty(1, 2, 0, dtype=torch.int64)
+    assert_close(tk.attention(*args), reference.attention(*args), torch.float32)
+
+
+# --------------------------------------------------------------------------- compressor
+# (name, B, J, S, D, R, first-half gates -inf)
+COMPRESS_CASES = [
+    ("hca_rate3", 2, 3, 3, 16, 8, False),
+    ("csa_overlap_first_window", 1, 2, 8, 16, 8, True),
+    ("odd_width_many_slots", 2, 2, 37, 20, 8, False),  # D not a power of two, S over several tiles
+    ("no_rows", 2, 0, 4, 16, 8, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", COMPRESS_CASES, ids=lambda c: c[0])
+def test_compress_rows_matches_reference(case, dtype):
+    _, B, J, S, D, R, masked = case
+    kv = randn(B, J, S, D, seed=1, dtype=dtype)
+    gate = randn(B, J, S, D, seed=2, dtype=dtype)
+    if masked:  # CSA's first window: the overlap slots of the previous window do not exist
+        gate[..., : S // 2, : D // 2] = float("-inf")
+    weight = 1 + 0.2 * randn(D, seed=3, dtype=dtype)
+    angles = randn(B, J, R // 2, seed=4) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    args = (kv, gate, weight, 1e-6, cos, sin)
+    expected = reference.compress_rows(*upcast(args))
+    assert_close(tk.compress_rows(*args), expected, dtype)
+
+
+# --------------------------------------------------------------------------- indexer
+# (name, B, T, Hi, dI, C, rate, starts, k)
+INDEXER_CASES = [
+    ("fewer_visible_than_k", 1, 1, 8, 16, 10, 4, [9], 4),
+    ("many_more_rows_than_k", 1, 2, 8, 16, 90, 2, [170], 3),  # two row tiles of 64
+    ("k_above_capacity", 2, 1, 8, 8, 3, 2, [4, 30], 5),
+    ("no_rows", 1, 2, 8, 16, 0, 2, [5], 3),
+    ("none_visible", 2, 1, 8, 16, 6, 4, [0, 2], 3),
+    ("prefill_staggered", 3, 4, 8, 16, 12, 2, [0, 5, 20], 3),
+]
+
+
+def indexer_inputs(B, T, Hi, dI, C, rate, starts, k, dtype, seed=0):
+    q = randn(B, T, Hi, dI, seed=seed, dtype=dtype)
+    weights = randn(B, T, Hi, seed=seed + 1) * Hi ** -0.5
+    rows = randn(B, C, dI, seed=seed + 2, dtype=dtype)
+    return q, weights, rows, torch.tensor(starts), rate, k
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: c[0])
+def test_indexer_topk_matches_reference(case, dtype):
+    args = indexer_inputs(*case[1:], dtype)
+    expected = reference.indexer_topk(*upcast(args))
+    # Random scores: no near-tie at the k-th place among visible rows, so the picks are well defined.
+    q, w, rows, start, rate, k = upcast(args)
+    visible = reference.visible_rows(start, q.shape[1], rows.shape[1], rate)
+    scores = reference.indexer_scores(q, w, rows).masked_fill(~visible, float("-inf"))
+    scores = scores.sort(dim=-1, descending=True).values
+    if 0 < k < rows.shape[1]:
+        assert ((scores[..., k - 1] - scores[..., k] > 1e-4) | ~torch.isfinite(scores[..., k])).all()
+    actual = tk.indexer_topk(*args)
+    assert actual.dtype == torch.int64
+    assert actual.tolist() == expected.tolist()
+
+
+def test_indexer_boundary_tie_lower_index_wins():
+    """Equal scores at the k-th place (identical rows 4, 7, 8) and a run of exact zeros (relu)
+    resolve to the lower row index in both backends."""
+    dI, Hi = 16, 8
+    u = randn(dI, seed=0).abs() + 0.5
+    q = (u + 0.01 * randn(1, 1, Hi, dI, seed=1)).contiguous()  # every head agrees with u
+    weights = torch.full((1, 1, Hi), Hi ** -0.5)
+    rows = -u.expand(10, dI).clone()  # relu -> score exactly 0
+    rows[1], rows[5] = 3 * u, 2 * u
+    rows[4] = rows[7] = rows[8] = u
+    rows = rows[None]
+    start = torch.tensor([40])
+    for k, expected in ((3, [1, 5, 4]), (4, [1, 5, 4, 7]), (6, [1, 5, 4, 7, 8, 0]), (8, [1, 5, 4, 7, 8, 0, 2, 3])):
+        for fn in (reference.indexer_topk, tk.indexer_topk):
+            assert fn(q, weights, rows, start, 2, k)[0, 0].tolist() == expected, (fn, k)
+
+
+# --------------------------------------------------------------------------- custom ops
+def small_opcheck_inputs():
+    attn_hca = attention_inputs(1, 2, 2, 16, 4, 6, 2, [5], None, torch.float32)
+    attn_csa = attention_inputs(2, 1, 2, 16, 4, 6, 2, [3, 9], 2, torch.float32)
+    kv, gate = randn(1, 2, 4, 16, seed=1), randn(1, 2, 4, 16, seed=2)
+    angles = randn(1, 2, 4, seed=3)
+    compress = (kv, gate, torch.ones(16), 1e-6, angles.cos(), angles.sin())
+    indexer = indexer_inputs(1, 2, 8, 16, 7, 2, [6], 3, torch.float32)
+    return {"attention": [attn_hca, attn_csa], "compress_rows": [compress], "indexer_topk": [indexer]}
+
+
+@pytest.mark.parametrize("name", ["attention", "compress_rows", "indexer_topk"])
+@pytest.mark.parametrize("suffix", ["", "_triton"])
+def test_custom_ops_pass_opcheck(name, suffix):
+    op = getattr(torch.ops.ds4, name + suffix).default
+    for args in small_opcheck_inputs()[name]:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", ["attention", "compress_rows", "indexer_topk"])
+def test_backend_bundles_agree(name):
+    for args in small_opcheck_inputs()[name]:
+        a = getattr(TORCH_OPS, name)(*args)
+        b = getattr(TRITON_OPS, name)(*args)
+        if a.is_floating_point():
+            assert_close(b, a, torch.float32)
+        else:
+            assert torch.equal(a, b)
+
+
+def test_custom_ops_trace_as_single_nodes():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = small_opcheck_inputs()["attention"][1]
+    graph = make_fx(ops.attention_triton, tracing_mode="fake")(*args)
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.ds4.attention_triton.default]
+
+
+# --------------------------------------------------------------------------- backends
+def test_resolve_backend(monkeypatch):
+    monkeypatch.delenv("DS4_TORCH_ATTN_BACKEND", raising=False)
+    assert resolve_backend("auto", "cpu") is TORCH_OPS
+    assert resolve_backend("auto", "mps") is TORCH_OPS
+    assert resolve_backend("auto", "cuda") is TRITON_OPS
+    assert resolve_backend("torch", "cuda") is TORCH_OPS
+    assert resolve_backend("triton", torch.device("cpu")) is TRITON_OPS  # TRITON_INTERPRET=1 here
+    with pytest.raises(ValueError, match="mps"):
+        resolve_backend("triton", "mps")
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        resolve_backend("flash", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA GPU, or TRITON_INTERPRET=1"):
+        resolve_backend("triton", "cpu")
+    monkeypatch.setenv("DS4_TORCH_ATTN_BACKEND", "torch")  # the environment overrides the argument
+    assert resolve_backend("triton", "cpu") is TORCH_OPS
+
+
+# --------------------------------------------------------------------------- whole model
+MODEL_CONFIG = dict(
+    vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=5,
+    layer_types=["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 3},
+    mlp_layer_types=["hash_moe", "moe", "moe"], index_n_heads=8, index_head_dim=8, index_topk=3,
+    n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, hc_sinkhorn_iters=5,
+    rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 128},
+)
+
+
+@torch.no_grad()
+def test_model_triton_backend_equals_torch():
+    """Chunked prefill of two staggered prompts, then 42 batched decode steps (ring wraps, every
+    emit phase, indexer past top-k): the triton backend's logits match the torch backend's."""
+    import copy
+
+    from ds4_torch import DS4Config, DS4ForCausalLM
+    from oracle import randomise
+
+    models = {}
+    for backend in ("torch", "triton"):
+        models[backend] = DS4ForCausalLM(DS4Config.from_dict(copy.deepcopy(MODEL_CONFIG)), attn_backend=backend).eval()
+    randomise(models["torch"], 5)
+    models["triton"].load_state_dict(models["torch"].state_dict())
+    assert models["triton"].ops is TRITON_OPS and models["torch"].ops is TORCH_OPS
+
+    prompt_lens, steps, chunk = (13, 6), 42, 4
+    logits, caches = {}, {}
+    for backend, model in models.items():
+        cache, first = model.new_cache(2, 64), []
+        for i, n in enumerate(prompt_lens):
+            single = model.new_cache(1, 64)
+            ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n))
+            for a in range(0, n, chunk):
+                out = model(ids[:, a:a + chunk], cache=single)
+            first.append(out[:, -1])
+            cache.load_sequence(i, single)
+        logits[backend], caches[backend] = [torch.cat(first)], cache
+    for _ in range(steps):  # both backends decode the torch backend's greedy tokens
+        nxt = logits["torch"][-1].argmax(-1)
+        for backend, model in models.items():
+            logits[backend].append(model(nxt[:, None], cache=caches[backend])[:, -1])
+    a, b = torch.stack(logits["torch"]), torch.stack(logits["triton"])
+    assert (a - b).abs().max().item() <= 1e-4
+    assert caches["torch"].positions.tolist() == [13 + steps, 6 + steps]
