@@ -1,5 +1,8 @@
 """`ds4-torch bench TARGET`: speed and cache-size comparisons.
 
+`bench serve` (in `serve/bench.py`) starts a local server and compares HTTP streaming clients with
+direct decode in the same run.
+
 `bench model` runs the same weights through our model and through transformers'
 `DeepseekV4ForCausalLM.generate`, on the same machine, one run each, greedy, and reports
 prefill and decode throughput and KV cache bytes per token.
@@ -13,7 +16,7 @@ import time
 
 import torch
 
-TARGETS = ("model",)
+TARGETS = ("model", "serve")
 
 
 def add_parser(sub, model_help: str) -> None:
@@ -29,6 +32,18 @@ def add_parser(sub, model_help: str) -> None:
     m.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
     m.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     m.set_defaults(func=run)
+
+    from serve.bench import add_arguments as add_serve_bench_arguments
+
+    sv = targets.add_parser("serve", help="HTTP streaming through a local server vs direct decode")
+    add_serve_bench_arguments(sv)
+    sv.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    from serve.bench import run as run_serve_bench
+
+    return run_serve_bench(args)
 
 
 # --------------------------------------------------------------------------- measuring

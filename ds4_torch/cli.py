@@ -143,6 +143,12 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from serve.cli import run
+
+    return run(args)
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -187,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ctx", type=positive_int, default=4096, help="context length for the cache size (default 4096)")
     i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of weights and cache")
     i.set_defaults(func=cmd_info)
+
+    from serve.cli import add_arguments as add_serve_arguments
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (same flags as `python -m serve`)")
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
 
     from .bench import add_parser as add_bench_parser
 

@@ -1,0 +1,152 @@
+"""Command line of the server: `ds4-torch serve ...` and `python -m serve ...` share
+`add_arguments`, so both take exactly the same flags."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+API_KEY_ENV = "DS4_TORCH_API_KEY"
+
+
+def _positive_int(s: str) -> int:
+    from ds4_torch.cli import positive_int
+
+    return positive_int(s)
+
+
+def _non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", metavar="DIR",
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                        "default: the built-in default model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=_non_negative_int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--ctx", type=_positive_int, default=4096,
+                   help="context length of the live KV cache: prompt + completion (default 4096)")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=256,
+                   help="tokens per prefill chunk; disconnects are noticed between chunks (default 256)")
+    p.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
+                   help="decode path (auto: CUDA graphs where available); env DS4_TORCH_DECODE_MODE overrides")
+    p.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cpu, cuda, ...")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of weights and cache (default float32)")
+    p.add_argument("--max-queue", type=_non_negative_int, default=64,
+                   help="requests that may wait for the engine; one more is answered 429 (default 64)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        f"(default: env {API_KEY_ENV}, else none)")
+    p.add_argument("--kv-disk-dir", metavar="DIR", default=None,
+                   help="directory of the disk KV cache (accepted and stored; the store itself is not built yet)")
+    p.add_argument("--kv-disk-space-mb", type=_positive_int, default=None, metavar="N",
+                   help="space budget of the disk KV cache in MiB (accepted and stored)")
+    p.add_argument("--keepalive-interval", type=_positive_float, default=5.0, metavar="S",
+                   help="seconds without output before a streaming response sends ': keep-alive' (default 5)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for DS4 models."))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        from ds4_torch.cli import CLIError
+
+        raise CLIError(f"bad --device {name!r}: {e}") from None
+
+
+def load(args):
+    """(model, tokenizer, ServerConfig) for parsed arguments; CLIError on user errors."""
+    from ds4_torch.cli import DTYPES as TORCH_DTYPES
+    from ds4_torch.cli import CLIError, load_model, load_model_tokenizer
+
+    from .app import ServerConfig
+
+    device = resolve_device(args.device)
+    dtype = TORCH_DTYPES[args.dtype]
+    tokenizer = load_model_tokenizer(args.model)
+    if device.type == "cpu":
+        model = load_model(args.model, dtype)
+    elif args.model is None:
+        from ds4_torch.default_model import build_default_model
+
+        model = build_default_model(dtype=dtype, device=device)
+    else:
+        from ds4_torch.model import DS4ForCausalLM
+
+        try:
+            model = DS4ForCausalLM.from_pretrained(args.model, dtype=dtype, device=device).eval()
+        except (OSError, ValueError, KeyError) as e:
+            raise CLIError(f"cannot load model from {args.model}: {e}") from e
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and args.ctx > limit:
+        raise CLIError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
+    if args.model is None:
+        name, aliases = "ds4-default", ()
+    else:
+        name = os.path.basename(os.path.normpath(args.model))
+        aliases = (args.model, os.path.abspath(args.model))
+    config = ServerConfig(
+        model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
+        decode_mode=args.decode_mode, max_queue=args.max_queue,
+        api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
+        kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
+        keepalive_interval=args.keepalive_interval,
+    )
+    return model, tokenizer, config
+
+
+def run(args) -> int:
+    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model, tokenizer, config = load(args)
+    app = create_app(model, tokenizer, config)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
+                                               args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ds4_torch.cli import CLIError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except CLIError as e:
+        print(f"python -m serve: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,51 @@
+"""Prometheus metrics of one server app, in a registry of its own (several apps can share a
+process, as they do in the tests, without clashing in prometheus_client's global registry)."""
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+disable_created_metrics()  # no `*_created` series: they only clutter the exposition
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("ds4_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "code"], registry=r)
+        self.prompt_tokens = Counter("ds4_prompt_tokens", "Prompt tokens of generation requests", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "ds4_cached_prompt_tokens", "Prompt tokens reused from the live KV cache (not prefilled again)",
+            registry=r)
+        self.generated_tokens = Counter("ds4_generated_tokens", "Tokens generated", registry=r)
+        self.prefill_chunks = Counter("ds4_prefill_chunks", "Prefill chunks run through the model", registry=r)
+        self.prefill_aborted = Counter(
+            "ds4_prefill_aborted",
+            "Requests abandoned by their client before the engine finished them (while queued, in prefill or in "
+            "decode); work stops at the next chunk or token boundary", registry=r)
+        self.aborted = Counter("ds4_requests_aborted", "Abandoned requests by the stage they were in",
+                               ["stage"], registry=r)
+        self.device_errors = Counter("ds4_device_errors",
+                                     "Device errors / out-of-memory caught in prefill or decode", registry=r)
+        self.engine_resets = Counter("ds4_engine_resets", "Engine resets (cache cleared, graphs dropped)",
+                                     registry=r)
+        self.queue_depth = Gauge("ds4_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("ds4_requests_running", "Requests the engine is working on (0 or 1)", registry=r)
+        self.cache_tokens = Gauge("ds4_live_cache_tokens", "Tokens held by the live KV cache", registry=r)
+        self.healthy = Gauge("ds4_engine_healthy", "1 when the engine is usable, 0 while degraded", registry=r)
+        self.healthy.set(1)
+        self.ttft = Histogram("ds4_time_to_first_token_seconds",
+                              "Time from request arrival to the first generated token", buckets=TTFT_BUCKETS,
+                              registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels) -> float:
+        """A sample's current value (0 when absent): for tests and the benchmark."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if v is None else v

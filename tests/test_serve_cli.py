@@ -1,0 +1,70 @@
+"""`ds4-torch serve` and `python -m serve`: one set of flags, a real process end to end."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from ds4_torch.cli import build_parser, main
+from serve.cli import build_parser as serve_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _options(parser) -> dict:
+    return {a.dest: (tuple(a.option_strings), a.default, a.choices) for a in parser._actions if a.dest != "help"}
+
+
+def test_both_commands_take_the_same_flags():
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    assert _options(sub) == _options(serve_parser())
+    args = serve_parser().parse_args([])
+    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)  # loopback unless told
+    args = build_parser().parse_args(["serve", "--kv-disk-dir", "/tmp/kv", "--kv-disk-space-mb", "64",
+                                      "--max-queue", "3", "--api-key", "k"])
+    assert (args.kv_disk_dir, args.kv_disk_space_mb, args.max_queue, args.api_key) == ("/tmp/kv", 64, 3, "k")
+
+
+def test_serve_bad_model_dir(capsys, tmp_path):
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+
+
+def test_python_m_serve_process():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", "0", "--ctx", "256", "--prefill-chunk", "64"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        while httpx.get(url + "/health").status_code != 200:  # 503 "warming up" first
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "ds4-default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    lines.append(out)
+    log = "".join(lines)
+    assert proc.returncode == 0, log
+    assert re.search(r"ds4\.serve: /v1/chat/completions 200 .*prompt_tokens=\d+ cached_tokens=0 "
+                     r"generated_tokens=3 finish=length", log), log
