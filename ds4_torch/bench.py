@@ -1,5 +1,9 @@
 """`ds4-torch bench TARGET`: speed and cache-size comparisons.
 
+`bench attention` (in `bench_attention.py`) times one decode step of attention at V4-Flash sizes
+against transformers' attention and SDPA; `bench decode` (in `bench_decode.py`) compares the eager,
+graph and torch.compile decode paths.
+
 `bench serve` (in `serve/bench.py`) starts a local server and compares HTTP streaming clients with
 direct decode in the same run.
 
@@ -16,7 +20,7 @@ import time
 
 import torch
 
-TARGETS = ("model", "serve")
+TARGETS = ("model", "attention", "decode", "serve")
 
 
 def add_parser(sub, model_help: str) -> None:
@@ -38,6 +42,39 @@ def add_parser(sub, model_help: str) -> None:
     sv = targets.add_parser("serve", help="HTTP streaming through a local server vs direct decode")
     add_serve_bench_arguments(sv)
     sv.set_defaults(func=run_serve)
+
+    a = targets.add_parser("attention", help="one decode step of attention at V4-Flash sizes vs transformers/SDPA")
+    a.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 16384, 65536, 262144])
+    a.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
+    a.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    a.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    a.set_defaults(func=run_attention)
+
+    d = targets.add_parser("decode", help="per-token latency of eager, graph and torch.compile decode")
+    d.add_argument("--prompt-len", type=positive_int, default=200)
+    d.add_argument("--steps", type=positive_int, default=32)
+    d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
+    d.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    d.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    d.set_defaults(func=run_decode)
+
+
+def run_attention(args) -> int:
+    from .bench_attention import run as run_attention_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_attention_bench(tuple(args.contexts), repeats=args.repeats, csv_path=args.csv)
+    return 0
+
+
+def run_decode(args) -> int:
+    from .bench_decode import run as run_decode_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_decode_bench(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv)
+    return 0
 
 
 def run_serve(args) -> int:

@@ -1,0 +1,109 @@
+"""`ds4-torch bench decode`: per-token decode latency of the eager, graph and torch.compile paths.
+
+Two models: the embedded default model, and one V4-Flash-sized CSA layer (hidden 4096, 64 heads x
+512, q rank 1024, 8 output groups x 1024, indexer 64 x 128, window 128; its MoE cut to 8 experts and
+its vocabulary to 1024 so it fits a laptop). Each path decodes the same tokens after the same
+prefill; the table gives ms per token (median), the aten ops one step launches (the captured
+graph's op count: on a GPU, each is a kernel launch in eager mode, and the whole graph is one
+replay in graph mode), and the largest logit difference from eager.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+
+import torch
+
+from .decode import make_decoder, prefill
+
+FLASH_LAYER = {
+    "vocab_size": 1024, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 1,
+    "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
+    "o_lora_rank": 1024, "sliding_window": 128, "layer_types": ["compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 8, "num_experts_per_tok": 6,
+    "num_hash_layers": 0, "hc_mult": 4,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+}
+
+
+def _flash_layer():
+    from .config import DS4Config
+    from .model import DS4ForCausalLM
+
+    return DS4ForCausalLM(DS4Config.from_dict(FLASH_LAYER)).init_weights(seed=0).eval()
+
+
+def _default():
+    from .default_model import build_default_model
+
+    return build_default_model()
+
+
+class _CompiledDecoder:
+    """Decode steps through `torch.compile(model, fullgraph=True)` (inductor)."""
+
+    mode = "compile"
+
+    def __init__(self, model, cache):
+        self.compiled, self.cache = torch.compile(model, fullgraph=True), cache
+
+    def step(self, ids):
+        return self.compiled(ids[:, None], cache=self.cache)[:, 0]
+
+
+def _ops_per_step(model, cache) -> int:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    snapshot = [t.clone() for t in cache.tensors()]
+    ids = torch.zeros(1, dtype=torch.long)
+    graph = make_fx(lambda i: model._forward(i.view(1, 1), cache), tracing_mode="real")(ids)
+    for t, saved in zip(cache.tensors(), snapshot):
+        t.copy_(saved)
+    return sum(1 for n in graph.graph.nodes if n.op == "call_function" and "aten" in str(n.target))
+
+
+@torch.no_grad()
+def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compile"), csv_path=None) -> list[dict]:
+    rows = []
+    for name, build in (("default model", _default), ("V4-Flash CSA layer", _flash_layer)):
+        model = build()
+        ids = torch.randint(0, model.config.vocab_size, (1, prompt_len + steps), generator=torch.Generator().manual_seed(0))
+        reference = None
+        for mode in modes:
+            cache = model.new_cache(1, prompt_len + steps + 1)
+            prefill(model, cache, ids[:, :prompt_len], chunk=256)
+            decoder = _CompiledDecoder(model, cache) if mode == "compile" else make_decoder(model, cache, mode)
+            t = time.perf_counter()
+            outs, times = [decoder.step(ids[:, prompt_len])], []  # the first step captures / compiles
+            first = time.perf_counter() - t
+            for i in range(1, steps):
+                t = time.perf_counter()
+                outs.append(decoder.step(ids[:, prompt_len + i]))
+                times.append(time.perf_counter() - t)
+            outs = torch.stack(outs)
+            reference = outs if reference is None else reference
+            ops_cache = model.new_cache(1, prompt_len + steps + 1)
+            rows.append({
+                "model": name, "mode": decoder.mode, "ms_per_token": 1e3 * statistics.median(times),
+                "first_step_s": first, "aten_ops_per_step": _ops_per_step(model, ops_cache),
+                "launches_per_step": 1 if decoder.mode == "graph" and torch.cuda.is_available() else None,
+                "max_diff_vs_eager": (outs - reference).abs().max().item(),
+            })
+        del model
+    print(f"decode, batch 1, prompt {prompt_len}, {steps} steps; CPU, {torch.get_num_threads()} thread(s); "
+          f"graph mode off CUDA is the capture emulator (an FX replay), not a CUDA graph")
+    head = f"{'model':<20} {'mode':<8} {'ms/token':>9} {'1st step s':>11} {'aten ops/step':>14} {'max |diff|':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['model']:<20} {r['mode']:<8} {r['ms_per_token']:>9.2f} {r['first_step_s']:>11.2f} "
+              f"{r['aten_ops_per_step']:>14} {r['max_diff_vs_eager']:>11.2e}")
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return rows
