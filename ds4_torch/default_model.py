@@ -1,67 +1,37 @@
-"""The built-in default model: a tiny DS4 with deterministic random weights.
+"""The embedded default model: a tiny DS4 trained on Tiny Shakespeare, shipped in the package.
 
-It lets every command run on a fresh machine with no checkpoint. Its output is
-meaningless text; it exercises every attention kind (sliding, CSA with its indexer,
-HCA) and the byte tokenizer. Weights come from ``torch.manual_seed(0)``, so the same
-torch build gives the same model everywhere.
+`ds4-torch generate`, `ds4-torch serve` and the notebooks use it when no `--model` is given, so
+a fresh machine with no network gets a real, trained model. It has every DS4 layer kind
+(sliding, CSA with its lightning indexer, HCA), MoE with a hash-routed layer and mHC, and a
+window (32) and rates (4, 16) small enough that a few hundred tokens cross every cache
+boundary. `examples/train_tiny.py` rebuilds it; `training.json` beside the weights records how.
 """
+
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
-# Small enough to build in a fraction of a second on a laptop CPU, large enough that
-# compressed rows and the indexer's top-k become active within a short prompt.
-DEFAULT_CONFIG = {
-    "vocab_size": 256,  # one token per byte: see tokenizer.ByteTokenizer
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "layer_types": [
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-        "compressed_sparse_attention",
-    ],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    "sliding_window": 16,
-    "num_attention_heads": 4,
-    "head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "q_lora_rank": 32,
-    "o_groups": 2,
-    "o_lora_rank": 32,
-    "index_n_heads": 8,  # >= 8 heads: fewer make top-k ties at relu(0) common
-    "index_head_dim": 16,
-    "index_topk": 8,
-    "moe_intermediate_size": 64,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_hash_layers": 1,
-    "hc_mult": 4,
-    "max_position_embeddings": 65536,
-    # Bytes have no BOS/EOS: generation runs to its token limit.
-    "bos_token_id": None,
-    "eos_token_id": None,
-}
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-shakespeare"
 
 
 def default_config():
     from .config import DS4Config
 
-    return DS4Config.from_dict(DEFAULT_CONFIG)
+    return DS4Config.from_pretrained(DEFAULT_MODEL_DIR)
 
 
-def build_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The default model, in eval mode. Leaves the global RNG state untouched."""
+def build_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        attn_backend: str = "auto"):
+    """The embedded model, in eval mode."""
     from .model import DS4ForCausalLM
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = DS4ForCausalLM(default_config())
-    # to_dtype keeps the numerically sensitive small parameters in fp32.
-    return model.to(device).to_dtype(dtype).eval()
+    return DS4ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=dtype, device=device, attn_backend=attn_backend,
+                                          progress=False)
 
 
 def default_tokenizer():
-    from .tokenizer import ByteTokenizer
+    from .tokenizer import load_tokenizer
 
-    return ByteTokenizer()
+    return load_tokenizer(DEFAULT_MODEL_DIR)

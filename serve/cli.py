@@ -10,6 +10,9 @@ import sys
 import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_DISK_DEFAULT_MB = 1024
+KV_DISK_DEFAULT_EVERY = 512
+KV_DISK_DEFAULT_MIN_TOKENS = 32
 API_KEY_ENV = "DS4_TORCH_API_KEY"
 
 
@@ -59,9 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         f"(default: env {API_KEY_ENV}, else none)")
     p.add_argument("--kv-disk-dir", metavar="DIR", default=None,
-                   help="directory of the disk KV cache (accepted and stored; the store itself is not built yet)")
+                   help="directory of the disk KV cache: snapshots of conversations' KV state, restored when the "
+                        "live cache misses (default: none)")
     p.add_argument("--kv-disk-space-mb", type=_positive_int, default=None, metavar="N",
-                   help="space budget of the disk KV cache in MiB (accepted and stored)")
+                   help=f"space budget of the disk KV cache in MiB, quarantine and temporary files included "
+                        f"(default {KV_DISK_DEFAULT_MB} with --kv-disk-dir)")
+    p.add_argument("--kv-disk-every", type=_non_negative_int, default=KV_DISK_DEFAULT_EVERY, metavar="N",
+                   help=f"also snapshot a conversation every N generated tokens (default {KV_DISK_DEFAULT_EVERY}; "
+                        f"0: only after prefills, when replaced and at shutdown)")
+    p.add_argument("--kv-disk-min-tokens", type=_positive_int, default=KV_DISK_DEFAULT_MIN_TOKENS, metavar="N",
+                   help=f"shorter sequences are not worth a snapshot (default {KV_DISK_DEFAULT_MIN_TOKENS})")
     p.add_argument("--keepalive-interval", type=_positive_float, default=5.0, metavar="S",
                    help="seconds without output before a streaming response sends ': keep-alive' (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -124,6 +134,28 @@ def load(args):
     return model, tokenizer, config
 
 
+def attach_kv_store(app, args):
+    """Give the app's engine a disk KV store when `--kv-disk-dir` is set (its metrics go to the
+    app's registry). Returns the store, or None."""
+    from ds4_torch.cli import CLIError
+
+    from .kvstore import KVStore
+
+    if args.kv_disk_dir is None:
+        if args.kv_disk_space_mb is not None:
+            raise CLIError("--kv-disk-space-mb needs --kv-disk-dir")
+        return None
+    engine = app.state.engine
+    try:
+        store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,
+                        dtype=engine.cache.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
+                        registry=app.state.metrics.registry)
+    except (OSError, RuntimeError) as e:
+        raise CLIError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e
+    engine.kv_store = store
+    return store
+
+
 def run(args) -> int:
     """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
     import uvicorn
@@ -133,6 +165,7 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer, config = load(args)
     app = create_app(model, tokenizer, config)
+    attach_kv_store(app, args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
                                                args.host)

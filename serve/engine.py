@@ -7,9 +7,13 @@ takes them one at a time:
    far) and the logits of the last one. The cache cannot rewind, so it is reused only when
    `cached_tokens` is a prefix of the new prompt: then only the suffix is prefilled (and when
    the prompt *equals* the cached tokens, the stored logits give the first token at once).
-   Anything else resets the cache. That miss is where a KV store would be consulted
-   (`KVStore.restore`), and after a prefill is where it would be written (`KVStore.save`):
-   the hooks exist, the store does not (a later issue).
+   Anything else resets the cache. On that miss a disk KV store (`serve.kvstore.KVStore`,
+   when given) is consulted: the longest stored prefix of the prompt is restored and only the
+   rest is prefilled. The store writes a snapshot after a prefill (once the first token is
+   out), every `every` tokens of decode, when the live cache is replaced by another
+   conversation, and at shutdown. If the first step after a restore fails (a fault injected
+   with `DS4_TORCH_FAULT=restore:N` is raised right before it), the snapshot is quarantined
+   and the request is prefilled from scratch in the same attempt: the client sees no error.
 2. **Prefill** runs in chunks of `prefill_chunk` tokens; the request's cancel flag is checked
    before each chunk, and `cached_tokens` grows after each, so an aborted prefill leaves a
    reusable prefix.
@@ -40,6 +44,7 @@ from typing import Callable, Protocol
 import torch
 
 from ds4_torch.decode import make_decoder, prefill
+from ds4_torch.faults import fault_point
 from ds4_torch.generation import sample_next
 from ds4_torch.tokenizer import StreamDecoder
 
@@ -58,14 +63,27 @@ class EngineStopped(Exception):
 
 
 class KVStore(Protocol):
-    """The hook a disk KV cache (a later issue) plugs into; nothing implements it yet."""
+    """What the engine calls on a disk KV cache (`serve.kvstore.KVStore` implements it).
+    Only `restore` and `save` are required; the engine calls `checkpoint`, `restore_ok`,
+    `restore_failed` and `close` when the store has them. A store's exception never fails a
+    request (it is logged), except in `restore`'s first step, which counts as the restore's."""
 
     def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
         """On a live-cache miss: load the longest stored prefix of `prompt_ids` into the (reset)
         cache; return (tokens restored, logits of the last one), or None."""
 
-    def save(self, cache, token_ids: list[int], last_logits: torch.Tensor) -> None:
-        """After a prefill: the cache holds `token_ids`; store it if worthwhile."""
+    def save(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str = "prefill") -> bool:
+        """The cache holds `token_ids` and `last_logits` are the next token's: store it if worthwhile.
+        `why`: prefill, replaced (another conversation takes the live cache), shutdown."""
+
+    # optional:
+    # checkpoint(cache, token_ids, last_logits) after every decode step (periodic snapshots);
+    # restore_ok() / restore_failed(error) once the first step after a restore passed / failed;
+    # close() when the engine stops.
+
+
+class _RestoreFailed(Exception):
+    """The first model step after a disk restore failed: the snapshot is blamed, not the engine."""
 
 
 @dataclass
@@ -166,6 +184,8 @@ class Engine:
         self.decoder = make_decoder(model, self.cache, decode_mode)
         self.cached_tokens: list[int] = []     # what the live cache holds
         self.last_logits: torch.Tensor | None = None
+        self._verify_restore = False            # the next model step is the first after a disk restore
+        self._no_restore = False                # this request falls back to a clean prefill
 
         self.degraded: str | None = None        # reason, while the last request failed for good
         self.chunk_delay = 0.0                  # test hook: seconds slept after each prefill chunk
@@ -266,7 +286,7 @@ class Engine:
                 while not self._queue and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
-                    return
+                    break
                 req = self._queue.popleft()
                 self.metrics.queue_depth.set(len(self._queue))
                 self.current = req
@@ -281,6 +301,28 @@ class Engine:
                     self.current = None
                 self.metrics.running.set(0)
                 self.metrics.cache_tokens.set(len(self.cached_tokens))
+        if self.kv_store is not None:  # clean shutdown: keep the live conversation on disk
+            with torch.no_grad():
+                self._save_live("shutdown")
+            self._kv("close")
+
+    def _kv(self, method: str, *args, **kwargs):
+        """Call an (optional) store method; its failures are logged, never raised."""
+        fn = getattr(self.kv_store, method, None)
+        if fn is None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the disk cache must never fail a request
+            log.warning("engine: kv store %s failed: %s: %s", method, type(e).__name__, e)
+            return None
+
+    def _save_live(self, why: str) -> None:
+        """Snapshot what the live cache holds (before it is replaced, or at shutdown)."""
+        if self.kv_store is None or not self.cached_tokens or self.last_logits is None or \
+                self.cache is None or self.cache.invalid:
+            return
+        self._kv("save", self.cache, list(self.cached_tokens), self.last_logits, why=why)
 
     def _serve(self, req: GenRequest) -> None:
         if req.cancel.is_set():
@@ -296,12 +338,27 @@ class Engine:
             else:
                 generator.manual_seed(req.sampling.seed)
         text = _TextState(self.tokenizer, req.stop)
+        self._no_restore = False
         for attempt in (1, 2):
             req.attempts = attempt
             self._stage = "prefill"
             try:
                 with torch.no_grad():
-                    self._attempt(req, generator, text)
+                    try:
+                        self._attempt(req, generator, text)
+                    except _RestoreFailed as rf:
+                        # Blame the snapshot: quarantined, and this attempt starts over from a clean
+                        # prefill (resuming after any token already sent), without touching the retry.
+                        cause = rf.__cause__
+                        log.warning("engine: %s: the first step after a disk restore failed (%s: %s); "
+                                    "snapshot quarantined, prefilling from scratch", req.id,
+                                    type(cause).__name__, cause)
+                        self._kv("restore_failed", cause)
+                        self.reset(f"restore failed: {type(cause).__name__}: {cause}")
+                        self._no_restore = True
+                        if req.cancel.is_set():
+                            raise _Cancelled(self._stage) from None
+                        self._attempt(req, generator, text)
                 self._finish(req)
                 if self.degraded is not None:
                     log.info("engine: healthy again after a successful request")
@@ -333,6 +390,7 @@ class Engine:
         """Drop all device state: cache contents, captured graphs, cached allocations."""
         self.cached_tokens = []
         self.last_logits = None
+        self._verify_restore = False
         try:
             self.decoder.reset()
             self.cache.reset()
@@ -364,16 +422,40 @@ class Engine:
                 (n < len(seq) or self.last_logits is not None):
             return n
         if n or not usable:
+            if usable:
+                self._save_live("replaced")  # another conversation takes the live cache
             self.cached_tokens, self.last_logits = [], None
+            self._verify_restore = False
             self.cache.reset()
-        # Live-cache miss: this is where a disk KV store is consulted.
-        if self.kv_store is not None:
-            restored = self.kv_store.restore(self.cache, seq)
+        # Live-cache miss: the disk KV store may hold a prefix.
+        if self.kv_store is not None and not self._no_restore:
+            try:
+                restored = self.kv_store.restore(self.cache, seq)
+            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
+                log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
+                self.cache.reset()
+                restored = None
             if restored is not None:
                 count, logits = restored
                 self.cached_tokens, self.last_logits = list(seq[:count]), logits
+                self._verify_restore = True
                 return count
         return 0
+
+    def _first_step_after_restore(self, run):
+        """Run one model step; if it is the first after a disk restore, a failure in it (or the
+        `restore` fault point just before it) is the snapshot's."""
+        if not self._verify_restore:
+            return run()
+        try:
+            fault_point("restore")
+            out = run()
+        except BaseException as e:  # noqa: BLE001
+            self._verify_restore = False
+            raise _RestoreFailed() from e
+        self._verify_restore = False
+        self._kv("restore_ok")
+        return out
 
     def _attempt(self, req: GenRequest, generator, text: _TextState) -> None:
         # A retry resumes: the tokens already emitted are fed again after the prompt.
@@ -390,7 +472,7 @@ class Engine:
             piece = suffix[a:a + chunk]
             ids = torch.tensor([piece], dtype=torch.long, device=self.device)
             self._stage = "prefill"
-            out = prefill(self.model, self.cache, ids, chunk=len(piece))
+            out = self._first_step_after_restore(lambda: prefill(self.model, self.cache, ids, chunk=len(piece)))
             logits = out[0].clone()  # drop the [1, T, V] buffer the view keeps alive
             self.cached_tokens.extend(piece)
             self.last_logits = logits
@@ -398,8 +480,9 @@ class Engine:
             self.metrics.prefill_chunks.inc()
             if self.chunk_delay:
                 time.sleep(self.chunk_delay)
-        if suffix and self.kv_store is not None:
-            self.kv_store.save(self.cache, list(self.cached_tokens), logits)  # hook: write after prefill
+        # Snapshot after a prefill; written once the first token is out (the cache still holds
+        # exactly the prompt then), so the disk write does not delay the first token.
+        save_pending = bool(suffix) and self.kv_store is not None
 
         while True:
             if req.cancel.is_set():
@@ -430,13 +513,19 @@ class Engine:
                     finish = "length"
             req.text += out.text
             self._emit(req, ("token", out))
+            if save_pending:
+                save_pending = False
+                self._kv("save", self.cache, list(self.cached_tokens), self.last_logits, why="prefill")
             if finish is not None:
                 req.finish_reason = finish
                 return
             self._stage = "decode"
-            logits = self.decoder.step(torch.tensor([token], dtype=torch.long, device=self.device))[0]
+            step_ids = torch.tensor([token], dtype=torch.long, device=self.device)
+            logits = self._first_step_after_restore(lambda: self.decoder.step(step_ids)[0])
             self.cached_tokens.append(token)
             self.last_logits = logits
+            if self.kv_store is not None:
+                self._kv("checkpoint", self.cache, self.cached_tokens, logits)
             if self.token_delay:
                 time.sleep(self.token_delay)
 

@@ -9,7 +9,7 @@ import torch
 
 from ds4_torch import __version__
 from ds4_torch.cli import main
-from ds4_torch.default_model import build_default_model, default_config
+from ds4_torch.default_model import build_default_model, default_config, default_tokenizer
 from ds4_torch.model import DS4ForCausalLM
 from ds4_torch.tokenizer import load_tokenizer
 
@@ -49,21 +49,28 @@ def assert_one_line_error(rc, err, *fragments):
 
 
 # --------------------------------------------------------------------------- generate
+def until_eos(tokens, eos):
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
 def test_generate_default_model_matches_stateless_greedy(capsys, default_model):
     prompt = "To be, or not to be"
-    # 40 tokens cross the window (16) and several compressed rows of every rate.
+    tok = default_tokenizer()
+    # 40 tokens cross the window (32) and several compressed rows of every rate.
     rc, out, err = run_cli(capsys, "generate", "-p", prompt, "-n", "40")
     assert rc == 0, err
-    expected = greedy_stateless(default_model, prompt.encode(), 40)
-    assert out == bytes(expected).decode("utf-8", errors="replace") + "\n"
-    assert "40 new tokens" in err
+    expected = until_eos(greedy_stateless(default_model, tok.encode(prompt), 40), tok.eos_token_id)
+    assert out == tok.decode(expected) + "\n"
+    assert f"{len(expected)} new tokens" in err
 
 
 def test_generate_chat_uses_the_chat_format(capsys, default_model):
     rc, out, _ = run_cli(capsys, "generate", "--chat", "-p", "Hi", "-n", "5")
     assert rc == 0
-    chat = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>".encode()
-    assert out == bytes(greedy_stateless(default_model, chat, 5)).decode("utf-8", errors="replace") + "\n"
+    tok = default_tokenizer()
+    chat = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>")
+    assert chat == tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert out == tok.decode(until_eos(greedy_stateless(default_model, chat, 5), tok.eos_token_id)) + "\n"
 
 
 def test_generate_sampling_is_seeded(capsys):

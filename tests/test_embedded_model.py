@@ -1,0 +1,59 @@
+"""The shipped default model: real weights that transformers loads too, with the same numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds4_torch.config import CSA, HCA, SLIDING
+from ds4_torch.default_model import DEFAULT_MODEL_DIR, build_default_model, default_tokenizer
+
+HELD_OUT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import DeepseekV4ForCausalLM
+
+    theirs = DeepseekV4ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    return build_default_model(), theirs
+
+
+def test_shipped_files_and_architecture():
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json"):
+        assert (DEFAULT_MODEL_DIR / name).is_file(), name
+    assert (DEFAULT_MODEL_DIR / "model.safetensors").stat().st_size <= 20 * 2**20
+    model = build_default_model()
+    cfg = model.config
+    assert {SLIDING, CSA, HCA} <= set(cfg.layer_types)
+    assert "hash_moe" in cfg.mlp_layer_types and "moe" in cfg.mlp_layer_types and cfg.hc_mult > 1
+    assert cfg.index_n_heads >= 8
+    # a few hundred generated tokens cross every boundary: window fill, both emit rates, the indexer
+    assert cfg.sliding_window < 100 and max(cfg.compress_rates.values()) * cfg.index_topk < 300
+    tok = default_tokenizer()
+    assert tok.render_chat([{"role": "user", "content": "Hi"}]) == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>"
+    assert tok.eos_token_id == cfg.eos_token_ids[0]
+
+
+def held_out_tokens(n: int) -> torch.Tensor:
+    text = HELD_OUT.read_text(encoding="utf-8")
+    held = text[int(len(text) * 0.9):]  # the split train_tiny.py held out
+    return torch.tensor([default_tokenizer().encode(held[:8 * n])[:n]])
+
+
+@torch.no_grad()
+def test_logits_and_held_out_loss_match_transformers(models):
+    ours, theirs = models
+    ids = held_out_tokens(300)
+    a, b = ours(ids), theirs(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4
+    loss_ours = F.cross_entropy(a[0, :-1], ids[0, 1:]).item()
+    loss_theirs = F.cross_entropy(b[0, :-1], ids[0, 1:]).item()
+    assert abs(loss_ours - loss_theirs) <= 1e-5
+    recorded = json.loads((DEFAULT_MODEL_DIR / "training.json").read_text())["held_out_loss"]
+    assert abs(loss_ours - recorded) < 0.5  # the same ballpark as the full held-out evaluation
+    assert loss_ours < 5.0  # far below a uniform guess (ln 1024 = 6.9): it has learned the text

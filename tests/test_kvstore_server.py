@@ -1,0 +1,261 @@
+"""The disk KV cache through the server: real `python -m serve` processes killed with SIGKILL
+in the middle of a snapshot write and restarted, a conversation continued across a clean
+restart, damaged snapshots and injected post-restore failures served by a clean prefill, the
+budget under many conversations."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ds4_torch import faults
+from ds4_torch.default_model import build_default_model, default_tokenizer
+from serve.app import ServerConfig, create_app
+from serve.kvstore import KVStore
+from serve.runner import BackgroundServer
+from test_serve import MODEL, expected
+
+ROOT = Path(__file__).resolve().parent.parent
+CTX, CHUNK = 512, 32
+SYSTEM = "You are a player in a company of actors. Answer in the manner of the age, briefly."
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_default_model()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+# --------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def process(kv_dir, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("DS4_TORCH_FAULT", None)
+    env.update(env_extra or {})
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", "0", "--ctx", str(CTX), "--prefill-chunk",
+                             str(CHUNK), "--kv-disk-dir", str(kv_dir), "--kv-disk-space-mb", "16",
+                             "--kv-disk-min-tokens", "8"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 90
+        port = None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(lines)
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        proc.url = f"http://127.0.0.1:{port}"
+        proc.lines = lines
+        while httpx.get(proc.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def stop(proc) -> str:
+    """Clean shutdown (SIGINT, as Ctrl-C): the engine saves the live conversation."""
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0, "".join(proc.lines)
+    time.sleep(0.1)
+    return "".join(proc.lines)
+
+
+def chat(url, messages, n=12):
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def quietly(fn, *args):
+    with contextlib.suppress(Exception):
+        fn(*args)
+
+
+def snapshots(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.endswith(".ds4kv"))
+
+
+def temps(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith(".tmp-"))
+
+
+# --------------------------------------------------------------------------- real processes
+def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
+    d = tmp_path / "kv"
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What news on the Rialto?"}]
+
+    # 1. A write made slow (test hook: sleep between sections); SIGKILL once its temp file exists.
+    with process(d, {"DS4_TORCH_KV_WRITE_DELAY": "0.5"}) as p:
+        threading.Thread(target=quietly, args=(chat, p.url, turn1), daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not temps(d):
+            assert time.monotonic() < deadline, "".join(p.lines)
+            time.sleep(0.02)
+        p.kill()
+        p.wait(10)
+    assert temps(d) and not snapshots(d)  # half a file under a temporary name, no visible snapshot
+
+    # 2. Restart: the stale temporary file goes; serve turn 1; clean shutdown saves the conversation.
+    with process(d) as p:
+        assert not temps(d)
+        first, cached = chat(p.url, turn1)
+        assert cached == 0
+        log = stop(p)
+    assert "saved" in log and "(shutdown" in log, log
+    assert snapshots(d) and not temps(d)
+
+    # 3. Restart: the conversation continues from disk, with the output it has without a restart.
+    turn2 = turn1 + [{"role": "assistant", "content": first["message"]["content"]},
+                     {"role": "user", "content": "Why, then the world's mine oyster."}]
+    ids2 = tok.encode_chat(turn2)
+    want, _ = expected(model, tok, ids2, 12)
+    with process(d) as p:
+        second, cached = chat(p.url, turn2)
+        metrics = httpx.get(p.url + "/metrics").text
+        stop(p)
+    # the shutdown snapshot: turn 1's prompt and the 11 generated tokens fed back (the 12th was not)
+    assert cached == len(tok.encode_chat(turn1)) + 11
+    assert second["token_ids"] == want
+    assert re.search(r"^ds4_kv_disk_hits_total 1\.0$", metrics, re.M), metrics
+
+
+# --------------------------------------------------------------------------- in-process servers
+@contextlib.contextmanager
+def server(model, tok, kv_dir, space_mb=8.0, **kw):
+    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK))
+    store = KVStore(kv_dir, space_mb, model, ctx=CTX, min_tokens=8, registry=app.state.metrics.registry, **kw)
+    app.state.engine.kv_store = store
+    with BackgroundServer(app) as srv:
+        srv.store = store
+        yield srv
+
+
+def complete(srv, prompt_ids, n=8):
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["token_ids"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def prompt(seed, n=80):
+    import torch
+
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def wait_idle(srv):
+    deadline = time.monotonic() + 10
+    while srv.app.state.engine.current is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_damaged_snapshot_served_by_clean_prefill(tmp_path, model, tok):
+    a, b = prompt(1), prompt(2)
+    want, _ = expected(model, tok, a, 8)
+    with server(model, tok, tmp_path / "kv") as srv:
+        assert complete(srv, a) == (want, 0)
+        assert complete(srv, b)[1] == 0          # replaces the live cache (a's state is saved)
+        wait_idle(srv)
+        name = srv.store._name(a)
+        path = os.path.join(srv.store.dir, name)
+        data = bytearray(open(path, "rb").read())
+        data[len(data) - 100] ^= 0x10
+        open(path, "wb").write(data)
+        assert complete(srv, a) == (want, 0)     # rejected: served by a clean prefill, no error
+        assert srv.store.last_rejection[:2] == (name, "checksum")
+        assert complete(srv, b)[1] > 0           # b comes back from disk
+        got = complete(srv, a)                   # a's fresh snapshot (written after the clean prefill)
+        assert got == (want, len(a))
+        assert srv.app.state.metrics.value("ds4_kv_disk_rejected_total", reason="checksum") == 1
+        assert srv.app.state.metrics.value("ds4_device_errors_total") == 0
+
+
+def test_injected_post_restore_failure(tmp_path, model, tok, monkeypatch):
+    a, b = prompt(3), prompt(4)
+    want, _ = expected(model, tok, a + [5], 8)
+    faults.reset_fault_counts()
+    with server(model, tok, tmp_path / "kv") as srv:
+        complete(srv, a)
+        complete(srv, b)
+        wait_idle(srv)
+        monkeypatch.setenv("DS4_TORCH_FAULT", "restore:1")
+        assert complete(srv, a + [5]) == (want, 0)   # restore of a, first step fails, clean prefill
+        assert srv.store.counts.rejected == {"restore_failed": 1}
+        assert len(srv.store.quarantined()) == 1
+        assert srv.app.state.engine.degraded is None
+        assert srv.app.state.metrics.value("ds4_kv_disk_rejected_total", reason="restore_failed") == 1
+        monkeypatch.delenv("DS4_TORCH_FAULT")
+    faults.reset_fault_counts()
+    monkeypatch.setenv("DS4_TORCH_FAULT", "restore:1:device:always")  # any further restore would fail
+    with server(model, tok, tmp_path / "kv") as srv:   # restart: the quarantined file is never tried again
+        assert srv.store.counts.rejected == {}
+        tried = set(srv.store.entries)
+        assert srv.store._name(a) not in tried and len(srv.store.quarantined()) == 1
+        toks, cached = complete(srv, b + [7])   # b's snapshot, restored: fails (injected) and is rejected
+        assert cached == 0 and srv.store.counts.rejected == {"restore_failed": 1}
+        assert len(srv.store.quarantined()) == 2
+    monkeypatch.delenv("DS4_TORCH_FAULT")
+    faults.reset_fault_counts()
+
+
+def test_budget_holds_through_the_server(tmp_path, model, tok):
+    with server(model, tok, tmp_path / "kv", space_mb=0.3) as srv:
+        for i in range(14):
+            complete(srv, prompt(100 + i, 40 + 9 * i), n=2)
+            assert srv.store.usage() <= srv.store.budget
+        wait_idle(srv)
+        metrics = httpx.get(srv.url + "/metrics").text
+    total = sum(f.stat().st_size for f in (tmp_path / "kv").rglob("*") if f.is_file())
+    assert total <= 0.3 * 2**20
+    assert srv.store.counts.evictions > 0 and srv.store.counts.saves >= 14
+    bytes_line = re.search(r"^ds4_kv_disk_bytes (\S+)$", metrics, re.M)
+    assert bytes_line and 0 < float(bytes_line.group(1)) <= 0.3 * 2**20
+
+
+def test_cli_flags_attach_a_store(tmp_path, model, tok):
+    from ds4_torch.cli import CLIError
+    from serve.cli import attach_kv_store, build_parser
+
+    args = build_parser().parse_args(["--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-space-mb", "3",
+                                      "--kv-disk-every", "64", "--kv-disk-min-tokens", "20", "--ctx", "512"])
+    app = create_app(model, tok, ServerConfig(ctx=512))
+    store = attach_kv_store(app, args)
+    try:
+        assert app.state.engine.kv_store is store
+        assert (store.budget, store.every, store.min_tokens, store.layout.max_context) == (3 * 2**20, 64, 20, 512)
+        assert app.state.metrics.value("ds4_kv_disk_bytes") == store.usage()
+        with pytest.raises(CLIError, match="in use by another process"):
+            attach_kv_store(create_app(model, tok, ServerConfig(ctx=512)), args)
+    finally:
+        store.close()
+    with pytest.raises(CLIError, match="needs --kv-disk-dir"):
+        attach_kv_store(app, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
+    assert attach_kv_store(app, build_parser().parse_args([])) is None
