@@ -51,7 +51,7 @@ class ServerConfig:
     decode_mode: str = "auto"
     max_queue: int = 64
     api_key: str | None = None
-    kv_disk_dir: str | None = None        # stored for the disk KV cache (a later issue)
+    kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli
     kv_disk_space_mb: int | None = None
     keepalive_interval: float = 5.0       # seconds without output before a `: keep-alive` comment
     disconnect_poll_interval: float = 0.05

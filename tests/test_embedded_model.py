@@ -55,5 +55,5 @@ def test_logits_and_held_out_loss_match_transformers(models):
     loss_theirs = F.cross_entropy(b[0, :-1], ids[0, 1:]).item()
     assert abs(loss_ours - loss_theirs) <= 1e-5
     recorded = json.loads((DEFAULT_MODEL_DIR / "training.json").read_text())["held_out_loss"]
-    assert abs(loss_ours - recorded) < 0.5  # the same ballpark as the full held-out evaluation
+    assert loss_ours < recorded + 0.5  # no worse than the full held-out evaluation recorded at training
     assert loss_ours < 5.0  # far below a uniform guess (ln 1024 = 6.9): it has learned the text
