@@ -23,6 +23,14 @@ import torch
 TARGETS = ("model", "attention", "decode", "serve")
 
 
+def write_csv(rows: list[dict], path) -> None:
+    """Every benchmark's table as CSV: one row per dict, the first row's keys as the header."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def add_parser(sub, model_help: str) -> None:
     from .cli import positive_int
 
@@ -208,8 +216,5 @@ def run(args) -> int:
     print("(ours: KV bytes from the cache's size formula, transformers: storages held by its cache after "
           "generation; per token = total / tokens in the cache)")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, args.csv)
     return 0

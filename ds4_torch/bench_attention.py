@@ -13,7 +13,6 @@ The indexer's scan over all compressed rows (linear in the context by design) is
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from .bench import write_csv
 from .kernels import TORCH_OPS, reference
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
@@ -139,10 +139,7 @@ def run(contexts=(4096, 16384, 65536, 262144), dtype=torch.float32, repeats: int
             rows.append(row)
     print_table(rows, dtype)
     if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, csv_path)
     return rows
 
 

@@ -10,12 +10,12 @@ replay in graph mode), and the largest logit difference from eager.
 
 from __future__ import annotations
 
-import csv
 import statistics
 import time
 
 import torch
 
+from .bench import write_csv
 from .decode import make_decoder, prefill
 
 FLASH_LAYER = {
@@ -102,8 +102,5 @@ def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compil
         print(f"{r['model']:<20} {r['mode']:<8} {r['ms_per_token']:>9.2f} {r['first_step_s']:>11.2f} "
               f"{r['aten_ops_per_step']:>14} {r['max_diff_vs_eager']:>11.2e}")
     if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(rows, csv_path)
     return rows

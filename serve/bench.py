@@ -15,7 +15,6 @@ direct rate while time to first token grows with the queue.
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import statistics
 import sys
@@ -119,6 +118,7 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run(args) -> int:
+    from ds4_torch.bench import write_csv
     from ds4_torch.cli import CLIError, load_model, load_model_tokenizer
 
     from .app import ServerConfig, create_app
@@ -172,8 +172,5 @@ def run(args) -> int:
           "including prefill and queueing; vs direct: per-client rate / direct decode rate; 1-client rows: the run "
           "with the median rate)")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, args.csv)
     return 0
