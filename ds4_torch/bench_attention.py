@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .bench import write_csv
-from .kernels import TORCH_OPS, reference
+from .kernels import attention_ops, reference
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 INDEX_HEADS, INDEX_DIM = 64, 128
@@ -68,7 +68,7 @@ def _live_window(s):
 
 
 def _ours(s, scale):
-    return lambda: TORCH_OPS.attention(s.q, s.ring, s.new_kv, s.start, s.comp, s.sel, s.rate, s.sinks, scale)
+    return lambda: attention_ops("torch").attention(s.q, s.ring, s.new_kv, s.start, s.comp, s.sel, s.rate, s.sinks, scale)
 
 
 def _transformers(s, scale):

@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import CompressorState, DS4Cache, LayerCache
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
-from .kernels import AttentionOps, resolve_backend
+from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.reference import apply_rope, rms_norm
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
@@ -463,7 +463,17 @@ class DS4ForCausalLM(nn.Module):
         self.model = DS4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.attn_backend = attn_backend
-        self.ops = resolve_backend(attn_backend, "cpu")
+
+    @property
+    def attn_backend(self) -> str:
+        """"auto" (Triton on CUDA, the reference elsewhere), "torch" or "triton"; the environment
+        variable DS4_TORCH_ATTN_BACKEND overrides what is set. Device-independent: the ops pick
+        their kernel from the tensors' device, so `.to(device)` needs no rebuild."""
+        return self.ops.name
+
+    @attn_backend.setter
+    def attn_backend(self, name: str) -> None:
+        self.ops = attention_ops(backend_name(name))
 
     # ----------------------------------------------------------------- dtype / device
     def to_dtype(self, dtype: torch.dtype) -> "DS4ForCausalLM":
@@ -507,7 +517,6 @@ class DS4ForCausalLM(nn.Module):
         model.to_dtype(dtype)
         model._init_buffers()
         load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress)
-        model.ops = resolve_backend(attn_backend, device)
         return model.eval()
 
     @torch.no_grad()
@@ -574,6 +583,8 @@ class DS4ForCausalLM(nn.Module):
             # before entering the compiled region, and writes past capacity land in scratch rows.
             cache.check_usable()
             cache.check_room(T)
+            if self.ops.name in BACKENDS:  # (training swaps in autograd-able reference functions)
+                kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run
         return self._forward(input_ids, cache)
 
     def _forward(self, input_ids, cache: DS4Cache):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4_torch.kernels import TORCH_OPS, TRITON_OPS, ops, reference, resolve_backend
+from ds4_torch.kernels import attention_ops, kernel_for, ops, reference
 from ds4_torch.kernels import triton_kernels as tk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -205,18 +205,28 @@ def small_opcheck_inputs():
 
 
 @pytest.mark.parametrize("name", ["attention", "compress_rows", "indexer_topk"])
-@pytest.mark.parametrize("suffix", ["", "_triton"])
-def test_custom_ops_pass_opcheck(name, suffix):
-    op = getattr(torch.ops.ds4, name + suffix).default
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_custom_ops_pass_opcheck(name, backend):
+    op = getattr(torch.ops.ds4, name).default
     for args in small_opcheck_inputs()[name]:
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, (*args, backend))
+
+
+def test_one_op_per_function_with_a_cuda_kernel():
+    """Each function is one op: CUDA has its own registered kernel (Triton); CPU and MPS take the
+    default (the reference), and tracing the fake."""
+    for name in ("attention", "compress_rows", "indexer_topk"):
+        op = getattr(torch.ops.ds4, name).default
+        for key in ("CUDA", "CompositeExplicitAutograd", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)
+    assert not any(n.endswith("_triton") for n in dir(torch.ops.ds4))
 
 
 @pytest.mark.parametrize("name", ["attention", "compress_rows", "indexer_topk"])
 def test_backend_bundles_agree(name):
     for args in small_opcheck_inputs()[name]:
-        a = getattr(TORCH_OPS, name)(*args)
-        b = getattr(TRITON_OPS, name)(*args)
+        a = getattr(attention_ops("torch"), name)(*args)
+        b = getattr(attention_ops("triton"), name)(*args)
         if a.is_floating_point():
             assert_close(b, a, torch.float32)
         else:
@@ -227,28 +237,46 @@ def test_custom_ops_trace_as_single_nodes():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     args = small_opcheck_inputs()["attention"][1]
-    graph = make_fx(ops.attention_triton, tracing_mode="fake")(*args)
+    graph = make_fx(attention_ops("triton").attention, tracing_mode="fake")(*args)
     targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
-    assert targets == [torch.ops.ds4.attention_triton.default]
+    assert targets == [torch.ops.ds4.attention.default]
 
 
 # --------------------------------------------------------------------------- backends
-def test_resolve_backend(monkeypatch):
+def test_kernel_for(monkeypatch):
+    from ds4_torch.kernels import backend_name
+
     monkeypatch.delenv("DS4_TORCH_ATTN_BACKEND", raising=False)
-    assert resolve_backend("auto", "cpu") is TORCH_OPS
-    assert resolve_backend("auto", "mps") is TORCH_OPS
-    assert resolve_backend("auto", "cuda") is TRITON_OPS
-    assert resolve_backend("torch", "cuda") is TORCH_OPS
-    assert resolve_backend("triton", torch.device("cpu")) is TRITON_OPS  # TRITON_INTERPRET=1 here
+    assert kernel_for("auto", "cpu") == "torch"
+    assert kernel_for("auto", "mps") == "torch"
+    assert kernel_for("auto", "cuda") == "triton"
+    assert kernel_for("torch", "cuda") == "torch"
+    assert kernel_for("triton", torch.device("cpu")) == "triton"  # TRITON_INTERPRET=1 here
     with pytest.raises(ValueError, match="mps"):
-        resolve_backend("triton", "mps")
+        kernel_for("triton", "mps")
     with pytest.raises(ValueError, match="auto, torch, triton"):
-        resolve_backend("flash", "cpu")
+        backend_name("flash")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA GPU, or TRITON_INTERPRET=1"):
-        resolve_backend("triton", "cpu")
+        kernel_for("triton", "cpu")
     monkeypatch.setenv("DS4_TORCH_ATTN_BACKEND", "torch")  # the environment overrides the argument
-    assert resolve_backend("triton", "cpu") is TORCH_OPS
+    assert backend_name("triton") == "torch"
+
+
+def test_forced_backend_the_device_cannot_run_is_a_clear_error(monkeypatch):
+    """A model told to use Triton on a CPU without the interpreter fails before computing."""
+    import copy
+
+    from ds4_torch import DS4Config, DS4ForCausalLM
+
+    monkeypatch.delenv("DS4_TORCH_ATTN_BACKEND", raising=False)
+    model = DS4ForCausalLM(DS4Config.from_dict(copy.deepcopy(MODEL_CONFIG)), attn_backend="triton").eval()
+    assert model.attn_backend == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        model(torch.zeros(1, 2, dtype=torch.long))
+    model.attn_backend = "auto"  # switching needs no rebuild
+    assert model(torch.zeros(1, 2, dtype=torch.long)).shape == (1, 2, 64)
 
 
 # --------------------------------------------------------------------------- whole model
@@ -277,7 +305,7 @@ def test_model_triton_backend_equals_torch():
         models[backend] = DS4ForCausalLM(DS4Config.from_dict(copy.deepcopy(MODEL_CONFIG)), attn_backend=backend).eval()
     randomise(models["torch"], 5)
     models["triton"].load_state_dict(models["torch"].state_dict())
-    assert models["triton"].ops is TRITON_OPS and models["torch"].ops is TORCH_OPS
+    assert models["triton"].attn_backend == "triton" and models["torch"].attn_backend == "torch"
 
     prompt_lens, steps, chunk = (13, 6), 42, 4
     logits, caches = {}, {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ds4_torch import DS4ForCausalLM
-from ds4_torch.kernels import TORCH_OPS, reference
+from ds4_torch.kernels import attention_ops, reference
 from oracle import hf_logits_incremental, make_oracle
 
 TOL = 1e-4
@@ -41,7 +41,7 @@ class TieWatch:
 def load_ours(path, watch: TieWatch | None = None):
     model = DS4ForCausalLM.from_pretrained(path, dtype=torch.float32)
     if watch is not None:
-        model.ops = dataclasses.replace(TORCH_OPS, indexer_topk=watch)
+        model.ops = dataclasses.replace(attention_ops("torch"), indexer_topk=watch)
     return model
 
 

@@ -1,63 +1,51 @@
-"""Attention op backends for DS4.
+"""The DS4 attention kernels.
 
-The model calls attention math only through an `AttentionOps` bundle, so a backend is one
-object:
-- `TORCH_OPS` ("torch"): the `ds4::*` custom ops over the pure-torch reference; every device.
-- `TRITON_OPS` ("triton"): the `ds4::*_triton` custom ops over the Triton kernels; a CUDA GPU,
-  or CPU under the Triton interpreter (TRITON_INTERPRET=1, tests only: it is slow).
-`resolve_backend(name, device)` picks one; the environment variable DS4_TORCH_ATTN_BACKEND,
-when set, overrides `name`.
+`ops` registers one `torch.ops.ds4.*` custom op per function (attention, compress_rows,
+indexer_topk): the Triton kernel on CUDA, the torch reference (`reference`) elsewhere. The model
+calls them through an `AttentionOps` bundle for a backend *name* ("auto", "torch", "triton"),
+never bound to a device, so moving the model between devices switches kernels by itself.
+A bundle is also the hook tools use to watch the calls (`attention_trace`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Callable
 
-import torch
-
 from . import ops
+from .ops import BACKENDS, ENV_VAR, backend_name, kernel_for, triton_available
+
+__all__ = ["AttentionOps", "BACKENDS", "ENV_VAR", "attention_ops", "backend_name", "kernel_for", "ops",
+           "triton_available"]
 
 
 @dataclass(frozen=True)
 class AttentionOps:
+    """The attention math the model calls, with the reference signatures (see `reference.py`)."""
     name: str
     attention: Callable
     compress_rows: Callable
     indexer_topk: Callable
 
 
-TORCH_OPS = AttentionOps("torch", ops.attention, ops.compress_rows, ops.indexer_topk)
-TRITON_OPS = AttentionOps("triton", ops.attention_triton, ops.compress_rows_triton, ops.indexer_topk_triton)
-BACKENDS = ("auto", "torch", "triton")
-ENV_VAR = "DS4_TORCH_ATTN_BACKEND"
+def _attention(backend, q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale):
+    # int()/float() keep the schema's scalar types when a caller hands numpy or tensor scalars.
+    return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale), backend)
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _compress_rows(backend, kv, gate, norm_weight, eps, cos, sin):
+    return ops.compress_rows(kv, gate, norm_weight, float(eps), cos, sin, backend)
 
 
-def resolve_backend(name: str, device) -> AttentionOps:
-    """The op bundle for `name` on `device` ('auto' picks the best one the device can run)."""
-    name = os.environ.get(ENV_VAR) or name
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attn_backend {name!r}; available: {', '.join(BACKENDS)}")
-    kind = torch.device(device if device is not None else "cpu").type
-    if name == "auto":
-        return TRITON_OPS if kind == "cuda" and _triton_available() else TORCH_OPS
-    if name == "torch":
-        return TORCH_OPS
-    # name == "triton"
-    if not _triton_available():
-        raise ValueError("attn_backend 'triton' needs the triton package, which is not installed")
-    if kind == "cuda":
-        return TRITON_OPS
-    if kind == "cpu":
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return TRITON_OPS
-        raise ValueError("attn_backend 'triton' needs a CUDA GPU, or TRITON_INTERPRET=1 (set before "
-                         "triton is imported) to run its kernels in the interpreter on CPU")
-    raise ValueError(f"attn_backend 'triton' is not supported on {kind!r}: Triton needs a CUDA GPU "
-                     "(or TRITON_INTERPRET=1 on CPU); use 'torch' or 'auto'")
+def _indexer_topk(backend, q, head_weights, rows, start, rate, k):
+    return ops.indexer_topk(q, head_weights, rows, start, int(rate), int(k), backend)
+
+
+@lru_cache(maxsize=None)
+def attention_ops(backend: str = "auto") -> AttentionOps:
+    """The `ds4::*` ops with `backend` ("auto", "torch" or "triton") fixed; valid on every device."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attn_backend {backend!r}; available: {', '.join(BACKENDS)}")
+    return AttentionOps(backend, partial(_attention, backend), partial(_compress_rows, backend),
+                        partial(_indexer_topk, backend))

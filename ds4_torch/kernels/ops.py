@@ -1,25 +1,28 @@
-"""The DS4 attention ops as torch custom ops, so `torch.compile` / `make_fx` see one node each.
+"""The DS4 attention ops: one `torch.ops.ds4.*` custom op per function, dispatched by device.
 
-Registered ops (namespace `ds4`), each with a fake (meta) implementation for tracing:
+    ds4::attention(q, ring, chunk_kv, start, comp, comp_sel?, rate, sinks, scale, backend) -> Tensor
+    ds4::compress_rows(kv, gate, norm_weight, eps, cos, sin, backend) -> Tensor
+    ds4::indexer_topk(q, head_weights, rows, start, rate, k, backend) -> Tensor (int64)
 
-    ds4::attention(q, ring, chunk_kv, start, comp, comp_sel?, rate, sinks, scale) -> Tensor
-    ds4::compress_rows(kv, gate, norm_weight, eps, cos, sin) -> Tensor
-    ds4::indexer_topk(q, head_weights, rows, start, rate, k) -> Tensor (int64)
-        implementation: the torch reference (`reference.py`); runs on every device (CPU, CUDA, MPS).
-    ds4::attention_triton, ds4::compress_rows_triton, ds4::indexer_topk_triton (same schemas)
-        implementation: the Triton kernels (`triton_kernels.py`). On a CUDA GPU they compile; on
-        CPU they run only under the Triton interpreter (TRITON_INTERPRET=1 set before the first
-        call imports `triton_kernels`). `triton_kernels` is imported on first use, so this module
-        loads on machines without Triton.
+Each op has two implementations, picked by the dispatcher from the inputs' device:
+- CUDA: the Triton kernel (`triton_kernels.py`), imported on first use;
+- every other device (CPU, MPS, ...): the torch reference (`reference.py`).
+plus a fake (shapes only) for `torch.compile` / `make_fx` tracing, so each op is one graph node.
+
+`backend` forces a choice where a test or benchmark needs one: "auto" (the device's own
+implementation), "torch" (the reference on any device), "triton" (the Triton kernel: on CUDA,
+or on CPU under the Triton interpreter, TRITON_INTERPRET=1 set before triton is imported;
+anything else raises ValueError naming the problem). Because the choice is an argument, not a
+bundle bound to a device, `model.to("cuda")` switches kernels with no rebuild.
 
 None of the ops mutates its inputs or returns an alias of one. Shapes and semantics: see
-`reference.py`. The Python functions at the bottom (`attention`, `compress_rows`, ...) have the
-reference signatures (comp_sel may be None, int rate, float scale/eps) and are what
-`AttentionOps` bundles hold.
+`reference.py`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Optional
 
 import torch
@@ -27,94 +30,105 @@ from torch import Tensor
 
 from . import reference
 
+BACKENDS = ("auto", "torch", "triton")
+ENV_VAR = "DS4_TORCH_ATTN_BACKEND"
 
-def _triton():
-    from . import triton_kernels  # deferred: needs triton, and TRITON_INTERPRET read at import
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_name(name: str | None) -> str:
+    """The backend a model asked for, after the DS4_TORCH_ATTN_BACKEND override; validated."""
+    name = os.environ.get(ENV_VAR) or name or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attn_backend {name!r} (from {ENV_VAR} or the argument); "
+                         f"available: {', '.join(BACKENDS)}")
+    return name
+
+
+def kernel_for(backend: str, device) -> str:
+    """Which implementation `backend` runs on `device`: "torch" or "triton". Raises ValueError
+    when the choice cannot run there (checked on the host, before any kernel is launched)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attn_backend {backend!r}; available: {', '.join(BACKENDS)}")
+    kind = torch.device(device if device is not None else "cpu").type
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if kind == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise ValueError("attn_backend 'triton' needs the triton package, which is not installed")
+    if kind == "cuda":
+        return "triton"
+    if kind == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return "triton"
+        raise ValueError("attn_backend 'triton' needs a CUDA GPU, or TRITON_INTERPRET=1 (set before "
+                         "triton is imported) to run its kernels in the interpreter on CPU")
+    raise ValueError(f"attn_backend 'triton' is not supported on {kind!r}: Triton needs a CUDA GPU "
+                     "(or TRITON_INTERPRET=1 on CPU); use 'torch' or 'auto'")
+
+
+def _kernels(backend: str, device: torch.device):
+    if kernel_for(backend, device) == "torch":
+        return reference
+    from . import triton_kernels  # deferred: needs triton, and TRITON_INTERPRET is read at import
 
     return triton_kernels
 
 
 # --------------------------------------------------------------------------- ops
-# custom_op reads the schema from the annotations, so each op spells its signature out.
+# custom_op reads the schema from the annotations, so each op spells its signature out. The body
+# serves every device without a kernel of its own (CPU, MPS: the reference, or Triton's
+# interpreter when forced); `register_kernel("cuda")` below gives CUDA the Triton kernel.
 @torch.library.custom_op("ds4::attention", mutates_args=())
-def attention_op(q: Tensor, ring: Tensor, chunk_kv: Tensor, start: Tensor, comp: Tensor,
-                 comp_sel: Optional[Tensor], rate: int, sinks: Tensor, scale: float) -> Tensor:
-    return reference.attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
-
-
-@torch.library.custom_op("ds4::attention_triton", mutates_args=())
-def attention_triton_op(q: Tensor, ring: Tensor, chunk_kv: Tensor, start: Tensor, comp: Tensor,
-                        comp_sel: Optional[Tensor], rate: int, sinks: Tensor, scale: float) -> Tensor:
-    return _triton().attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
+def attention(q: Tensor, ring: Tensor, chunk_kv: Tensor, start: Tensor, comp: Tensor,
+              comp_sel: Optional[Tensor], rate: int, sinks: Tensor, scale: float, backend: str) -> Tensor:
+    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
 
 
 @torch.library.custom_op("ds4::compress_rows", mutates_args=())
-def compress_rows_op(kv: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, cos: Tensor,
-                     sin: Tensor) -> Tensor:
-    return reference.compress_rows(kv, gate, norm_weight, eps, cos, sin)
-
-
-@torch.library.custom_op("ds4::compress_rows_triton", mutates_args=())
-def compress_rows_triton_op(kv: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, cos: Tensor,
-                            sin: Tensor) -> Tensor:
-    return _triton().compress_rows(kv, gate, norm_weight, eps, cos, sin)
+def compress_rows(kv: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                  backend: str) -> Tensor:
+    return _kernels(backend, kv.device).compress_rows(kv, gate, norm_weight, eps, cos, sin)
 
 
 @torch.library.custom_op("ds4::indexer_topk", mutates_args=())
-def indexer_topk_op(q: Tensor, head_weights: Tensor, rows: Tensor, start: Tensor, rate: int,
-                    k: int) -> Tensor:
-    return reference.indexer_topk(q, head_weights, rows, start, rate, k)
+def indexer_topk(q: Tensor, head_weights: Tensor, rows: Tensor, start: Tensor, rate: int, k: int,
+                 backend: str) -> Tensor:
+    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k)
 
 
-@torch.library.custom_op("ds4::indexer_topk_triton", mutates_args=())
-def indexer_topk_triton_op(q: Tensor, head_weights: Tensor, rows: Tensor, start: Tensor, rate: int,
-                           k: int) -> Tensor:
-    return _triton().indexer_topk(q, head_weights, rows, start, rate, k)
+# CUDA: the Triton kernels ("auto"/"triton"), or the reference when "torch" is forced.
+@attention.register_kernel("cuda")
+def _attention_cuda(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend):
+    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
 
 
-# Fake implementations (shapes only), shared by the reference and the Triton op of each pair.
-@attention_op.register_fake
-@attention_triton_op.register_fake
-def _attention_fake(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale):
+@compress_rows.register_kernel("cuda")
+def _compress_rows_cuda(kv, gate, norm_weight, eps, cos, sin, backend):
+    return _kernels(backend, kv.device).compress_rows(kv, gate, norm_weight, eps, cos, sin)
+
+
+@indexer_topk.register_kernel("cuda")
+def _indexer_topk_cuda(q, head_weights, rows, start, rate, k, backend):
+    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k)
+
+
+# --------------------------------------------------------------------------- fakes (shapes only)
+@attention.register_fake
+def _attention_fake(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend):
     return q.new_empty(q.shape)
 
 
-@compress_rows_op.register_fake
-@compress_rows_triton_op.register_fake
-def _compress_rows_fake(kv, gate, norm_weight, eps, cos, sin):
+@compress_rows.register_fake
+def _compress_rows_fake(kv, gate, norm_weight, eps, cos, sin, backend):
     B, J, _, D = kv.shape
     return kv.new_empty(B, J, D)
 
 
-@indexer_topk_op.register_fake
-@indexer_topk_triton_op.register_fake
-def _indexer_topk_fake(q, head_weights, rows, start, rate, k):
+@indexer_topk.register_fake
+def _indexer_topk_fake(q, head_weights, rows, start, rate, k, backend):
     B, T = q.shape[:2]
     return q.new_empty(B, T, min(k, rows.shape[1]), dtype=torch.int64)
-
-
-# --------------------------------------------------------------------------- wrappers
-# The reference signatures, for AttentionOps. int()/float() keep the schema's scalar types even
-# when a caller hands a numpy or tensor scalar.
-def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
-    return attention_op(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale))
-
-
-def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
-    return compress_rows_op(kv, gate, norm_weight, float(eps), cos, sin)
-
-
-def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
-    return indexer_topk_op(q, head_weights, rows, start, int(rate), int(k))
-
-
-def attention_triton(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
-    return attention_triton_op(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale))
-
-
-def compress_rows_triton(kv, gate, norm_weight, eps: float, cos, sin):
-    return compress_rows_triton_op(kv, gate, norm_weight, float(eps), cos, sin)
-
-
-def indexer_topk_triton(q, head_weights, rows, start, rate: int, k: int):
-    return indexer_topk_triton_op(q, head_weights, rows, start, int(rate), int(k))
