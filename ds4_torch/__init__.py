@@ -17,14 +17,21 @@ _LAZY = {
     "DS4Cache": "cache",
     "load_tokenizer": "tokenizer",
     "generate": "generation",
+    "SamplingParams": "sampling",
+    "make_decoder": "decode",
+    "prefill": "decode",
+    "capabilities": "capabilities",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from .cache import DS4Cache
+    from .capabilities import capabilities
     from .config import DS4Config
+    from .decode import make_decoder, prefill
     from .generation import generate
+    from .sampling import SamplingParams
     from .model import DS4ForCausalLM
     from .tokenizer import load_tokenizer
 

@@ -1,98 +1,36 @@
-"""The `ds4-torch` command line (also `python -m ds4_torch`)."""
+"""The `ds4-torch` command line (also `python -m ds4_torch`).
+
+`generate` and `info` live here; `serve` (the `serve` package) and `bench` (`ds4_torch.bench`)
+sit on top of the library and are imported only when their command runs.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from .runtime import (DTYPES, UserError, add_model_arguments, load_config, load_model, load_model_tokenizer,
+                      positive_int)
+
 EXIT_USAGE = 2  # argparse's code for bad input; we use it for every user-facing error
-
-
-class CLIError(Exception):
-    """An error the user can fix; printed as one line, without a traceback."""
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# --------------------------------------------------------------------------- loading
-def _model_dir(path: str) -> Path:
-    d = Path(path)
-    if not d.is_dir():
-        raise CLIError(f"model directory not found: {path}")
-    if not (d / "config.json").is_file():
-        raise CLIError(f"no config.json in model directory {path}")
-    return d
-
-
-def load_config(model: str | None):
-    """The DS4Config of --model DIR, or of the built-in default model."""
-    if model is None:
-        from .default_model import default_config
-
-        return default_config()
-    from .config import DS4Config
-
-    d = _model_dir(model)
-    try:
-        return DS4Config.from_pretrained(d)
-    except (OSError, ValueError, TypeError) as e:
-        raise CLIError(f"bad config in {d}: {e}") from e
-
-
-def load_model(model: str | None, dtype: torch.dtype = torch.float32):
-    """The model of --model DIR, or the built-in default model (random weights)."""
-    if model is None:
-        from .default_model import build_default_model
-
-        return build_default_model(dtype=dtype)
-    from safetensors import SafetensorError
-
-    from .model import DS4ForCausalLM
-
-    d = _model_dir(model)
-    load_config(model)  # a bad config.json gets its own message before any weight is read
-    try:
-        return DS4ForCausalLM.from_pretrained(d, dtype=dtype, device="cpu").eval()
-    # Bad config, missing/corrupt/mismatched weights: the user's to fix. Anything else
-    # (ImportError, TypeError, ...) is our bug and keeps its traceback.
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
-        raise CLIError(f"cannot load model from {d}: {e}") from e
-
-
-def load_model_tokenizer(model: str | None):
-    if model is None:
-        from .default_model import default_tokenizer
-
-        return default_tokenizer()
-    from .tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(_model_dir(model))
-    except (OSError, ValueError) as e:
-        raise CLIError(str(e)) from e
 
 
 # --------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
     from .generation import generate
+    from .sampling import stop_token_ids
     from .tokenizer import StreamDecoder
 
     tok = load_model_tokenizer(args.model)
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.chat:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         ids = tok.encode(args.prompt)
     if not ids:
-        raise CLIError("the prompt encodes to no tokens")
-    # Stop at the tokenizer's EOS and at any the model config names.
-    eos = set(model.config.eos_token_ids)
-    if tok.eos_token_id is not None:
-        eos.add(tok.eos_token_id)
+        raise UserError("the prompt encodes to no tokens")
 
     stream = StreamDecoder(tok)
     out = sys.stdout
@@ -101,21 +39,24 @@ def cmd_generate(args) -> int:
     try:
         for token in generate(
             model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, eos_token_id=eos or None, decode_mode=args.decode_mode,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+            eos_token_id=stop_token_ids(model.config, tok), decode_mode=args.decode_mode,
         ):
             n += 1
             out.write(stream.push(token))
             out.flush()
-    except ValueError as e:  # e.g. the prompt does not fit the model's context
-        raise CLIError(str(e)) from e
+    except ValueError as e:  # bad sampling settings, or the prompt does not fit the model's context
+        raise UserError(str(e)) from e
     out.write(stream.flush() + "\n")
     out.flush()
     elapsed = time.perf_counter() - start
-    print(f"[{len(ids)} prompt tokens, {n} new tokens, {elapsed:.2f} s]", file=sys.stderr)
+    print(f"[{len(ids)} prompt tokens, {n} new tokens, {elapsed:.2f} s, {model.device}, "
+          f"{str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
     return 0
 
 
 def cmd_info(args) -> int:
+    from .capabilities import capabilities
     from .model import DS4ForCausalLM
 
     cfg = load_config(args.model)
@@ -125,7 +66,7 @@ def cmd_info(args) -> int:
         model = DS4ForCausalLM(cfg).to_dtype(DTYPES[args.dtype])
         cache = model.new_cache(batch_size=1, max_context=args.ctx)
 
-    print(f"model: {args.model or 'built-in default (tiny, random weights)'}")
+    print(f"model: {args.model or 'built-in default (tiny, trained on Tiny Shakespeare)'}")
     print(f"vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
           f"{cfg.num_attention_heads} heads x {cfg.head_dim}, sliding window {cfg.sliding_window}")
     print(f"{'layer':>5}  {'attention':<30} {'rate':>5}  moe")
@@ -136,8 +77,6 @@ def cmd_info(args) -> int:
     per_token = model.kv_bytes_per_token(args.ctx)
     print(f"KV cache ({args.dtype}) at context {args.ctx}: {per_token:,.1f} bytes/token; "
           f"total for batch 1: {cache.nbytes:,} bytes ({cache.nbytes / 2**20:.2f} MiB)")
-    from .capabilities import capabilities
-
     print("capabilities of this machine:")
     print("  " + capabilities().table().replace("\n", "\n  "))
     return 0
@@ -149,38 +88,22 @@ def cmd_serve(args) -> int:
     return run(args)
 
 
-def cmd_bench(args) -> int:
-    from . import bench
-
-    return bench.run(args)
-
-
 # --------------------------------------------------------------------------- parser
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     p = argparse.ArgumentParser(prog="ds4-torch", description="DeepSeek-V4 (DS4) models in PyTorch.")
     p.add_argument("--version", action="version", version=f"ds4-torch {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = "checkpoint directory (config.json, *.safetensors, tokenizer.json); default: built-in tiny random model"
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    g.add_argument("--model", metavar="DIR", help=model_help)
+    add_model_arguments(g)
     g.add_argument("-p", "--prompt", required=True, help="prompt text")
     g.add_argument("-n", "--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = no min-p cut")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat format")
     g.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
@@ -189,20 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="layers, parameter count and KV cache size of a model")
-    i.add_argument("--model", metavar="DIR", help=model_help)
+    i.add_argument("--model", metavar="DIR", help="checkpoint directory; default: the built-in default model")
     i.add_argument("--ctx", type=positive_int, default=4096, help="context length for the cache size (default 4096)")
-    i.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of weights and cache")
+    i.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of weights and cache")
     i.set_defaults(func=cmd_info)
 
-    from serve.cli import add_arguments as add_serve_arguments
+    from serve.cli import add_arguments as add_serve_arguments  # argparse only: serve's app loads on run
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (same flags as `python -m serve`)")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
-    from .bench import add_parser as add_bench_parser
+    from .bench import add_parser as add_bench_parser  # argparse only: each target loads on run
 
-    add_bench_parser(sub, model_help)
+    add_bench_parser(sub)
     return p
 
 
@@ -211,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except CLIError as e:
+    except UserError as e:
         print(f"ds4-torch: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

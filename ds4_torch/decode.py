@@ -50,8 +50,10 @@ def resolve_mode(mode: str, device) -> str:
 
 def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, on_chunk=None):
     """Feed `input_ids` [B, T] through the cache in chunks of `chunk` tokens; return the logits of
-    the last token fed [B, V]. `on_chunk(tokens_done)` runs after each chunk: returning False
-    stops early (the prefix fed so far stays valid in the cache) and `prefill` returns None.
+    the last token fed [B, V]. `on_chunk(tokens_done, logits)` runs after each chunk (`logits`: the
+    chunk's last token's, [B, V]): returning False stops early (the prefix fed so far stays valid
+    in the cache) and `prefill` returns None. The one chunked prefill loop: `generate()`, the
+    server's engine and the tests all feed prompts through it.
     A failing chunk invalidates the batch's sequences and re-raises."""
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
@@ -68,7 +70,7 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
         except BaseException:
             cache.invalidate(range(B))
             raise
-        if on_chunk is not None and on_chunk(min(a + chunk, T)) is False:
+        if on_chunk is not None and on_chunk(min(a + chunk, T), logits) is False:
             return None if a + chunk < T else logits
     return logits
 

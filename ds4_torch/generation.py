@@ -6,58 +6,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .decode import make_decoder, prefill
-
-
-def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    """Raise ValueError for sampling settings that make no sense."""
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
-) -> int:
-    """Pick the next token id from one row of logits ``[V]``.
-
-    ``temperature == 0`` is greedy (argmax; ``top_p``/``top_k`` are then irrelevant).
-    Otherwise: scale by 1/temperature, keep the ``top_k`` best (0 = all), keep the
-    smallest set of best tokens whose probability reaches ``top_p``, sample with
-    ``generator`` (which must live on the logits' device).
-    """
-    check_sampling(temperature, top_p, top_k)
-    logits = logits.reshape(-1).float()
-    if temperature == 0:
-        return int(torch.argmax(logits))
-
-    logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the better ones before it already reach top_p; the best
-        # token always stays (its preceding mass is 0).
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits[order[drop]] = float("-inf")
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset((eos_token_id,))
-    return frozenset(int(i) for i in eos_token_id)
+from .sampling import SamplingParams, sample, stop_token_ids
 
 
 def generate(
@@ -68,6 +17,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     prefill_chunk: int = 256,
@@ -89,7 +39,7 @@ def generate(
         raise ValueError("prompt_ids must hold at least one token")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    check_sampling(temperature, top_p, top_k)  # fail now, not at the first sampled token
+    params = SamplingParams(temperature, top_p, top_k, min_p, seed)  # fail now, not at the first token
     if max_new_tokens <= 0:
         return
     if cache is None:
@@ -102,14 +52,8 @@ def generate(
         )
 
     device = next(model.parameters()).device
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-    eos = _eos_set(eos_token_id)
+    generator = params.generator(device)
+    eos = stop_token_ids(extra=eos_token_id)
 
     # no_grad, not inference_mode: the graph decoder traces the step over the cache's tensors.
     with torch.no_grad():
@@ -117,7 +61,7 @@ def generate(
         last = prefill(model, cache, ids, prefill_chunk)[0]
         decoder = make_decoder(model, cache, decode_mode)
         for produced in range(1, max_new_tokens + 1):
-            token = sample_next(last, temperature, top_p, top_k, generator)
+            token = sample(last, params, generator)
             yield token
             if token in eos or produced == max_new_tokens:
                 return

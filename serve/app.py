@@ -78,7 +78,7 @@ class Channel:
         if not self.items:
             try:
                 await asyncio.wait_for(self.event.wait(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # a distinct class before Python 3.11, an alias after
                 pass
         self.event.clear()  # before draining: a push racing with us leaves the event set
         out = []

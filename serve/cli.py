@@ -7,56 +7,26 @@ import logging
 import os
 import sys
 
-import torch
+from ds4_torch.runtime import (UserError, add_model_arguments, load_model, load_model_tokenizer, non_negative_int,
+                               positive_float, positive_int)
 
-DTYPES = ("float32", "bfloat16", "float16")
 KV_DISK_DEFAULT_MB = 1024
 KV_DISK_DEFAULT_EVERY = 512
 KV_DISK_DEFAULT_MIN_TOKENS = 32
 API_KEY_ENV = "DS4_TORCH_API_KEY"
 
 
-def _positive_int(s: str) -> int:
-    from ds4_torch.cli import positive_int
-
-    return positive_int(s)
-
-
-def _non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", metavar="DIR",
-                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                        "default: the built-in default model")
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=_non_negative_int, default=8000, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--ctx", type=_positive_int, default=4096,
+    p.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--ctx", type=positive_int, default=4096,
                    help="context length of the live KV cache: prompt + completion (default 4096)")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=256,
+    p.add_argument("--prefill-chunk", type=positive_int, default=256,
                    help="tokens per prefill chunk; disconnects are noticed between chunks (default 256)")
     p.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
                    help="decode path (auto: CUDA graphs where available); env DS4_TORCH_DECODE_MODE overrides")
-    p.add_argument("--device", default="auto", help="torch device: auto (cuda if available, else cpu), cpu, cuda, ...")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of weights and cache (default float32)")
-    p.add_argument("--max-queue", type=_non_negative_int, default=64,
+    p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
@@ -64,15 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-disk-dir", metavar="DIR", default=None,
                    help="directory of the disk KV cache: snapshots of conversations' KV state, restored when the "
                         "live cache misses (default: none)")
-    p.add_argument("--kv-disk-space-mb", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--kv-disk-space-mb", type=positive_int, default=None, metavar="N",
                    help=f"space budget of the disk KV cache in MiB, quarantine and temporary files included "
                         f"(default {KV_DISK_DEFAULT_MB} with --kv-disk-dir)")
-    p.add_argument("--kv-disk-every", type=_non_negative_int, default=KV_DISK_DEFAULT_EVERY, metavar="N",
+    p.add_argument("--kv-disk-every", type=non_negative_int, default=KV_DISK_DEFAULT_EVERY, metavar="N",
                    help=f"also snapshot a conversation every N generated tokens (default {KV_DISK_DEFAULT_EVERY}; "
                         f"0: only after prefills, when replaced and at shutdown)")
-    p.add_argument("--kv-disk-min-tokens", type=_positive_int, default=KV_DISK_DEFAULT_MIN_TOKENS, metavar="N",
+    p.add_argument("--kv-disk-min-tokens", type=positive_int, default=KV_DISK_DEFAULT_MIN_TOKENS, metavar="N",
                    help=f"shorter sequences are not worth a snapshot (default {KV_DISK_DEFAULT_MIN_TOKENS})")
-    p.add_argument("--keepalive-interval", type=_positive_float, default=5.0, metavar="S",
+    p.add_argument("--keepalive-interval", type=positive_float, default=5.0, metavar="S",
                    help="seconds without output before a streaming response sends ': keep-alive' (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -82,43 +52,15 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for DS4 models."))
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as e:
-        from ds4_torch.cli import CLIError
-
-        raise CLIError(f"bad --device {name!r}: {e}") from None
-
-
 def load(args):
-    """(model, tokenizer, ServerConfig) for parsed arguments; CLIError on user errors."""
-    from ds4_torch.cli import DTYPES as TORCH_DTYPES
-    from ds4_torch.cli import CLIError, load_model, load_model_tokenizer
-
+    """(model, tokenizer, ServerConfig) for parsed arguments; UserError on user errors."""
     from .app import ServerConfig
 
-    device = resolve_device(args.device)
-    dtype = TORCH_DTYPES[args.dtype]
     tokenizer = load_model_tokenizer(args.model)
-    if device.type == "cpu":
-        model = load_model(args.model, dtype)
-    elif args.model is None:
-        from ds4_torch.default_model import build_default_model
-
-        model = build_default_model(dtype=dtype, device=device)
-    else:
-        from ds4_torch.model import DS4ForCausalLM
-
-        try:
-            model = DS4ForCausalLM.from_pretrained(args.model, dtype=dtype, device=device).eval()
-        except (OSError, ValueError, KeyError) as e:
-            raise CLIError(f"cannot load model from {args.model}: {e}") from e
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and args.ctx > limit:
-        raise CLIError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
+        raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
     if args.model is None:
         name, aliases = "ds4-default", ()
     else:
@@ -137,13 +79,11 @@ def load(args):
 def attach_kv_store(app, args):
     """Give the app's engine a disk KV store when `--kv-disk-dir` is set (its metrics go to the
     app's registry). Returns the store, or None."""
-    from ds4_torch.cli import CLIError
-
     from .kvstore import KVStore
 
     if args.kv_disk_dir is None:
         if args.kv_disk_space_mb is not None:
-            raise CLIError("--kv-disk-space-mb needs --kv-disk-dir")
+            raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
         return None
     engine = app.state.engine
     try:
@@ -151,7 +91,7 @@ def attach_kv_store(app, args):
                         dtype=engine.cache.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
                         registry=app.state.metrics.registry)
     except (OSError, RuntimeError) as e:
-        raise CLIError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e
+        raise UserError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e
     engine.kv_store = store
     return store
 
@@ -175,11 +115,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ds4_torch.cli import CLIError
-
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except CLIError as e:
+    except UserError as e:
         print(f"python -m serve: error: {e}", file=sys.stderr)
         return 2

@@ -45,11 +45,11 @@ import torch
 
 from ds4_torch.decode import make_decoder, prefill
 from ds4_torch.faults import fault_point
-from ds4_torch.generation import sample_next
+from ds4_torch.sampling import SamplingParams, sample, stop_token_ids
 from ds4_torch.tokenizer import StreamDecoder
 
 from .metrics import Metrics
-from .protocol import APIError, Sampling
+from .protocol import APIError
 
 log = logging.getLogger("ds4.serve")
 
@@ -98,7 +98,7 @@ class TokenOut:
 class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     ignore_eos: bool = False
@@ -174,11 +174,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.kv_store = kv_store
         self.device = model.device
-        eos = set(eos_ids or ())
-        eos.update(getattr(model.config, "eos_token_ids", None) or ())
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
+        self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
 
         self.cache = model.new_cache(batch_size=1, max_context=ctx)
         self.decoder = make_decoder(model, self.cache, decode_mode)
@@ -330,13 +326,7 @@ class Engine:
             return
         req.state = "running"
         req.t_start = time.perf_counter()
-        generator = None
-        if req.sampling.temperature > 0:
-            generator = torch.Generator(device=self.device)
-            if req.sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(req.sampling.seed)
+        generator = req.sampling.generator(self.device)
         text = _TextState(self.tokenizer, req.stop)
         self._no_restore = False
         for attempt in (1, 2):
@@ -451,10 +441,13 @@ class Engine:
             fault_point("restore")
             out = run()
         except BaseException as e:  # noqa: BLE001
+            if not self._verify_restore:  # a later prefill chunk failed: not the snapshot's fault
+                raise
             self._verify_restore = False
             raise _RestoreFailed() from e
-        self._verify_restore = False
-        self._kv("restore_ok")
+        if self._verify_restore:
+            self._verify_restore = False
+            self._kv("restore_ok")
         return out
 
     def _attempt(self, req: GenRequest, generator, text: _TextState) -> None:
@@ -465,21 +458,31 @@ class Engine:
             req.cached_tokens = reused
         logits = self.last_logits
         suffix = seq[reused:]
-        chunk = self.prefill_chunk
-        for a in range(0, len(suffix), chunk):
+        if suffix:
             if req.cancel.is_set():
                 raise _Cancelled("prefill")
-            piece = suffix[a:a + chunk]
-            ids = torch.tensor([piece], dtype=torch.long, device=self.device)
+            fed = len(self.cached_tokens)
+
+            def on_chunk(done: int, chunk_logits: torch.Tensor) -> bool:
+                # The cache now holds seq[:fed + done]: record it, so an abort leaves a reusable prefix.
+                nonlocal logits
+                logits = chunk_logits[0].clone()  # drop the [1, T, V] buffer the view keeps alive
+                self.cached_tokens.extend(seq[len(self.cached_tokens):fed + done])
+                self.last_logits = logits
+                req.prefill_chunks += 1
+                self.metrics.prefill_chunks.inc()
+                if self._verify_restore:  # the first step after a disk restore passed
+                    self._verify_restore = False
+                    self._kv("restore_ok")
+                if self.chunk_delay:
+                    time.sleep(self.chunk_delay)
+                return not req.cancel.is_set()
+
             self._stage = "prefill"
-            out = self._first_step_after_restore(lambda: prefill(self.model, self.cache, ids, chunk=len(piece)))
-            logits = out[0].clone()  # drop the [1, T, V] buffer the view keeps alive
-            self.cached_tokens.extend(piece)
-            self.last_logits = logits
-            req.prefill_chunks += 1
-            self.metrics.prefill_chunks.inc()
-            if self.chunk_delay:
-                time.sleep(self.chunk_delay)
+            ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
+            if self._first_step_after_restore(
+                    lambda: prefill(self.model, self.cache, ids, self.prefill_chunk, on_chunk)) is None:
+                raise _Cancelled("prefill")
         # Snapshot after a prefill; written once the first token is out (the cache still holds
         # exactly the prompt then), so the disk write does not delay the first token.
         save_pending = bool(suffix) and self.kv_store is not None
@@ -487,7 +490,7 @@ class Engine:
         while True:
             if req.cancel.is_set():
                 raise _Cancelled("decode" if req.generated else "prefill")
-            token = self._sample(logits, req.sampling, generator)
+            token = sample(logits, req.sampling, generator)
             out = TokenOut(token, "")
             if req.logprobs is not None:
                 lp = torch.log_softmax(logits.float(), dim=-1)
@@ -528,17 +531,6 @@ class Engine:
                 self._kv("checkpoint", self.cache, self.cached_tokens, logits)
             if self.token_delay:
                 time.sleep(self.token_delay)
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, s: Sampling, generator) -> int:
-        if s.temperature == 0:
-            return int(torch.argmax(logits))
-        if s.min_p > 0:
-            # p_i / p_max >= min_p  <=>  l_i >= l_max + T * ln(min_p)  (the same cut after scaling by 1/T)
-            logits = logits.float()
-            cut = logits.max() + s.temperature * math.log(s.min_p)
-            logits = logits.masked_fill(logits < cut, float("-inf"))
-        return sample_next(logits, s.temperature, s.top_p, s.top_k, generator)
 
     # ------------------------------------------------------------------ outcomes
     def _emit(self, req: GenRequest, event: tuple) -> None:

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds4_torch.sampling import SamplingParams
+
 # Fields accepted and ignored: they do not change what is generated.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier"})
@@ -144,22 +146,13 @@ def parse_stop(body: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- parsed requests
 @dataclass
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-
-
-@dataclass
 class ParsedRequest:
     kind: str                      # "chat" | "completion"
     model: str | None
     prompt_ids: list[int]
     max_tokens: int | None         # None: whatever the context leaves
     max_tokens_param: str
-    sampling: Sampling
+    sampling: SamplingParams
     stop: list[str]
     stream: bool
     include_usage: bool
@@ -187,15 +180,14 @@ def _parse_common(body: dict, kind: str) -> dict:
             raise bad(f"unknown field in 'stream_options': {sorted(unknown)[0]}", "stream_options",
                       "unknown_parameter")
         include_usage = get_bool(so, "include_usage", False)
-    sampling = Sampling(
+    top_k = int(get_number(body, "top_k", 0, lo=-1, integer=True))
+    sampling = SamplingParams(
         temperature=float(get_number(body, "temperature", 1.0, lo=0.0, hi=2.0)),
         top_p=float(get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
-        top_k=int(get_number(body, "top_k", 0, lo=-1, integer=True)),
+        top_k=0 if top_k == -1 else top_k,  # -1: vLLM's spelling of "no top-k"
         min_p=float(get_number(body, "min_p", 0.0, lo=0.0, hi=1.0)),
         seed=get_number(body, "seed", None, integer=True),
     )
-    if sampling.top_k == -1:  # vLLM's spelling of "no top-k"
-        sampling.top_k = 0
     check_unsupported(body)
     return dict(model=model, stream=stream, include_usage=include_usage, sampling=sampling,
                 stop=parse_stop(body), return_token_ids=get_bool(body, "return_token_ids", False),

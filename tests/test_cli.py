@@ -85,6 +85,25 @@ def test_generate_bad_sampling_setting(capsys):
     assert_one_line_error(rc, err, "top_p")
 
 
+def test_generate_in_bfloat16_follows_a_bfloat16_model(capsys):
+    """--dtype reaches the model: the text is the greedy continuation of the model loaded in bf16."""
+    prompt, tok = "To be, or not to be", default_tokenizer()
+    rc, out, err = run_cli(capsys, "generate", "-p", prompt, "-n", "12", "--device", "cpu", "--dtype", "bfloat16")
+    assert rc == 0, err
+    bf16 = build_default_model(dtype=torch.bfloat16)
+    assert out == tok.decode(until_eos(greedy_stateless(bf16, tok.encode(prompt), 12), tok.eos_token_id)) + "\n"
+    assert "cpu, bfloat16" in err
+
+
+@pytest.mark.parametrize("device, fragment", [("cuda", "CUDA is not available"), ("warp:0", "bad device"),
+                                              ("mps", "MPS is not available")])
+def test_generate_device_this_machine_lacks(capsys, device, fragment):
+    if device == "cuda" and torch.cuda.is_available() or device == "mps" and torch.backends.mps.is_available():
+        pytest.skip(f"this machine has {device}: the error under test cannot happen")
+    rc, _, err = run_cli(capsys, "generate", "-p", "abc", "-n", "2", "--device", device)
+    assert_one_line_error(rc, err, fragment)
+
+
 def test_generate_with_checkpoint_dir(capsys, tmp_path):
     """--model DIR: weights saved by save_pretrained, a BPE tokenizer.json next to them."""
     write_bpe(tmp_path, {"eos_token": "<｜end▁of▁sentence｜>"})

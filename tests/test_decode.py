@@ -7,7 +7,9 @@ import torch
 
 from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch.capabilities import capabilities
-from ds4_torch.decode import GraphDecoder, make_decoder
+from ds4_torch.decode import GraphDecoder, make_decoder, prefill
+
+CHUNK = 8  # prefill chunk: smaller than the prompts, so chunk boundaries are crossed
 from ds4_torch.faults import InjectedDeviceError, parse_faults, reset_fault_counts
 from oracle import randomise
 
@@ -28,12 +30,6 @@ def model():
     m = DS4ForCausalLM(DS4Config.from_dict(SMALL))
     randomise(m, 3)
     return m.eval()
-
-
-def prefill(model, cache, ids, chunk=8):
-    for a in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, a:a + chunk], cache=cache)
-    return logits[:, -1]
 
 
 @torch.no_grad()
@@ -58,7 +54,7 @@ def test_graph_equals_eager_over_600_steps(model, prompt_len):
         cache = model.new_cache(1, prompt_len + steps)  # the last step fills the cache exactly
         decoder = make_decoder(model, cache, mode)
         assert decoder.mode == mode
-        results[mode] = greedy(decoder, prefill(model, cache, ids), steps)
+        results[mode] = greedy(decoder, prefill(model, cache, ids, CHUNK), steps)
         assert cache.positions.tolist() == [prompt_len + steps]
         with pytest.raises(ValueError, match="cache is full"):  # capacity edge: refused, not replayed
             decoder.step(torch.tensor([3]))
@@ -82,7 +78,7 @@ def test_batch_of_three_at_staggered_positions(model):
         for i, n in enumerate(prompt_lens):
             single = model.new_cache(1, 80)
             ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n))
-            first.append(prefill(model, single, ids))
+            first.append(prefill(model, single, ids, CHUNK))
             cache.load_sequence(i, single)
         caches[mode] = greedy(make_decoder(model, cache, mode), torch.cat(first), steps)
     assert torch.equal(caches["eager"][0], caches["graph"][0])
@@ -105,7 +101,7 @@ def test_emulator_catches_a_position_frozen_at_capture(model, monkeypatch):
     out = {}
     for mode in ("eager", "graph"):
         cache = model.new_cache(1, 40)
-        first = prefill(model, cache, ids)
+        first = prefill(model, cache, ids, CHUNK)
         monkeypatch.setattr(type(rotary), "forward", host_positions)
         decoder, nxt, logits = make_decoder(model, cache, mode), first.argmax(-1), []
         for step in range(10):
@@ -139,7 +135,7 @@ def test_injected_decode_failure_recovers(model, monkeypatch):
 
     def run(mode):
         cache = model.new_cache(1, 40)
-        return greedy(make_decoder(model, cache, mode), prefill(model, cache, ids), 12)
+        return greedy(make_decoder(model, cache, mode), prefill(model, cache, ids, CHUNK), 12)
 
     fresh = run("eager")
     for mode, kind, exc in (("graph", "device", InjectedDeviceError), ("eager", "oom", torch.OutOfMemoryError)):
@@ -148,7 +144,7 @@ def test_injected_decode_failure_recovers(model, monkeypatch):
         cache = model.new_cache(1, 40)
         decoder = make_decoder(model, cache, mode)
         with pytest.raises(exc):
-            greedy(decoder, prefill(model, cache, ids), 12)
+            greedy(decoder, prefill(model, cache, ids, CHUNK), 12)
         if mode == "graph":
             assert decoder.graphs == {}  # captured graphs dropped
         with pytest.raises(RuntimeError, match="invalidated"):
@@ -156,7 +152,7 @@ def test_injected_decode_failure_recovers(model, monkeypatch):
         with pytest.raises(RuntimeError, match="invalidated"):
             model(torch.tensor([[3]]), cache=cache)
         cache.reset()
-        again = greedy(decoder, prefill(model, cache, ids), 12)
+        again = greedy(decoder, prefill(model, cache, ids, CHUNK), 12)
         assert torch.equal(again[0], fresh[0]) and torch.equal(again[1], fresh[1])
         monkeypatch.delenv("DS4_TORCH_FAULT")
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ds4_torch.generation import generate, sample_next
+from ds4_torch.generation import generate
+from ds4_torch.sampling import SamplingParams, sample, stop_token_ids
 
 V = 16
 
@@ -122,7 +123,11 @@ def test_seeded_sampling_is_reproducible():
     assert a != list(generate(CountingModel(), [0], 20))  # temperature 2 does leave the argmax
 
 
-def test_sample_next_filters():
+def sample_next(logits, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, generator=None):
+    return sample(logits, SamplingParams(temperature, top_p, top_k, min_p), generator)
+
+
+def test_sampler_filters():
     logits = torch.tensor([0.0, 3.0, 2.9, 1.0, -5.0])
     g = torch.Generator().manual_seed(0)
     assert sample_next(logits) == 1
@@ -132,3 +137,34 @@ def test_sample_next_filters():
     assert {sample_next(logits, 1.0, top_p=0.6, generator=g) for _ in range(200)} == {1, 2}
     assert {sample_next(logits, 1.0, top_p=1e-6, generator=g) for _ in range(50)} == {1}
     assert {sample_next(logits, 100.0, generator=g) for _ in range(400)} == {0, 1, 2, 3, 4}
+    # min_p keeps p_i >= min_p * p_max. At T=1: p(2)/p(1) = e^-0.1 = 0.905, p(3)/p(1) = e^-2 = 0.135.
+    assert {sample_next(logits, 1.0, min_p=0.5, generator=g) for _ in range(200)} == {1, 2}
+    assert {sample_next(logits, 1.0, min_p=0.1, generator=g) for _ in range(400)} == {1, 2, 3}
+    # ... on the temperature-scaled distribution: at T=10 p(0)/p(1) = e^-0.3 = 0.74, p(4)/p(1) = e^-0.8 = 0.45.
+    assert {sample_next(logits, 10.0, min_p=0.5, generator=g) for _ in range(400)} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0.0),
+                                 dict(top_p=1.5), dict(top_k=-2), dict(top_k=1.5), dict(min_p=1.5), dict(seed="x")])
+def test_sampling_params_name_the_bad_setting(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_seeded_generators_reproduce():
+    logits = torch.linspace(0, 1, 50)
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = [[sample(logits, params, g) for _ in range(20)] for g in (params.generator("cpu"), params.generator("cpu"))]
+    assert draws[0] == draws[1] and len(set(draws[0])) > 3
+
+
+def test_one_eos_set():
+    class Config:
+        eos_token_ids = [1, 7]
+
+    class Tok:
+        eos_token_id = 2
+
+    assert stop_token_ids(Config(), Tok(), extra=9) == {1, 2, 7, 9}
+    assert stop_token_ids(extra=[3, 4]) == {3, 4}
+    assert stop_token_ids() == frozenset()

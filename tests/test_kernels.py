@@ -298,6 +298,7 @@ def test_model_triton_backend_equals_torch():
     import copy
 
     from ds4_torch import DS4Config, DS4ForCausalLM
+    from ds4_torch.decode import prefill
     from oracle import randomise
 
     models = {}
@@ -314,9 +315,7 @@ def test_model_triton_backend_equals_torch():
         for i, n in enumerate(prompt_lens):
             single = model.new_cache(1, 64)
             ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n))
-            for a in range(0, n, chunk):
-                out = model(ids[:, a:a + chunk], cache=single)
-            first.append(out[:, -1])
+            first.append(prefill(model, single, ids, chunk))
             cache.load_sequence(i, single)
         logits[backend], caches[backend] = [torch.cat(first)], cache
     for _ in range(steps):  # both backends decode the torch backend's greedy tokens

@@ -241,7 +241,7 @@ def test_budget_holds_through_the_server(tmp_path, model, tok):
 
 
 def test_cli_flags_attach_a_store(tmp_path, model, tok):
-    from ds4_torch.cli import CLIError
+    from ds4_torch.runtime import UserError
     from serve.cli import attach_kv_store, build_parser
 
     args = build_parser().parse_args(["--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-space-mb", "3",
@@ -252,10 +252,10 @@ def test_cli_flags_attach_a_store(tmp_path, model, tok):
         assert app.state.engine.kv_store is store
         assert (store.budget, store.every, store.min_tokens, store.layout.max_context) == (3 * 2**20, 64, 20, 512)
         assert app.state.metrics.value("ds4_kv_disk_bytes") == store.usage()
-        with pytest.raises(CLIError, match="in use by another process"):
+        with pytest.raises(UserError, match="in use by another process"):
             attach_kv_store(create_app(model, tok, ServerConfig(ctx=512)), args)
     finally:
         store.close()
-    with pytest.raises(CLIError, match="needs --kv-disk-dir"):
+    with pytest.raises(UserError, match="needs --kv-disk-dir"):
         attach_kv_store(app, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
     assert attach_kv_store(app, build_parser().parse_args([])) is None

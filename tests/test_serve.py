@@ -284,14 +284,18 @@ def test_body_limit_and_auth(srv, monkeypatch):
 
 
 # --------------------------------------------------------------------------- concurrency
-def test_32_concurrent_streams(srv):
+def test_32_concurrent_streams(srv, model, tok):
+    """32 streams at once: each gets exactly its own greedy continuation (no mix-up between
+    requests), checked against `generate()` on the same model."""
+    prompts = [f"client {i}: hello" for i in range(32)]
+
     async def main():
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
         async def one(i):
             stream = await client.completions.create(
-                model=MODEL, prompt=f"client {i}: hello", max_tokens=4, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                model=MODEL, prompt=prompts[i], max_tokens=4, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
             chunks = [ch async for ch in stream]
             return chunks
 
@@ -302,7 +306,10 @@ def test_32_concurrent_streams(srv):
 
     results = asyncio.run(main())
     assert len(results) == 32
-    for chunks in results:
+    for prompt, chunks in zip(prompts, results):
+        expected = list(generate(model, tok.encode(prompt), 4))  # greedy, no EOS stop (as ignore_eos)
+        got = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
+        assert got == expected, prompt
         assert chunks[-1].usage.completion_tokens == 4
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert metric(srv, "ds4_queue_depth") == 0

@@ -273,11 +273,14 @@ def attention_config(H: int, D: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps of the partial kernel. Wide heads (D >= 256, V4-Flash has 512) take
     16-head blocks (the smallest M of a tensor-core dot) and 8 warps: 153 registers, no spills at
     sm_90 in bf16 (4 warps: 213; 64-head blocks reach wgmma but spill; see the compile report).
-    fp32 inputs (tests) take half the key tile to stay within sm_80 shared memory."""
+    fp32 inputs take half the key tile (sm_80 shared memory) and 16 warps (8 spilled 4 bytes at
+    sm_80: 255 registers; 16 warps: 64, no spills)."""
     block_d = _pow2(D)
     if block_d < 256:
         return dict(BLOCK_H=min(64, _pow2(H)), BLOCK_N=16, BLOCK_D=block_d, num_warps=4)
-    return dict(BLOCK_H=16, BLOCK_N=16 if dtype == torch.float32 else 32, BLOCK_D=block_d, num_warps=8)
+    if dtype == torch.float32:
+        return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=16)
+    return dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=block_d, num_warps=8)
 
 
 def attention_num_splits(programs: int, key_blocks: int, device) -> int:

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from .bench import write_csv
-from .kernels import attention_ops, reference
+from .report import write_csv
+from ..kernels import attention_ops, reference
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 INDEX_HEADS, INDEX_DIM = 64, 128

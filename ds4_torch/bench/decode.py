@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from .bench import write_csv
-from .decode import make_decoder, prefill
+from .report import write_csv
+from ..decode import make_decoder, prefill
 
 FLASH_LAYER = {
     "vocab_size": 1024, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 1,
@@ -30,14 +30,14 @@ FLASH_LAYER = {
 
 
 def _flash_layer():
-    from .config import DS4Config
-    from .model import DS4ForCausalLM
+    from ..config import DS4Config
+    from ..model import DS4ForCausalLM
 
     return DS4ForCausalLM(DS4Config.from_dict(FLASH_LAYER)).init_weights(seed=0).eval()
 
 
 def _default():
-    from .default_model import build_default_model
+    from ..default_model import build_default_model
 
     return build_default_model()
 

@@ -1,95 +1,14 @@
-"""`ds4-torch bench TARGET`: speed and cache-size comparisons.
-
-`bench attention` (in `bench_attention.py`) times one decode step of attention at V4-Flash sizes
-against transformers' attention and SDPA; `bench decode` (in `bench_decode.py`) compares the eager,
-graph and torch.compile decode paths.
-
-`bench serve` (in `serve/bench.py`) starts a local server and compares HTTP streaming clients with
-direct decode in the same run.
-
-`bench model` runs the same weights through our model and through transformers'
+"""`ds4-torch bench model`: runs the same weights through our model and through transformers'
 `DeepseekV4ForCausalLM.generate`, on the same machine, one run each, greedy, and reports
 prefill and decode throughput and KV cache bytes per token.
 """
 from __future__ import annotations
 
-import csv
 import sys
 import tempfile
 import time
 
 import torch
-
-TARGETS = ("model", "attention", "decode", "serve")
-
-
-def write_csv(rows: list[dict], path) -> None:
-    """Every benchmark's table as CSV: one row per dict, the first row's keys as the header."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def add_parser(sub, model_help: str) -> None:
-    from .cli import positive_int
-
-    b = sub.add_parser("bench", help=f"benchmarks (targets: {', '.join(TARGETS)})")
-    targets = b.add_subparsers(dest="target", required=True, metavar="TARGET",
-                               title=f"targets ({', '.join(TARGETS)})")
-    m = targets.add_parser("model", help="our model vs transformers' DeepseekV4ForCausalLM.generate")
-    m.add_argument("--model", metavar="DIR", help=model_help)
-    m.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (default 256)")
-    m.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
-    m.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    m.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    m.set_defaults(func=run)
-
-    from serve.bench import add_arguments as add_serve_bench_arguments
-
-    sv = targets.add_parser("serve", help="HTTP streaming through a local server vs direct decode")
-    add_serve_bench_arguments(sv)
-    sv.set_defaults(func=run_serve)
-
-    a = targets.add_parser("attention", help="one decode step of attention at V4-Flash sizes vs transformers/SDPA")
-    a.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 16384, 65536, 262144])
-    a.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
-    a.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    a.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    a.set_defaults(func=run_attention)
-
-    d = targets.add_parser("decode", help="per-token latency of eager, graph and torch.compile decode")
-    d.add_argument("--prompt-len", type=positive_int, default=200)
-    d.add_argument("--steps", type=positive_int, default=32)
-    d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
-    d.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    d.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    d.set_defaults(func=run_decode)
-
-
-def run_attention(args) -> int:
-    from .bench_attention import run as run_attention_bench
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_attention_bench(tuple(args.contexts), repeats=args.repeats, csv_path=args.csv)
-    return 0
-
-
-def run_decode(args) -> int:
-    from .bench_decode import run as run_decode_bench
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_decode_bench(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv)
-    return 0
-
-
-def run_serve(args) -> int:
-    from serve.bench import run as run_serve_bench
-
-    return run_serve_bench(args)
-
 
 # --------------------------------------------------------------------------- measuring
 def _storage_bytes(obj, seen: set[int]) -> int:
@@ -131,7 +50,7 @@ class _Timestamps:
 
 
 def bench_ours(model, prompt: list[int], new_tokens: int) -> dict:
-    from .generation import generate
+    from ..generation import generate
 
     context = len(prompt) + new_tokens
     cache = model.new_cache(batch_size=1, max_context=context)
@@ -173,14 +92,14 @@ def bench_transformers(hf_model, prompt: list[int], new_tokens: int) -> dict:
 
 
 def run(args) -> int:
-    from .cli import CLIError, load_model
+    from ..runtime import UserError, load_model
 
     if args.new_tokens < 2:
-        raise CLIError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
+        raise UserError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -216,5 +135,7 @@ def run(args) -> int:
     print("(ours: KV bytes from the cache's size formula, transformers: storages held by its cache after "
           "generation; per token = total / tokens in the cache)")
     if args.csv:
+        from .report import write_csv
+
         write_csv(rows, args.csv)
     return 0

@@ -24,9 +24,9 @@ import torch
 
 
 def add_arguments(p) -> None:
-    from ds4_torch.cli import positive_int
+    from ..runtime import add_model_arguments, positive_int
 
-    p.add_argument("--model", metavar="DIR", help="checkpoint directory; default: the built-in default model")
+    add_model_arguments(p)
     p.add_argument("--clients", type=positive_int, default=4, help="concurrent streaming clients (default 4)")
     p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens per request (default 256)")
@@ -46,7 +46,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def bench_direct(model, prompt: list[int], new_tokens: int, chunk: int) -> dict:
-    from ds4_torch.generation import generate
+    from ..generation import generate
 
     cache = model.new_cache(batch_size=1, max_context=len(prompt) + new_tokens)
     start = time.perf_counter()
@@ -105,7 +105,7 @@ def run_clients(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-c", "from serve.bench import _client_main; _client_main()"],
+    proc = subprocess.run([sys.executable, "-c", "from ds4_torch.bench.serve import _client_main; _client_main()"],
                           input=json.dumps({"url": url, "prompts": prompts, "new_tokens": new_tokens}),
                           capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
@@ -118,17 +118,17 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run(args) -> int:
-    from ds4_torch.bench import write_csv
-    from ds4_torch.cli import CLIError, load_model, load_model_tokenizer
+    from serve.app import ServerConfig, create_app
+    from serve.runner import BackgroundServer
 
-    from .app import ServerConfig, create_app
-    from .runner import BackgroundServer
+    from ..runtime import UserError, load_model, load_model_tokenizer
+    from .report import write_csv
 
     if args.new_tokens < 2:
-        raise CLIError(f"--new-tokens must be >= 2 (a decode rate needs two tokens), got {args.new_tokens}")
+        raise UserError(f"--new-tokens must be >= 2 (a decode rate needs two tokens), got {args.new_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     tokenizer = load_model_tokenizer(args.model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,84 @@
+"""`ds4-torch bench TARGET`: speed and size comparisons, each against its peer in the same run.
+
+The benchmarks sit on top of the library (and `bench serve` on top of the server): nothing in
+`ds4_torch` imports them. One module per target, loaded only when its target runs:
+
+- `model`      (`model.py`): our model vs transformers' `DeepseekV4ForCausalLM.generate`.
+- `attention`  (`attention.py`): one decode step of attention at V4-Flash sizes vs transformers/SDPA.
+- `decode`     (`decode.py`): eager, graph and torch.compile decode paths.
+- `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
+"""
+from __future__ import annotations
+
+import importlib
+
+TARGETS = ("model", "attention", "decode", "serve")
+
+
+def _threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _run_model(args) -> int:
+    _threads(args)
+    return importlib.import_module(".model", __name__).run(args)
+
+
+def _run_attention(args) -> int:
+    _threads(args)
+    importlib.import_module(".attention", __name__).run(tuple(args.contexts), repeats=args.repeats, csv_path=args.csv)
+    return 0
+
+
+def _run_decode(args) -> int:
+    _threads(args)
+    importlib.import_module(".decode", __name__).run(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv)
+    return 0
+
+
+def _run_serve(args) -> int:
+    return importlib.import_module(".serve", __name__).run(args)
+
+
+def add_parser(sub) -> None:
+    """The `bench` command and its targets, under the CLI's subparsers `sub`."""
+    from ..runtime import add_model_arguments, positive_int
+
+    b = sub.add_parser("bench", help=f"benchmarks (targets: {', '.join(TARGETS)})")
+    targets = b.add_subparsers(dest="target", required=True, metavar="TARGET",
+                               title=f"targets ({', '.join(TARGETS)})")
+
+    def target(name, help_text, run):
+        p = targets.add_parser(name, help=help_text)
+        p.set_defaults(func=run)
+        return p
+
+    def common(p):
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="torch.set_num_threads (default: torch's choice)")
+        p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+
+    m = target("model", "our model vs transformers' DeepseekV4ForCausalLM.generate", _run_model)
+    add_model_arguments(m)
+    m.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    m.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    common(m)
+
+    a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)
+    a.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 16384, 65536, 262144])
+    a.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
+    common(a)
+
+    d = target("decode", "per-token latency of eager, graph and torch.compile decode", _run_decode)
+    d.add_argument("--prompt-len", type=positive_int, default=200)
+    d.add_argument("--steps", type=positive_int, default=32)
+    d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
+    common(d)
+
+    s = target("serve", "HTTP streaming through a local server vs direct decode", _run_serve)
+    from .serve import add_arguments as add_serve_arguments  # argparse only; the server loads on run
+
+    add_serve_arguments(s)

@@ -1,0 +1,155 @@
+"""Choosing and loading a model for a run: the one loader the CLI, the server and the benchmarks
+share, the device and dtype names they accept, and their argument validators.
+
+Everything here raises `UserError` for what the user can fix (a missing directory, a bad config, a
+device this machine lacks); the command lines print it as one line and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line, without a traceback."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICE_HELP = "torch device: auto (cuda, else mps, else cpu), cpu, cuda, cuda:1, mps, ..."
+
+
+# --------------------------------------------------------------------------- argument validators
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not v > 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def add_model_arguments(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """--model, --device and --dtype, the same for every command that loads a model."""
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json, *.safetensors, "
+                                                  "tokenizer.json); default: the built-in default model")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default auto)")
+    if dtype:
+        p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                       help="dtype of weights and cache (default float32)")
+
+
+# --------------------------------------------------------------------------- device and dtype
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """'auto' (or None): CUDA if available, else MPS, else CPU; otherwise the named device, which
+    must exist on this machine."""
+    from .capabilities import default_device
+
+    if name is None or name == "auto":
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"bad device {name!r}: {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name!r}: CUDA is not available on this machine (or in this torch build)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device {name!r}: MPS is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UserError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+# --------------------------------------------------------------------------- loading
+def model_dir(path: str | os.PathLike) -> Path:
+    d = Path(path)
+    if not d.is_dir():
+        raise UserError(f"model directory not found: {path}")
+    if not (d / "config.json").is_file():
+        raise UserError(f"no config.json in model directory {path}")
+    return d
+
+
+def load_config(model: str | None):
+    """The DS4Config of a checkpoint directory, or of the built-in default model (None)."""
+    if model is None:
+        from .default_model import default_config
+
+        return default_config()
+    from .config import DS4Config
+
+    d = model_dir(model)
+    try:
+        return DS4Config.from_pretrained(d)
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"bad config in {d}: {e}") from e
+
+
+def load_model(model: str | None = None, device: str | torch.device | None = "auto",
+               dtype: str | torch.dtype = "float32", attn_backend: str = "auto"):
+    """The model of a checkpoint directory, or the built-in default model (None), on `device` in
+    `dtype`, ready for inference (eval mode)."""
+    from safetensors import SafetensorError
+
+    from .model import DS4ForCausalLM
+
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    if model is None:
+        from .default_model import build_default_model
+
+        return build_default_model(dtype=dtype, device=device, attn_backend=attn_backend)
+    load_config(model)  # a bad config.json gets its own message before any weight is read
+    d = model_dir(model)
+    try:
+        return DS4ForCausalLM.from_pretrained(d, dtype=dtype, device=device, attn_backend=attn_backend).eval()
+    # Bad config, missing/corrupt/mismatched weights: the user's to fix. Anything else
+    # (ImportError, TypeError, ...) is our bug and keeps its traceback.
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        raise UserError(f"cannot load model from {d}: {e}") from e
+
+
+def load_model_tokenizer(model: str | None = None):
+    """The tokenizer of a checkpoint directory, or of the built-in default model (None)."""
+    if model is None:
+        from .default_model import default_tokenizer
+
+        return default_tokenizer()
+    from .tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model_dir(model))
+    except (OSError, ValueError) as e:
+        raise UserError(str(e)) from e

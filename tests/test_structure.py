@@ -1,0 +1,91 @@
+"""The shape of the code base: the library imports nothing above it, and no module imports
+another that (directly or not) imports it back.
+
+Read from the source with `ast` (imports inside functions count too: a lazy import is still a
+dependency), so nothing is imported to check it.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ds4_torch", "serve")
+# What sits on top of the library: the command line, the benchmarks, the server.
+ABOVE_LIBRARY = ("ds4_torch.cli", "ds4_torch.__main__", "ds4_torch.bench", "serve")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules `name` imports (absolute and relative, at any depth in the file)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            # `from pkg import sub` imports the submodule pkg.sub when there is one.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a non-module attribute path
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def is_above(name: str) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in ABOVE_LIBRARY)
+
+
+def test_the_graph_sees_real_imports():
+    g = graph()
+    assert "ds4_torch.cache" in g["ds4_torch.model"]
+    assert "ds4_torch.runtime" in g["serve.cli"]
+    assert "ds4_torch.kernels.ops" in g["ds4_torch.kernels"]
+
+
+def test_library_imports_nothing_above_it():
+    bad = {(m, t) for m, targets in graph().items() if not is_above(m) for t in targets if is_above(t)}
+    assert not bad, f"library modules importing the CLI, the benchmarks or the server: {sorted(bad)}"
+
+
+def test_no_import_cycles():
+    g = graph()
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(g[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
