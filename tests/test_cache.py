@@ -152,8 +152,9 @@ def feed(model, tokens, tail, max_context=64):
 def test_export_import_continues_like_the_original(pair, n, tail):
     """3 tokens: no window closed (CSA overlap gates -inf); 21 and 37: ring wrapped, rows of both
     rates, open windows part-filled with stale slots. The original cache continuing is the
-    reference: an import into another cache continues bit for bit, an import and a copy into
-    slots of a batch cache (another max_context, a neighbour at another position) within 1e-5."""
+    reference: an import into another cache continues bit for bit; an import, a copy from the
+    original and a copy within the batch, into slots of a batch cache (another max_context, a
+    neighbour at another position), within 1e-5."""
     _, model = pair
     gen = torch.Generator().manual_seed(n)
     tokens = torch.randint(2, 100, (n,), generator=gen).tolist()
@@ -163,19 +164,20 @@ def test_export_import_continues_like_the_original(pair, n, tail):
 
     alone = model.new_cache(1, 64)
     alone.import_sequence(0, state)
-    batch = model.new_cache(3, 52)
+    batch = model.new_cache(4, 52)
     batch.copy_sequence(2, 0, feed(model, torch.randint(2, 100, (29,), generator=gen).tolist(), 2))
     neighbour = slot_tensors(batch, 2)
     batch.import_sequence(1, state)
     batch.copy_sequence(0, 0, original)
-    assert batch.positions.tolist() == [n, n, 29]
+    batch.copy_sequence(3, 1)
+    assert batch.positions.tolist() == [n, n, 29, n]
     assert all(torch.equal(a, b) for a, b in zip(slot_tensors(batch, 2), neighbour))
 
     for t in follow:
         want = model(torch.tensor([[t]]), cache=original)[0, -1]
         assert torch.equal(model(torch.tensor([[t]]), cache=alone)[0, -1], want)
-        got = model(torch.tensor([[t], [t], [5]]), cache=batch)[:, -1]
-        assert (got[:2] - want).abs().max() <= 1e-5
+        got = model(torch.tensor([[t], [t], [5], [t]]), cache=batch)[[0, 1, 3], -1]
+        assert (got - want).abs().max() <= 1e-5
 
 
 def expected_export_bytes(cfg, n, elem):
