@@ -22,11 +22,25 @@ nbytes = 8*B + sum over layers of s*B*[ W*D
          + HCA: (C+1)*D + 2*m*D
          + CSA: (C+1)*D + 2*m*2D + 2*m*D  +  (C+1)*dI + 2*m*2dI + 2*m*dI ]
 (`DS4Cache.nbytes` sums the real tensors; a test checks it against this formula.)
+
+One sequence's live state (`export_sequence` / `import_sequence` / `copy_sequence`) is what a
+decode step needs to continue it after N tokens, and nothing more; its names are stable:
+
+    position                         int64, shape []
+    layers.{i}.window                [W, D]
+    layers.{i}.compressor.rows       [N // m, D]     only the rows written so far
+    layers.{i}.compressor.open_kv    [m, Dc]         (open_gate the same)
+    layers.{i}.compressor.prev_kv    [m, D]          CSA only (prev_gate the same)
+    layers.{i}.indexer.*             CSA only, as the compressor with D -> dI
+
+(`sequence_spec` lists them in order with dtypes and shapes.) Its size follows N, not
+max_context.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +95,30 @@ def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device) -> Com
         state.prev_kv = torch.zeros(batch, rate, dim, dtype=dtype, device=device)
         state.prev_gate = torch.full((batch, rate, dim), float("-inf"), dtype=dtype, device=device)
     return state
+
+
+_STATE_FIELDS = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate")
+
+
+def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of one sequence's state after `n` tokens, in the
+    order `DS4Cache.export_sequence` returns them."""
+    W, D, dI = config.sliding_window, config.head_dim, config.index_head_dim
+    out = [("position", torch.int64, ())]
+    for i, kind in enumerate(config.layer_types):
+        out.append((f"layers.{i}.window", dtype, (W, D)))
+        if kind == SLIDING:
+            continue
+        m = config.compress_rate(i)
+        for part, dim in (("compressor", D),) + ((("indexer", dI),) if kind == CSA else ()):
+            width = 2 * dim if kind == CSA else dim
+            out += [(f"layers.{i}.{part}.rows", dtype, (n // m, dim)),
+                    (f"layers.{i}.{part}.open_kv", dtype, (m, width)),
+                    (f"layers.{i}.{part}.open_gate", dtype, (m, width))]
+            if kind == CSA:
+                out += [(f"layers.{i}.{part}.prev_kv", dtype, (m, dim)),
+                        (f"layers.{i}.{part}.prev_gate", dtype, (m, dim))]
+    return out
 
 
 class DS4Cache:
@@ -143,13 +181,97 @@ class DS4Cache:
             for state in layer.states:
                 state.reset(batch_index)
 
-    def load_sequence(self, index: int, source: "DS4Cache", source_index: int = 0) -> None:
-        """Copy one sequence's whole state from `source` (same config and max_context) into slot
-        `index`: how sequences at different positions come to share a batch."""
-        if source.config != self.config or source.max_context != self.max_context:
-            raise ValueError("load_sequence needs a source cache with the same config and max_context")
-        for dst, src in zip(self.tensors(), source.tensors()):
-            dst[index].copy_(src[source_index])
+    def sequence_spec(self, n: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """`sequence_spec` for this cache's config and dtype."""
+        return sequence_spec(self.config, n, self.dtype)
+
+    def _sequence_views(self, index: int, n: int) -> dict[str, torch.Tensor]:
+        """Views (no copies) of sequence `index`'s state as if it held `n` tokens, in spec order."""
+        out = {"position": self.positions[index]}
+        for i, layer in enumerate(self.layers):
+            out[f"layers.{i}.window"] = layer.window[index]
+            for part, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+                if state is None:
+                    continue
+                for name in _STATE_FIELDS:
+                    t = getattr(state, name)
+                    if t is not None:
+                        out[f"layers.{i}.{part}.{name}"] = t[index, :n // layer.rate] if name == "rows" else t[index]
+        return out
+
+    def _check_index(self, index: int) -> None:
+        if not isinstance(index, int) or not 0 <= index < self.batch_size:
+            raise IndexError(f"sequence index {index!r} outside [0, {self.batch_size})")
+
+    def export_sequence(self, index: int, device=None) -> dict[str, torch.Tensor]:
+        """Copies (on `device`, default the cache's) of sequence `index`'s live state: the
+        position, the window ring, the N // m compressed and indexer rows written so far and the
+        compressor frontier. Canonical: open-window slots past N % m, stale leftovers no step
+        reads, are zeroed, so two caches in the same state export the same tensors."""
+        self._check_index(index)
+        self.check_usable_index(index)
+        n = int(self.positions[index])
+        device = self.device if device is None else torch.device(device)
+        out = {name: t.to(device, copy=True) for name, t in self._sequence_views(index, n).items()}
+        for i, layer in enumerate(self.layers):
+            for part in ("compressor", "indexer"):
+                for name in ("open_kv", "open_gate"):
+                    key = f"layers.{i}.{part}.{name}"
+                    if key in out:
+                        out[key][n % layer.rate:] = 0
+        return out
+
+    def import_sequence(self, index: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Make sequence `index` continue from `state` (as `export_sequence` returns it, on any
+        device). Everything is checked before anything is written: a ValueError names the first
+        problem and leaves the cache untouched. Costs what `state` holds, not max_context: rows
+        past the imported count are cleared only as far as the slot's previous count reached
+        (rows past a sequence's count are always zero: a step writes row w only once window w
+        closes, and positions advance with it), or entirely when the slot was invalidated (a
+        failed step may have written rows without advancing the position)."""
+        self._check_index(index)
+        position = state.get("position")
+        if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
+            raise ValueError("state['position'] must be a 0-d int64 tensor")
+        n = int(position)
+        if not 0 <= n <= self.max_context:
+            raise ValueError(f"state position {n} outside [0, max_context {self.max_context}]")
+        spec = self.sequence_spec(n)
+        missing = [name for name, _, _ in spec if name not in state]
+        unexpected = sorted(set(state) - {name for name, _, _ in spec})
+        if missing or unexpected:
+            raise ValueError(f"state does not match this cache's layout: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        for name, dtype, shape in spec:
+            t = state[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"state[{name!r}]: {got}, expected {shape} {dtype} for a sequence of {n} tokens")
+        old = None if index in self.invalid else int(self.positions[index])
+        for name, dst in self._sequence_views(index, n).items():
+            if name != "position":
+                dst.copy_(state[name])
+        for layer in self.layers:
+            for s in layer.states:
+                # the previous sequence's rows past the new count (all of them when unknown), and
+                # the scratch row, so no stale row survives
+                stop = None if old is None else max(n, old) // layer.rate
+                s.rows[index, n // layer.rate:stop].zero_()
+                s.rows[index, -1].zero_()
+        self.positions[index] = n
+        self.invalid.discard(index)
+
+    def copy_sequence(self, dst_index: int, src_index: int, source: "DS4Cache | None" = None) -> None:
+        """Copy sequence `src_index` of `source` (default: this cache; same config and dtype, any
+        max_context that fits it) into slot `dst_index`: how sequences at different positions come
+        to share a batch. Other slots are untouched."""
+        source = self if source is None else source
+        if source.config != self.config or source.dtype != self.dtype:
+            raise ValueError("copy_sequence needs a source cache with the same config and dtype")
+        source._check_index(src_index)
+        source.check_usable_index(src_index)
+        n = int(source.positions[src_index])
+        self.import_sequence(dst_index, source._sequence_views(src_index, n))
 
     def narrow(self, n: int) -> "DS4Cache":
         """The first `n` sequences as a cache sharing this one's storage (views, no copies)."""
@@ -178,6 +300,10 @@ class DS4Cache:
         if bad:
             raise RuntimeError(f"cache sequences {bad} were invalidated by a failed step; call cache.reset() "
                                f"(or reset(i)) before using them again")
+
+    def check_usable_index(self, index: int) -> None:
+        if index in self.invalid:
+            raise RuntimeError(f"cache sequence {index} was invalidated by a failed step; reset it first")
 
     def check_room(self, new_tokens: int, n: int | None = None) -> None:
         """Raise (before anything is written) if `new_tokens` more tokens do not fit."""

@@ -1,371 +1,51 @@
-"""Disk KV cache: snapshots of a sequence's whole `DS4Cache` state, restored on a live-cache miss.
+"""Disk KV cache, the store policy: which snapshots to write, restore, keep and delete.
 
-A snapshot holds everything a decode step needs to continue a sequence of N tokens: every
-layer's window ring, the compressed rows written so far (only the N // m rows that exist, so a
-snapshot's size follows N, not `--ctx`), the indexer rows, the compressor frontier (open window,
-CSA overlap), the counters, the token ids and the logits of the next token.
+A snapshot (`serve.snapshot`: the file format and its validation) holds one sequence's
+`DS4Cache` state; on a live-cache miss the engine asks `restore` for the longest stored prefix
+of the prompt, and `save` / `checkpoint` write new ones. One process per directory (an flock on
+`DIR/.lock`); stale temporary files are removed at start.
 
-File format (`<model>-<layout>-<N>-<tokens hash>.ds4kv`, version 1, little endian)::
-
-    magic  b"DS4KVSNP"  | version u32 | header length u32 | xxh3_64 of the header u64
-    header: UTF-8 JSON  {model, layout, n_tokens, tokens_hash, created, checksum: "xxh3_64",
-                         sections: [{name, dtype, shape, nbytes, xxh3}, ...]}
-    sections, back to back, in the header's order
-
-- `model` fingerprints the config plus every weight's name, shape, dtype and an xxh3_64 of its
-  bytes (computed once per model object); `layout` fingerprints the cache layout (window,
-  layer kinds and rates, dims, dtype, capacities, max_context).
-- Writes go to a temporary file (`.tmp-*`) that is fsynced, renamed into place, and the
-  directory fsynced: a crash leaves either no snapshot or a whole one. Stale temporary files
-  are removed at start. One process per directory (an flock on `DIR/.lock`).
-
-Validation on load (a failure quarantines the file: it is moved to `DIR/quarantine/` with a
-`.why` note, counted in `ds4_kv_disk_rejected_total{reason}`, and never tried again):
-size (`truncated`/`size`), magic, version, header checksum and structure (`header`), layout,
-model, every section's checksum (`checksum`), the token hash (`token_hash`), and the state
-itself (`state`): counters equal the token count, compressed-row counts equal N // m, every
-value finite except the CSA overlap gates, which are -inf exactly while no window has closed
-(N < m) and finite after; ring slots and open-window slots past the count are zero. The restore
-is assembled in a staging cache and copied into the live cache only once complete. The engine
-reports a failure of the first step after a restore (`restore_failed`): that file is
-quarantined too and the request is prefilled from scratch.
+A snapshot that fails validation is quarantined: moved to `DIR/quarantine/` with a `.why` note,
+counted in `ds4_kv_disk_rejected_total{reason}`, and never tried again. The state is imported
+into the live cache only once the whole file passed (`DS4Cache.import_sequence` itself checks
+everything before writing). The engine reports a failure of the first step after a restore
+(`restore_failed`): that file is quarantined too and the request is prefilled from scratch.
 
 Budget: every byte this store owns under DIR (snapshots, temporary files, quarantine, the stats
 file) stays within `space_mb`. To make room it deletes quarantined files first (oldest first),
 then snapshots of other models/layouts, then its own snapshots with the lowest score
 `(1 + hits) * tokens / (1 + age / 10 min)`: old, rarely hit, cheap-to-recompute ones go first.
-A snapshot larger than the whole budget is not written.
+Room is made only after a new file is durably in place, so a write that fails (a full disk, an
+error mid-write) evicts nothing; until that eviction the directory may exceed the budget by the
+one new file (also after a crash at that moment: the store evicts down to the budget at start).
+A snapshot larger than the whole budget is not written. Every file is written with
+`serve.snapshot.write_atomically` (temporary file, fsync, rename, directory fsync): snapshots,
+`stats.json` and the quarantine notes.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
-import hashlib
 import json
 import logging
-import math
 import os
-import struct
 import threading
 import time
-import uuid
-import weakref
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from ds4_torch.cache import DS4Cache
 
+from .snapshot import (REASONS, SUFFIX, TMP_PREFIX, Layout, SnapshotError, encode_snapshot, file_name, fsync_dir,
+                       model_fingerprint, name_prefix, read_snapshot, write_atomically)
+
 log = logging.getLogger("ds4.serve.kvstore")
 
-MAGIC = b"DS4KVSNP"
-VERSION = 1
-FIXED = struct.Struct("<8sIIQ")      # magic, version, header length, xxh3_64(header)
-MAX_HEADER = 16 * 2**20
-SUFFIX = ".ds4kv"
-TMP_PREFIX = ".tmp-"
 QUARANTINE = "quarantine"
 STATS = "stats.json"
 LOCK = ".lock"
 WRITE_DELAY_ENV = "DS4_TORCH_KV_WRITE_DELAY"   # test hook: seconds slept between sections of a write
-
-REASONS = ("truncated", "size", "magic", "version", "header", "layout", "model", "checksum", "token_hash",
-           "state", "restore_failed", "io")
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)}
-
-
-class SnapshotError(Exception):
-    """A snapshot that must not be used: `reason` is the metric label, `detail` says what."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-
-
-def _xxh(buf) -> str:
-    return xxhash.xxh3_64_hexdigest(buf)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-# ------------------------------------------------------------------------------ fingerprints
-_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def model_fingerprint(model) -> str:
-    """sha256 over the config and every weight's name, shape, dtype and xxh3_64(bytes).
-    Computed once per model object (a copy is fingerprinted anew; weights changed in place after
-    the first call are not noticed)."""
-    cached = _FINGERPRINTS.get(model)
-    if cached is not None:
-        return cached
-    h = hashlib.sha256()
-    cfg = dataclasses.asdict(model.config) if dataclasses.is_dataclass(model.config) else vars(model.config)
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"\n{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        digest = xxhash.xxh3_64()
-        flat = t.detach().reshape(-1)
-        step = max(1, (64 * 2**20) // max(1, t.element_size()))  # device tensors go to the host in pieces
-        for a in range(0, flat.numel(), step):
-            digest.update(_tensor_bytes(flat[a:a + step]))
-        h.update(digest.hexdigest().encode())
-    fp = h.hexdigest()
-    _FINGERPRINTS[model] = fp
-    return fp
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What a snapshot's shape depends on; `fingerprint` names it."""
-    window: int
-    head_dim: int
-    index_head_dim: int
-    vocab_size: int
-    layers: tuple[tuple[str, int], ...]     # (kind, rate) per layer
-    dtype: str
-    max_context: int
-    capacities: tuple[int, ...]
-
-    @classmethod
-    def of(cls, config, max_context: int, dtype: torch.dtype) -> "Layout":
-        layers = tuple((config.layer_types[i], config.compress_rate(i)) for i in range(config.num_hidden_layers))
-        return cls(config.sliding_window, config.head_dim, config.index_head_dim, config.vocab_size, layers,
-                   _dtype_name(dtype), max_context,
-                   tuple(math.ceil(max_context / r) if r else 0 for _, r in layers))
-
-    @classmethod
-    def of_cache(cls, cache: DS4Cache) -> "Layout":
-        return cls.of(cache.config, cache.max_context, cache.dtype)
-
-    @property
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()
-
-    def sections(self, n: int, logits_dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every section of a snapshot of `n` tokens, in file order."""
-        d = self.dtype
-        out = [("tokens", "int32", (n,)), ("logits", logits_dtype, (self.vocab_size,)),
-               ("counters", "int64", (1 + len(self.layers),))]
-        for i, (kind, rate) in enumerate(self.layers):
-            out.append((f"L{i}.window", d, (self.window, self.head_dim)))
-            if not rate:
-                continue
-            csa = kind == "compressed_sparse_attention"
-            for part, dim in (("comp", self.head_dim),) + ((("idx", self.index_head_dim),) if csa else ()):
-                width = 2 * dim if csa else dim
-                out += [(f"L{i}.{part}.rows", d, (n // rate, dim)),
-                        (f"L{i}.{part}.open_kv", d, (rate, width)),
-                        (f"L{i}.{part}.open_gate", d, (rate, width))]
-                if csa:
-                    out += [(f"L{i}.{part}.prev_kv", d, (rate, dim)), (f"L{i}.{part}.prev_gate", d, (rate, dim))]
-        return out
-
-
-def tokens_hash(tokens) -> str:
-    return _xxh(struct.pack(f"<{len(tokens)}i", *tokens))
-
-
-# ------------------------------------------------------------------------------ (de)serialization
-def _cache_sections(cache: DS4Cache, index: int, n: int) -> dict[str, torch.Tensor]:
-    """The state of sequence `index` (n tokens) as CPU tensors, canonical: only the N // m rows
-    that exist, open-window slots past the count zeroed (they hold stale values nothing reads)."""
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        out[f"L{i}.window"] = layer.window[index].detach().to("cpu").clone()
-        if not layer.rate:
-            continue
-        m = layer.rate
-        for part, state in zip(("comp", "idx"), layer.states):
-            cap = state.rows.shape[1] - 1
-            live_rows = state.rows[index]
-            if bool(live_rows[n // m:cap].any()):
-                raise SnapshotError("state", f"layer {i} {part}: compressed rows written past {n // m} = {n} // {m}")
-            out[f"L{i}.{part}.rows"] = live_rows[:n // m].detach().to("cpu").clone()
-            for name in ("open_kv", "open_gate"):
-                t = getattr(state, name)[index].detach().to("cpu").clone()
-                t[n % m:] = 0
-                out[f"L{i}.{part}.{name}"] = t
-            if state.prev_kv is not None:
-                out[f"L{i}.{part}.prev_kv"] = state.prev_kv[index].detach().to("cpu").clone()
-                out[f"L{i}.{part}.prev_gate"] = state.prev_gate[index].detach().to("cpu").clone()
-    return out
-
-
-def check_state(layout: Layout, n: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Raise SnapshotError("state") unless `tensors` is a state a cache can really be in after n
-    tokens. Precisely: counters == (n, n // m per compressed layer, 0 for sliding); token ids in
-    the vocabulary; logits finite; every cache value finite, except the CSA overlap gates
-    (`prev_gate`), which are all -inf while no window has closed (n < m, with `prev_kv` all zero)
-    and all finite after; ring slots >= n (n < window) and open-window slots >= n % m zero."""
-    def bad(what):
-        raise SnapshotError("state", what)
-
-    if not 1 <= n <= layout.max_context:
-        bad(f"token count {n} outside [1, max_context {layout.max_context}]")
-    tokens = tensors["tokens"]
-    if tokens.numel() != n:
-        bad(f"{tokens.numel()} token ids for a count of {n}")
-    if bool(((tokens < 0) | (tokens >= layout.vocab_size)).any()):
-        bad(f"token id outside the vocabulary [0, {layout.vocab_size})")
-    if not bool(torch.isfinite(tensors["logits"]).all()):
-        bad("logits not finite")
-    expected = [n] + [n // r if r else 0 for _, r in layout.layers]
-    if tensors["counters"].tolist() != expected:
-        bad(f"counters {tensors['counters'].tolist()} != {expected} (positions, rows per layer) for {n} tokens")
-    for i, (kind, rate) in enumerate(layout.layers):
-        w = tensors[f"L{i}.window"]
-        if not bool(torch.isfinite(w).all()):
-            bad(f"layer {i} window not finite")
-        if n < layout.window and bool(w[n:].any()):
-            bad(f"layer {i} window slots >= {n} written")
-        if not rate:
-            continue
-        for part in ("comp", "idx") if kind == "compressed_sparse_attention" else ("comp",):
-            p = f"L{i}.{part}"
-            for name in ("rows", "open_kv", "open_gate"):
-                if not bool(torch.isfinite(tensors[f"{p}.{name}"]).all()):
-                    bad(f"{p}.{name} not finite")
-            for name in ("open_kv", "open_gate"):
-                if bool(tensors[f"{p}.{name}"][n % rate:].any()):
-                    bad(f"{p}.{name}: slots past the open window's {n % rate} tokens written")
-            if f"{p}.prev_gate" in tensors:
-                kv, gate = tensors[f"{p}.prev_kv"], tensors[f"{p}.prev_gate"]
-                if n < rate:
-                    if bool(kv.any()) or not bool((gate == float("-inf")).all()):
-                        bad(f"{p}: overlap set before the first window closed")
-                elif not (bool(torch.isfinite(kv).all()) and bool(torch.isfinite(gate).all())):
-                    bad(f"{p}: overlap not finite after a window closed")
-
-
-def encode_snapshot(model_fp: str, layout: Layout, tokens: list[int], logits: torch.Tensor,
-                    state: dict[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
-    """(fixed part + header, section payloads) of a snapshot."""
-    n = len(tokens)
-    logits = logits.detach().to("cpu").reshape(-1).contiguous()
-    tensors = dict(state)
-    tensors["tokens"] = torch.tensor(tokens, dtype=torch.int32)
-    tensors["logits"] = logits
-    tensors["counters"] = torch.tensor([n] + [n // r if r else 0 for _, r in layout.layers], dtype=torch.int64)
-    check_state(layout, n, tensors)  # never persist a state that would be rejected on load
-    table, payloads = [], []
-    for name, dtype, shape in layout.sections(n, _dtype_name(logits.dtype)):
-        t = tensors[name]
-        if tuple(t.shape) != shape or _dtype_name(t.dtype) != dtype:
-            raise SnapshotError("state", f"section {name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
-        buf = _tensor_bytes(t)
-        payloads.append(buf)
-        table.append({"name": name, "dtype": dtype, "shape": list(shape), "nbytes": buf.nbytes, "xxh3": _xxh(buf)})
-    header = json.dumps({"model": model_fp, "layout": layout.fingerprint, "n_tokens": n,
-                         "tokens_hash": tokens_hash(tokens), "created": time.time(), "checksum": "xxh3_64",
-                         "sections": table}, separators=(",", ":")).encode()
-    return FIXED.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(header)) + header, payloads
-
-
-def read_header(f, file_size: int) -> tuple[dict, int]:
-    """Parse and check the fixed part and header of an open snapshot: (header, payload offset)."""
-    raw = f.read(FIXED.size)
-    if len(raw) < FIXED.size:
-        raise SnapshotError("truncated", f"{file_size} bytes: shorter than the fixed header")
-    magic, version, hlen, hsum = FIXED.unpack(raw)
-    if magic != MAGIC:
-        raise SnapshotError("magic", f"magic {magic!r} != {MAGIC!r}")
-    if version != VERSION:
-        raise SnapshotError("version", f"format version {version}, this build reads {VERSION}")
-    if hlen > MAX_HEADER:
-        raise SnapshotError("header", f"header length {hlen} > {MAX_HEADER}")
-    body = f.read(hlen)
-    if len(body) < hlen:
-        raise SnapshotError("truncated", f"header cut short ({len(body)} of {hlen} bytes)")
-    if xxhash.xxh3_64_intdigest(body) != hsum:
-        raise SnapshotError("header", "header checksum mismatch")
-    try:
-        header = json.loads(body)
-        n = header["n_tokens"]
-        sections = header["sections"]
-        assert isinstance(n, int) and isinstance(sections, list) and header["checksum"] == "xxh3_64"
-        assert isinstance(header["tokens_hash"], str)
-        assert all(isinstance(s["name"], str) and isinstance(s["nbytes"], int) and isinstance(s["dtype"], str)
-                   and isinstance(s["xxh3"], str) and isinstance(s["shape"], list)
-                   and all(isinstance(d, int) for d in s["shape"]) for s in sections)
-    except Exception as e:  # noqa: BLE001 - any malformed header
-        raise SnapshotError("header", f"malformed header: {type(e).__name__}: {e}") from None
-    return header, FIXED.size + hlen
-
-
-def check_header(header: dict, file_size: int, payload_at: int, model_fp: str, layout: Layout) -> None:
-    if header.get("layout") != layout.fingerprint:
-        raise SnapshotError("layout", "written for another cache layout (window, rates, dims, dtype or context)")
-    if header.get("model") != model_fp:
-        raise SnapshotError("model", "written by another model (config or weights differ)")
-    n = header["n_tokens"]
-    if not 1 <= n <= layout.max_context:
-        raise SnapshotError("header", f"token count {n} outside [1, {layout.max_context}]")
-    got = [(s["name"], s["dtype"], tuple(s["shape"])) for s in header["sections"]]
-    logits_dtype = got[1][1] if len(got) > 1 else ""
-    want = layout.sections(n, logits_dtype)
-    if got != want or logits_dtype not in _DTYPES:
-        raise SnapshotError("header", "section table does not match the layout")
-    for s, (_, dtype, shape) in zip(header["sections"], want):
-        if s["nbytes"] != math.prod(shape) * _DTYPES[dtype].itemsize:
-            raise SnapshotError("header", f"section {s['name']}: {s['nbytes']} bytes for {shape} {dtype}")
-    expected = payload_at + sum(s["nbytes"] for s in header["sections"])
-    if file_size < expected:
-        raise SnapshotError("truncated", f"{file_size} bytes, the header describes {expected}")
-    if file_size > expected:
-        raise SnapshotError("size", f"{file_size} bytes, the header describes {expected}")
-
-
-def _read_section(f, s: dict) -> torch.Tensor:
-    buf = bytearray(s["nbytes"])
-    if f.readinto(buf) != len(buf):
-        raise SnapshotError("truncated", f"section {s['name']} cut short")
-    if _xxh(buf) != s["xxh3"]:
-        raise SnapshotError("checksum", f"section {s['name']}: checksum mismatch")
-    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return t.view(_DTYPES[s["dtype"]]).reshape(s["shape"])
-
-
-def read_snapshot(path: str, model_fp: str, layout: Layout, tokens_only: bool = False) -> tuple[dict, dict]:
-    """(header, {section: CPU tensor}) of a fully checked snapshot; SnapshotError otherwise.
-    `tokens_only` stops after the token ids (for the index at start)."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            header, at = read_header(f, size)
-            check_header(header, size, at, model_fp, layout)
-            tensors = {}
-            for s in header["sections"]:
-                tensors[s["name"]] = _read_section(f, s)
-                if s["name"] == "tokens":
-                    if tokens_hash(tensors["tokens"].tolist()) != header["tokens_hash"]:
-                        raise SnapshotError("token_hash", "the token ids do not match the header's hash")
-                    if tokens_only:
-                        return header, tensors
-    except SnapshotError:
-        raise
-    except OSError as e:
-        raise SnapshotError("io", f"{type(e).__name__}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - a header that passed its checksum yet is malformed
-        raise SnapshotError("header", f"{type(e).__name__}: {e}") from None
-    try:
-        check_state(layout, header["n_tokens"], tensors)
-    except SnapshotError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise SnapshotError("state", f"{type(e).__name__}: {e}") from None
-    return header, tensors
 
 
 # ------------------------------------------------------------------------------ the store
@@ -418,7 +98,7 @@ class _PromMetrics:
 
 
 class KVStore:
-    """The engine's `KVStore` on disk. See the module docstring for the format and the rules.
+    """The engine's `KVStore` on disk. See the module docstring for the rules, `serve.snapshot` for the format.
 
     `model` is fingerprinted once; `ctx` and `dtype` (default: the model's) give the layout of the
     engine's live cache. `every` > 0: `checkpoint` saves every `every` tokens of a growing
@@ -435,7 +115,7 @@ class KVStore:
         self.every, self.min_tokens, self.quarantine_max = every, min_tokens, quarantine_max
         self.model_fp = model_fingerprint(model)
         self.layout = Layout.of(model.config, ctx, dtype or model.dtype)
-        self.prefix = f"{self.model_fp[:12]}-{self.layout.fingerprint[:8]}-"
+        self.prefix = name_prefix(self.model_fp, self.layout)
         self.counts = _Counts()
         self.prom = _PromMetrics(registry) if registry is not None else None
         self.entries: dict[str, Entry] = {}
@@ -468,33 +148,38 @@ class KVStore:
             assert isinstance(stats, dict)
         except (OSError, ValueError, AssertionError):
             stats = {}
+        for d in (self.dir, self.qdir):  # what a crash mid-write left (snapshots, stats, notes)
+            for name in os.listdir(d):
+                if name.startswith(TMP_PREFIX):
+                    log.info("kvstore: removing stale temporary file %s", name)
+                    _unlink(os.path.join(d, name))
         for name in sorted(os.listdir(self.dir)):
             path = os.path.join(self.dir, name)
-            if name.startswith(TMP_PREFIX):
-                log.info("kvstore: removing stale temporary file %s", name)
-                _unlink(path)
-                continue
             if not (name.endswith(SUFFIX) and name.startswith(self.prefix)):
                 continue  # another model's or layout's snapshots: kept, counted, evicted first
             try:
-                header, tensors = read_snapshot(path, self.model_fp, self.layout, tokens_only=True)
-                if name != self._name(tensors["tokens"].tolist()):
+                snap = read_snapshot(path, self.model_fp, self.layout, tokens_only=True)
+                if name != self._name(snap.tokens):
                     raise SnapshotError("header", "file name does not match its tokens")
             except SnapshotError as e:
                 self._quarantine(name, e)
                 continue
             st = os.stat(path)
             s = stats.get(name) if isinstance(stats.get(name), dict) else {}
-            self.entries[name] = Entry(name, tensors["tokens"].tolist(), st.st_size, header.get("created", st.st_mtime),
+            self.entries[name] = Entry(name, snap.tokens, st.st_size, snap.header.get("created", st.st_mtime),
                                        st.st_mtime, hits=int(s.get("hits", 0)))
         self._trim_quarantine()
+        self._make_room()  # a crash between a write and its eviction, or a smaller budget
         self._update_gauges()
         log.info("kvstore: %s: %d snapshots, %.1f of %.1f MiB", self.dir, len(self.entries), self.usage() / 2**20,
                  self.budget / 2**20)
 
     def close(self) -> None:
-        """Write the hit statistics and release the directory."""
+        """Write the hit statistics and release the directory (once: after that the directory may
+        be another process's)."""
         with self._lock:
+            if self._lockfile is None:
+                return
             try:
                 self._write_stats()
             except OSError as e:
@@ -524,19 +209,20 @@ class KVStore:
                                 key=lambda e: e.n, reverse=True)
             for entry in candidates:
                 try:
-                    header, tensors = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
-                    if tensors["tokens"].tolist() != entry.tokens:
+                    snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
+                    if snap.tokens != entry.tokens:
                         raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
-                    staging = DS4Cache(cache.config, 1, cache.max_context, dtype=cache.dtype, device="cpu")
-                    self._fill(staging, entry.n, tensors)
                 except SnapshotError as e:
                     self._quarantine(entry.name, e)
                     continue
-                except Exception as e:  # noqa: BLE001 - whatever else this file causes, it is not tried again
+                except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
                     self._quarantine(entry.name, SnapshotError("state", f"{type(e).__name__}: {e}"))
                     continue
-                cache.load_sequence(0, staging)
-                cache.invalid.discard(0)
+                try:  # checks every name, shape and dtype before it writes anything into the live cache
+                    cache.import_sequence(0, snap.state)
+                except ValueError as e:  # any other error (a device failing) is not the file's: the engine's
+                    self._quarantine(entry.name, SnapshotError("state", f"the cache refused it: {e}"))
+                    continue
                 entry.hits += 1
                 entry.last_used = time.time()
                 _touch(os.path.join(self.dir, entry.name))
@@ -544,7 +230,7 @@ class KVStore:
                 self._count("hits")
                 self._count("restored_tokens", entry.n)
                 log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
-                return entry.n, tensors["logits"].to(cache.device).clone()
+                return entry.n, snap.logits.to(cache.device).clone()
             self._count("misses")
             return None
 
@@ -578,7 +264,7 @@ class KVStore:
                 if int(cache.positions[0]) != n or 0 in cache.invalid:
                     raise SnapshotError("state", f"the cache holds {int(cache.positions[0])} tokens, not {n}")
                 head, payloads = encode_snapshot(self.model_fp, self.layout, list(token_ids), last_logits,
-                                                 _cache_sections(cache, 0, n))
+                                                 cache.export_sequence(0, device="cpu"))
             except SnapshotError as e:
                 log.warning("kvstore: not saving %d tokens: %s", n, e)
                 return False
@@ -587,12 +273,15 @@ class KVStore:
                 log.info("kvstore: a snapshot of %d tokens (%d bytes) is larger than the budget (%d)", n, size,
                          self.budget)
                 return False
-            self._make_room(size)
+            path = os.path.join(self.dir, name)
             try:
-                self._write(name, head, payloads)
+                write_atomically(path, [head, *payloads], pause=float(os.environ.get(WRITE_DELAY_ENV) or 0))
             except OSError as e:
                 log.warning("kvstore: cannot write %s: %s", name, e)
+                _unlink(path)  # renamed but not made durable: not indexed, so not kept either
+                self._update_gauges()
                 return False
+            self._make_room()  # only now: a failed write must not cost other snapshots
             now = time.time()
             self.entries[name] = Entry(name, list(token_ids), size, now, now)
             self._count("saves")
@@ -624,7 +313,7 @@ class KVStore:
         return total
 
     def quarantined(self) -> list[str]:
-        return sorted(n for n in os.listdir(self.qdir) if not n.endswith(".why"))
+        return self._quarantine_files(by_age=False)
 
     def stats(self) -> dict:
         c = self.counts
@@ -634,7 +323,7 @@ class KVStore:
 
     # ---------------------------------------------------------------- internals
     def _name(self, tokens) -> str:
-        return f"{self.prefix}{len(tokens):08d}-{tokens_hash(tokens)}{SUFFIX}"
+        return file_name(self.model_fp, self.layout, tokens)
 
     def _check_cache(self, cache: DS4Cache) -> bool:
         got = Layout.of_cache(cache)
@@ -645,42 +334,11 @@ class KVStore:
             return False
         return True
 
-    def _fill(self, staging: DS4Cache, n: int, tensors: dict) -> None:
-        staging.positions[0] = n
-        for i, layer in enumerate(staging.layers):
-            layer.window[0].copy_(tensors[f"L{i}.window"])
-            for part, state in zip(("comp", "idx"), layer.states):
-                p = f"L{i}.{part}"
-                state.rows[0, :n // layer.rate].copy_(tensors[f"{p}.rows"])
-                state.open_kv[0].copy_(tensors[f"{p}.open_kv"])
-                state.open_gate[0].copy_(tensors[f"{p}.open_gate"])
-                if state.prev_kv is not None:
-                    state.prev_kv[0].copy_(tensors[f"{p}.prev_kv"])
-                    state.prev_gate[0].copy_(tensors[f"{p}.prev_gate"])
-
-    def _write(self, name: str, head: bytes, payloads: list[memoryview]) -> None:
-        delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
-        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}.part")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(head)
-                for p in payloads:
-                    if delay:
-                        f.flush()
-                        time.sleep(delay)
-                    f.write(p)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.dir, name))
-        except BaseException:
-            _unlink(tmp)
-            raise
-        _fsync_dir(self.dir)
-
-    def _make_room(self, size: int) -> None:
-        """Delete until `size` more bytes fit: quarantine (oldest first), other models' and
-        layouts' snapshots (oldest first), then our snapshots by ascending score."""
-        if self.usage() + size <= self.budget:
+    def _make_room(self) -> None:
+        """Delete until the directory fits the budget: quarantine (oldest first), other models'
+        and layouts' snapshots (oldest first), then our indexed snapshots by ascending score (a
+        file not yet indexed, the one just written, is never a victim)."""
+        if self.usage() <= self.budget:
             return
         now = time.time()
         victims = [os.path.join(self.qdir, n) for n in self._quarantine_files()]
@@ -688,7 +346,7 @@ class KVStore:
         victims += sorted((os.path.join(self.dir, n) for n in foreign), key=_mtime)
         victims += [os.path.join(self.dir, e.name) for e in sorted(self.entries.values(), key=lambda e: e.score(now))]
         for path in victims:
-            if self.usage() + size <= self.budget:
+            if self.usage() <= self.budget:
                 break
             name = os.path.basename(path)
             _unlink(path)
@@ -698,10 +356,10 @@ class KVStore:
                 self._count("evictions")
                 log.info("kvstore: evicted %s", name)
 
-    def _quarantine_files(self) -> list[str]:
-        """Quarantined snapshots (not their notes), oldest first."""
-        names = [n for n in os.listdir(self.qdir) if not n.endswith(".why")]
-        return sorted(names, key=lambda n: _mtime(os.path.join(self.qdir, n)))
+    def _quarantine_files(self, by_age: bool = True) -> list[str]:
+        """Quarantined snapshots (not their notes nor temporary files), oldest first (or by name)."""
+        names = sorted(n for n in os.listdir(self.qdir) if not n.endswith(".why") and not n.startswith(TMP_PREFIX))
+        return sorted(names, key=lambda n: _mtime(os.path.join(self.qdir, n))) if by_age else names
 
     def _trim_quarantine(self) -> None:
         files = self._quarantine_files()
@@ -719,12 +377,18 @@ class KVStore:
         log.warning("kvstore: rejected %s (%s): %s; moved to %s/", name, err.reason, err.detail, QUARANTINE)
         try:
             os.replace(src, os.path.join(self.qdir, qname))
-            with open(os.path.join(self.qdir, qname + ".why"), "w") as f:
-                json.dump({"file": name, "reason": err.reason, "detail": err.detail, "time": time.time()}, f)
-            _fsync_dir(self.dir)
+            fsync_dir(self.qdir)
+            fsync_dir(self.dir)
         except OSError as e:
             log.warning("kvstore: cannot quarantine %s (%s); deleting it", name, e)
             _unlink(src)
+        else:
+            # the note only explains; the file is already out of the way without it
+            note = {"file": name, "reason": err.reason, "detail": err.detail, "time": time.time()}
+            try:
+                write_atomically(os.path.join(self.qdir, qname + ".why"), [json.dumps(note).encode()])
+            except OSError as e:
+                log.warning("kvstore: cannot write the quarantine note for %s: %s", name, e)
         self.last_rejection = (name, err.reason, err.detail)
         self.counts.rejected[err.reason] = self.counts.rejected.get(err.reason, 0) + 1
         if self.prom is not None:
@@ -734,13 +398,8 @@ class KVStore:
 
     def _write_stats(self) -> None:
         blob = json.dumps({e.name: {"hits": e.hits} for e in self.entries.values() if e.hits}).encode()
-        self._make_room(2 * len(blob))  # the temporary copy and the file itself
-        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{STATS}")
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.dir, STATS))
+        write_atomically(os.path.join(self.dir, STATS), [blob])
+        self._make_room()
 
     def _count(self, what: str, k: int = 1) -> None:
         setattr(self.counts, what, getattr(self.counts, what) + k)
@@ -779,10 +438,3 @@ def _unlink(path: str) -> None:
     except OSError as e:
         log.warning("kvstore: cannot delete %s: %s", path, e)
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

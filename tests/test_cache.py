@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ds4_torch import DS4ForCausalLM
+from ds4_torch.cache import DS4Cache
 from ds4_torch.config import CSA, HCA, SLIDING
 from oracle import make_oracle
 
@@ -126,3 +127,154 @@ def test_bad_inputs(pair):
         ours(torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="max_context"):
         ours.new_cache(1, 0)
+
+
+# --------------------------------------------------------------------------- one sequence's state
+def slot_tensors(cache, index):
+    """Every tensor of sequence `index`, whole (scratch rows and stale slots included)."""
+    return [t[index].clone() for t in cache.tensors()]
+
+
+@torch.no_grad()
+def feed(model, tokens, tail, max_context=64):
+    """A batch-1 cache fed `tokens`, the last `tail` one at a time (so open windows hold stale
+    slots from earlier windows)."""
+    cache = model.new_cache(1, max_context)
+    head = len(tokens) - tail
+    model(torch.tensor([tokens[:head]]), cache=cache)
+    for t in tokens[head:]:
+        model(torch.tensor([[t]]), cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("n,tail", [(3, 0), (21, 7), (37, 3)])
+@torch.no_grad()
+def test_export_import_continues_like_the_original(pair, n, tail):
+    """3 tokens: no window closed (CSA overlap gates -inf); 21 and 37: ring wrapped, rows of both
+    rates, open windows part-filled with stale slots. The original cache continuing is the
+    reference: an import into another cache continues bit for bit; an import, a copy from the
+    original and a copy within the batch, into slots of a batch cache (another max_context, a
+    neighbour at another position), within 1e-5."""
+    _, model = pair
+    gen = torch.Generator().manual_seed(n)
+    tokens = torch.randint(2, 100, (n,), generator=gen).tolist()
+    follow = torch.randint(2, 100, (12,), generator=gen).tolist()
+    original = feed(model, tokens, tail)
+    state = original.export_sequence(0)
+
+    alone = model.new_cache(1, 64)
+    alone.import_sequence(0, state)
+    batch = model.new_cache(4, 52)
+    batch.copy_sequence(2, 0, feed(model, torch.randint(2, 100, (29,), generator=gen).tolist(), 2))
+    neighbour = slot_tensors(batch, 2)
+    batch.import_sequence(1, state)
+    batch.copy_sequence(0, 0, original)
+    batch.copy_sequence(3, 1)
+    assert batch.positions.tolist() == [n, n, 29, n]
+    assert all(torch.equal(a, b) for a, b in zip(slot_tensors(batch, 2), neighbour))
+
+    for t in follow:
+        want = model(torch.tensor([[t]]), cache=original)[0, -1]
+        assert torch.equal(model(torch.tensor([[t]]), cache=alone)[0, -1], want)
+        got = model(torch.tensor([[t], [t], [5], [t]]), cache=batch)[[0, 1, 3], -1]
+        assert (got - want).abs().max() <= 1e-5
+
+
+def expected_export_bytes(cfg, n, elem):
+    """Bytes of one sequence's state after n tokens, from the layout alone."""
+    total = 8
+    W, D, dI = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    for kind in cfg.layer_types:
+        total += elem * W * D
+        if kind == HCA:
+            m = cfg.compress_rates[HCA]
+            total += elem * ((n // m) * D + 2 * m * D)
+        elif kind == CSA:
+            m = cfg.compress_rates[CSA]
+            total += elem * ((n // m) * D + 2 * m * 2 * D + 2 * m * D + (n // m) * dI + 2 * m * 2 * dI + 2 * m * dI)
+    return total
+
+
+@torch.no_grad()
+def test_export_size_follows_tokens_not_max_context(pair):
+    _, model = pair
+    ids = torch.randint(2, 100, (1, 30), generator=torch.Generator().manual_seed(3))
+    sizes = {}
+    for ctx in (32, 4000):
+        for n in (9, 30):
+            cache = model.new_cache(1, ctx)
+            model(ids[:, :n], cache=cache)
+            state = cache.export_sequence(0)
+            assert [(k, v.dtype, tuple(v.shape)) for k, v in state.items()] == cache.sequence_spec(n)
+            sizes[ctx, n] = sum(t.numel() * t.element_size() for t in state.values())
+            assert sizes[ctx, n] == expected_export_bytes(model.config, n, 4)
+    assert sizes[32, 9] == sizes[4000, 9] < sizes[32, 30] == sizes[4000, 30]
+
+
+@torch.no_grad()
+def test_import_rejects_a_mismatched_state_and_writes_nothing(pair):
+    _, model = pair
+    cache = model.new_cache(2, 32)
+    model(torch.randint(2, 100, (2, 13), generator=torch.Generator().manual_seed(4)), cache=cache)
+    good = cache.export_sequence(1)
+    before = [t.clone() for t in cache.tensors()]
+
+    def changed(**edits):
+        state = dict(good)
+        for k, v in edits.items():
+            if v is None:
+                del state[k]
+            else:
+                state[k] = v
+        return state
+
+    cases = [
+        (changed(**{"layers.1.compressor.rows": None}), "layers.1.compressor.rows"),
+        (changed(**{"layers.9.window": good["layers.0.window"]}), "layers.9.window"),
+        (changed(**{"layers.0.window": good["layers.0.window"].double()}), "layers.0.window"),
+        (changed(**{"layers.3.indexer.open_gate": good["layers.3.indexer.open_gate"][:-1]}), "layers.3.indexer"),
+        (changed(position=torch.tensor(16)), "layers.1.compressor.rows"),    # 16 // 4 rows, 13 // 4 given
+        (changed(position=torch.tensor(33)), "max_context"),
+        (changed(position=torch.tensor([13])), "position"),
+        (changed(position=torch.tensor(13, dtype=torch.int32)), "position"),
+    ]
+    for state, name in cases:
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            cache.import_sequence(0, state)
+        assert all(torch.equal(a, b) for a, b in zip(cache.tensors(), before))
+    other = DS4Cache(model.config.replace(sliding_window=5), 1, 32)
+    with pytest.raises(ValueError, match="same config"):
+        other.copy_sequence(0, 1, cache)
+    with pytest.raises(ValueError, match="window"):
+        other.import_sequence(0, good)
+
+
+@torch.no_grad()
+def test_import_leaves_no_stale_rows(pair):
+    """A slot that held a longer sequence, or was invalidated with rows written past its count,
+    ends up exactly as a fresh slot importing the same state."""
+    _, model = pair
+    ids = torch.randint(2, 100, (2, 40), generator=torch.Generator().manual_seed(6))
+    source = model.new_cache(1, 64)
+    model(ids[:1, :9], cache=source)
+    state = source.export_sequence(0)
+    fresh = model.new_cache(1, 64)
+    fresh.import_sequence(0, state)
+
+    longer = model.new_cache(1, 64)
+    model(ids[1:, :40], cache=longer)
+    longer.import_sequence(0, state)
+    assert all(torch.equal(a, b) for a, b in zip(slot_tensors(longer, 0), slot_tensors(fresh, 0)))
+
+    broken = model.new_cache(1, 64)
+    model(ids[1:, :4], cache=broken)
+    for layer in broken.layers:
+        for s in layer.states:
+            s.rows[0].fill_(7.0)  # what a step failing half-way could leave past the count
+    broken.invalidate([0])
+    broken.import_sequence(0, state)
+    assert not broken.invalid
+    assert all(torch.equal(a, b) for a, b in zip(slot_tensors(broken, 0), slot_tensors(fresh, 0)))
+    broken.invalidate([0])
+    with pytest.raises(RuntimeError, match="invalidated"):
+        broken.export_sequence(0)

@@ -79,7 +79,7 @@ def test_batch_of_three_at_staggered_positions(model):
             single = model.new_cache(1, 80)
             ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n))
             first.append(prefill(model, single, ids, CHUNK))
-            cache.load_sequence(i, single)
+            cache.copy_sequence(i, 0, single)
         caches[mode] = greedy(make_decoder(model, cache, mode), torch.cat(first), steps)
     assert torch.equal(caches["eager"][0], caches["graph"][0])
     assert (caches["eager"][1] - caches["graph"][1]).abs().max().item() <= 1e-5

@@ -316,7 +316,7 @@ def test_model_triton_backend_equals_torch():
             single = model.new_cache(1, 64)
             ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n))
             first.append(prefill(model, single, ids, chunk))
-            cache.load_sequence(i, single)
+            cache.copy_sequence(i, 0, single)
         logits[backend], caches[backend] = [torch.cat(first)], cache
     for _ in range(steps):  # both backends decode the torch backend's greedy tokens
         nxt = logits["torch"][-1].argmax(-1)

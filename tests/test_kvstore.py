@@ -1,9 +1,10 @@
-"""The disk KV cache (serve/kvstore.py) against the default model and real caches: restore
+"""The disk KV cache (serve/kvstore.py, serve/snapshot.py) against the default model and real caches: restore
 parity, every kind of damaged snapshot (rejected with its reason, quarantined, never tried
 again), post-restore failures, the space budget and eviction order."""
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 
@@ -14,8 +15,9 @@ import xxhash
 from ds4_torch.decode import make_decoder, prefill
 from ds4_torch.default_model import build_default_model
 from ds4_torch.model import DS4ForCausalLM
-from serve import kvstore
-from serve.kvstore import FIXED, KVStore
+from serve import snapshot
+from serve.kvstore import WRITE_DELAY_ENV, KVStore
+from serve.snapshot import FIXED
 
 CTX = 256
 
@@ -144,7 +146,7 @@ def parse(path):
 def write_header(path, data, header, payload):
     body = json.dumps(header, separators=(",", ":")).encode()
     with open(path, "wb") as f:
-        f.write(FIXED.pack(kvstore.MAGIC, kvstore.VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body)
+        f.write(FIXED.pack(snapshot.MAGIC, snapshot.VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body)
         f.write(payload)
 
 
@@ -153,14 +155,14 @@ def rewrite_section(path, name, fn):
     data, header, offsets = parse(path)
     at, nbytes = offsets[name]
     s = next(s for s in header["sections"] if s["name"] == name)
-    t = torch.frombuffer(bytearray(data[at:at + nbytes]), dtype=torch.uint8).view(kvstore._DTYPES[s["dtype"]])
+    t = torch.frombuffer(bytearray(data[at:at + nbytes]), dtype=torch.uint8).view(snapshot.DTYPES[s["dtype"]])
     t = t.reshape(s["shape"]).clone()
     fn(t)
-    raw = kvstore._tensor_bytes(t).tobytes()
+    raw = snapshot.tensor_bytes(t).tobytes()
     data[at:at + nbytes] = raw
     s["xxh3"] = xxhash.xxh3_64_hexdigest(raw)
     if name == "tokens":
-        header["tokens_hash"] = kvstore.tokens_hash(t.tolist())
+        header["tokens_hash"] = snapshot.tokens_hash(t.tolist())
     first = min(a for a, _ in offsets.values())
     write_header(path, data, header, bytes(data[first:]))
 
@@ -233,7 +235,7 @@ def test_damaged_file(store, model, damage, reason):
         data, header, offsets = parse(path)
         at, nbytes = offsets["tokens"]
         t = torch.frombuffer(bytearray(data[at:at + nbytes]), dtype=torch.int32).flip(0).clone()
-        data[at:at + nbytes] = kvstore._tensor_bytes(t).tobytes()
+        data[at:at + nbytes] = snapshot.tensor_bytes(t).tobytes()
         header["sections"][0]["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(data[at:at + nbytes]))
         write_header(path, data, header, bytes(data[at:]))
     else:
@@ -242,12 +244,13 @@ def test_damaged_file(store, model, damage, reason):
 
 
 @pytest.mark.parametrize("section,fn,detail", [
-    ("L0.window", lambda t: t.view(-1).__setitem__(5, float("nan")), "window not finite"),
-    ("L1.comp.rows", lambda t: t.view(-1).__setitem__(0, float("inf")), "rows not finite"),
-    ("counters", lambda t: t.__setitem__(0, t[0] + 1), "counters"),
-    ("counters", lambda t: t.__setitem__(2, t[2] + 1), "counters"),
-    ("L1.comp.prev_gate", lambda t: t.view(-1).__setitem__(0, float("-inf")), "overlap not finite"),
-    ("L2.comp.open_kv", lambda t: t[-1].fill_(1.0), "slots past the open window"),
+    ("layers.0.window", lambda t: t.view(-1).__setitem__(5, float("nan")), "window not finite"),
+    ("layers.1.compressor.rows", lambda t: t.view(-1).__setitem__(0, float("inf")), "rows not finite"),
+    ("layers.1.indexer.rows", lambda t: t.view(-1).__setitem__(0, float("nan")), "indexer.rows not finite"),
+    ("position", lambda t: t.add_(1), "position 42 != 41"),
+    ("position", lambda t: t.sub_(1), "position 40 != 41"),
+    ("layers.1.compressor.prev_gate", lambda t: t.view(-1).__setitem__(0, float("-inf")), "overlap not finite"),
+    ("layers.2.compressor.open_kv", lambda t: t[-1].fill_(1.0), "slots past the open window"),
     ("logits", lambda t: t.__setitem__(0, float("nan")), "logits"),
 ])
 def test_structurally_valid_but_unusable_state(store, model, section, fn, detail):
@@ -257,15 +260,34 @@ def test_structurally_valid_but_unusable_state(store, model, section, fn, detail
     expect_rejected(store, model, tokens, "state", detail)
 
 
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_compressed_row_count_must_be_tokens_over_rate(store, model, delta):
+    """A file whose rows section holds one row fewer or more than N // m, every size and
+    checksum fixed, is refused by its section table."""
+    tokens = ids_for(6, 41)
+    path, _, _ = saved(store, model, tokens)
+    data, header, offsets = parse(path)
+    s = next(s for s in header["sections"] if s["name"] == "layers.1.compressor.rows")
+    at, nbytes = offsets[s["name"]]
+    row = nbytes // s["shape"][0]
+    assert s["shape"][0] == 41 // model.config.compress_rate(1)
+    raw = bytes(data[at:at + nbytes - row]) if delta < 0 else bytes(data[at:at + nbytes]) + bytes(data[at:at + row])
+    s["shape"][0] += delta
+    s["nbytes"], s["xxh3"] = len(raw), xxhash.xxh3_64_hexdigest(raw)
+    first = min(a for a, _ in offsets.values())
+    write_header(path, data, header, bytes(data[first:at]) + raw + bytes(data[at + nbytes:]))
+    expect_rejected(store, model, tokens, "header", "section table does not match the layout")
+
+
 def test_state_rules_before_first_window(store, model):
     tokens = ids_for(7, 3)  # no window closed: CSA overlap gates must be exactly -inf, kv zero
     path, _, _ = saved(store, model, tokens)
     _, header, _ = parse(path)
-    assert any(s["name"] == "L1.comp.prev_gate" for s in header["sections"])
-    rewrite_section(path, "L1.comp.prev_gate", lambda t: t.view(-1).__setitem__(0, 0.0))
+    assert any(s["name"] == "layers.1.compressor.prev_gate" for s in header["sections"])
+    rewrite_section(path, "layers.1.compressor.prev_gate", lambda t: t.view(-1).__setitem__(0, 0.0))
     expect_rejected(store, model, tokens, "state", "overlap set before the first window closed")
     path, _, _ = saved(store, model, tokens)
-    rewrite_section(path, "L0.window", lambda t: t[10].fill_(0.5))  # ring slot 10 of a 3-token sequence
+    rewrite_section(path, "layers.0.window", lambda t: t[10].fill_(0.5))  # ring slot 10 of a 3-token sequence
     expect_rejected(store, model, tokens, "state", "window slots >= 3 written")
 
 
@@ -330,6 +352,22 @@ def test_damaged_file_found_at_start_is_quarantined(tmp_path, model):
         assert s2.restore(model.new_cache(1, CTX), tokens) is None
         assert s2.counts.rejected == {"truncated": 1, "checksum": 1}
         assert len(s2.quarantined()) == 2 and not s2.entries
+
+
+def test_files_of_the_previous_format_version_are_quarantined_at_start(tmp_path, model):
+    tokens = ids_for(17, 40)
+    with other_store(tmp_path, model, "kv") as s:
+        path, _, _ = saved(s, model, tokens)
+    data, header, offsets = parse(path)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    with open(path, "wb") as f:  # version 1 wrote other section names under the same file name
+        f.write(FIXED.pack(snapshot.MAGIC, snapshot.VERSION - 1, len(body), xxhash.xxh3_64_intdigest(body)) + body)
+        f.write(bytes(data[min(a for a, _ in offsets.values()):]))
+    with other_store(tmp_path, model, "kv") as s2:
+        assert s2.counts.rejected == {"version": 1} and not s2.entries
+        assert s2.last_rejection[:2] == (s2._name(tokens), "version")
+        assert s2.quarantined()[0].endswith(".version")
+        assert s2.restore(model.new_cache(1, CTX), tokens) is None
 
 
 # --------------------------------------------------------------------------- post-restore failure
@@ -464,3 +502,128 @@ def test_restore_parity_bf16(tmp_path):
         assert n == 45 and got.dtype == logits.dtype and torch.equal(got, logits)
         out = greedy(model, cache, got, 12)
         assert out[0] == reference[0] and torch.equal(out[1], reference[1])
+
+
+# --------------------------------------------------------------------------- crash safety
+def fill_to_budget(s, model):
+    """Snapshots of 30 tokens until one more would not fit: {name: (tokens, logits)}."""
+    kept = {}
+    for i in range(40):
+        tokens = ids_for(500 + i, 30)
+        cache, logits = run(model, tokens)
+        assert s.save(cache, tokens, logits)
+        kept[s._name(tokens)] = (tokens, logits)
+        per = os.path.getsize(os.path.join(s.dir, s._name(tokens)))
+        if s.usage() + per > s.budget:
+            return kept
+    raise AssertionError("the budget never filled")
+
+
+@pytest.mark.parametrize("failure", ["fsync", "mid_write"])
+def test_failed_write_evicts_nothing(tmp_path, model, monkeypatch, failure):
+    """The store is full, so the next snapshot needs room; its write fails (a full disk at the
+    fsync, an error between sections): every snapshot is still there and restores exactly, no
+    temporary file is left; the same save without the failure then evicts."""
+    with KVStore(tmp_path / "kv", 0.1, model, ctx=CTX, min_tokens=1) as s:
+        kept = fill_to_budget(s, model)
+        assert len(kept) >= 2 and s.counts.evictions == 0
+        files = sorted(os.listdir(s.dir))
+        tokens = ids_for(999, 30)
+        cache, logits = run(model, tokens)
+
+        def disk_full(*a):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if failure == "fsync":
+            monkeypatch.setattr(os, "fsync", disk_full)
+        else:
+            calls = []
+            monkeypatch.setenv(WRITE_DELAY_ENV, "0.001")
+            monkeypatch.setattr(snapshot.time, "sleep", lambda _: calls.append(1) or len(calls) < 5 or disk_full())
+        assert not s.save(cache, tokens, logits)
+        monkeypatch.undo()
+        assert sorted(os.listdir(s.dir)) == files and set(s.entries) == set(kept)
+        assert s.counts.evictions == 0 and s.counts.saves == len(kept)
+        for name, (t, want) in kept.items():
+            got = s.restore(model.new_cache(1, CTX), t)
+            assert got is not None and got[0] == len(t) and torch.equal(got[1], want), name
+        assert s.save(cache, tokens, logits)
+        assert s.counts.evictions >= 1 and s.usage() <= s.budget
+
+
+def test_stats_and_quarantine_note_writes_are_crash_safe(tmp_path, model, monkeypatch):
+    d = tmp_path / "kv"
+    tokens, bad = ids_for(20, 30), ids_for(21, 30)
+    with other_store(tmp_path, model, "kv") as s:
+        saved(s, model, tokens)
+        for _ in range(2):
+            assert s.restore(model.new_cache(1, CTX), tokens)[0] == 30
+    old_stats = (d / "stats.json").read_bytes()
+    assert json.loads(old_stats) == {s._name(tokens): {"hits": 2}}
+
+    real_replace = os.replace
+
+    def replace_failing_for(suffix):
+        def replace(src, dst):
+            if os.fspath(dst).endswith(suffix):
+                raise OSError(errno.EIO, "injected rename failure")
+            return real_replace(src, dst)
+        return replace
+
+    with other_store(tmp_path, model, "kv") as s:
+        assert s.restore(model.new_cache(1, CTX), tokens)[0] == 30  # 3 hits, never written below
+        path, _, _ = saved(s, model, bad)
+        open(path, "r+b").truncate(100)
+        monkeypatch.setattr(os, "replace", replace_failing_for(".why"))
+        assert s.restore(model.new_cache(1, CTX), bad) is None       # quarantined, its note not written
+        assert s.quarantined() and s.last_rejection[:2] == (s._name(bad), "truncated")
+        monkeypatch.setattr(os, "replace", replace_failing_for("stats.json"))
+        s.close()                                                      # the stats write fails
+        monkeypatch.undo()
+        assert not [n for n in os.listdir(d) + os.listdir(d / "quarantine") if n.startswith(".tmp-")]
+        assert not [n for n in os.listdir(d / "quarantine") if n.endswith(".why")]
+    assert (d / "stats.json").read_bytes() == old_stats                # the old file, intact
+    # a crash mid-write leaves temporary files: the next start removes them and reads the old stats
+    (d / ".tmp-0123456789ab-stats.json.part").write_bytes(b'{"half')
+    (d / "quarantine" / ".tmp-0123456789ab-x.why.part").write_bytes(b'{"half')
+    with other_store(tmp_path, model, "kv") as s:
+        assert s.entries[s._name(tokens)].hits == 2
+        assert len(s.quarantined()) == 1 and s.quarantined()[0].startswith(s._name(bad))
+        assert not [n for n in os.listdir(d) + os.listdir(d / "quarantine") if n.startswith(".tmp-")]
+        assert s.restore(model.new_cache(1, CTX), tokens)[0] == 30
+
+
+# --------------------------------------------------------------------------- model fingerprint
+def test_fingerprint_uses_the_checkpoint_fingerprint_when_set(model, monkeypatch):
+    """With `checkpoint_fingerprint` no weight byte is read: a perturbed copy carrying the same
+    one gets the same fingerprint, another checkpoint or dtype a different one."""
+    a = copy.deepcopy(model)
+    a.checkpoint_fingerprint = "ckpt-A"
+    fp = snapshot.model_fingerprint(a)
+
+    def no_weights(*_):
+        raise AssertionError("weights hashed although the checkpoint has a fingerprint")
+    monkeypatch.setattr(snapshot, "_weights_digest", no_weights)
+    perturbed = copy.deepcopy(a)
+    with torch.no_grad():
+        next(perturbed.parameters()).view(-1)[0] += 1.0
+    assert snapshot.model_fingerprint(perturbed) == fp
+    other = copy.deepcopy(a)
+    other.checkpoint_fingerprint = "ckpt-B"
+    assert snapshot.model_fingerprint(other) != fp
+    bf16 = copy.deepcopy(a).to(torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and snapshot.model_fingerprint(bf16) != fp
+    monkeypatch.undo()
+    assert snapshot.model_fingerprint(copy.deepcopy(model)) != fp  # the weight-hash branch differs
+
+
+@pytest.mark.parametrize("attribute", [None, ""])
+def test_fingerprint_hashes_the_weights_without_a_checkpoint_fingerprint(model, attribute):
+    a = copy.deepcopy(model)
+    if attribute is not None:
+        a.checkpoint_fingerprint = attribute
+    b = copy.deepcopy(a)
+    assert snapshot.model_fingerprint(a) == snapshot.model_fingerprint(b)  # separate objects, same bytes
+    with torch.no_grad():
+        next(b.parameters()).view(-1)[0] += 1e-3
+    c = copy.deepcopy(b)  # a fresh object: nothing cached
+    assert snapshot.model_fingerprint(c) != snapshot.model_fingerprint(a)

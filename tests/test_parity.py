@@ -134,7 +134,7 @@ def test_batch_at_staggered_positions(oracle):
     for i, (ids, n) in enumerate(zip(seqs, prompt_lens)):
         single = ours.new_cache(1, 64)
         ours(ids[:, :n], cache=single)
-        batch.load_sequence(i, single)
+        batch.copy_sequence(i, 0, single)
     assert batch.positions.tolist() == list(prompt_lens)
     got = []
     for s in range(steps):
