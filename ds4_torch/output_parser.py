@@ -96,7 +96,12 @@ class ParsedOutput:
 
 # --------------------------------------------------------------------------- DSML block
 class _NeedMore(Exception):
-    """The block text ends before it can be decided."""
+    """The block text ends before it can be decided. When it stopped searching for a
+    ``terminator`` from ``search_from``, nothing changes until that terminator arrives."""
+
+    def __init__(self, terminator: str | None = None, search_from: int = 0):
+        super().__init__(terminator)
+        self.terminator, self.search_from = terminator, search_from
 
 
 class _Malformed(Exception):
@@ -110,8 +115,8 @@ class _Cursor:
     def __init__(self, text: str, final: bool):
         self.text, self.pos, self.final = text, 0, final
 
-    def _short(self, what: str):
-        raise _Malformed(f"unterminated {what}") if self.final else _NeedMore()
+    def _short(self, what: str, terminator: str | None = None):
+        raise _Malformed(f"unterminated {what}") if self.final else _NeedMore(terminator, self.pos)
 
     def skip_ws(self, required: bool = False) -> None:
         start = self.pos
@@ -138,7 +143,7 @@ class _Cursor:
         if end < 0 or (limit is not None and end - self.pos > limit):
             if limit is not None and len(self.text) - self.pos > limit:
                 raise _Malformed(f"{what} longer than {limit} characters")
-            self._short(what)
+            self._short(what, terminator if limit is None else None)
         value, self.pos = self.text[self.pos:end], end + len(terminator)
         return value
 
@@ -233,12 +238,16 @@ def _first_marker(text: str, markers: Sequence[str]) -> tuple[int, str | None]:
 
 
 def _partial_marker_length(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that some marker starts with."""
-    for k in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
-        tail = text[-k:]
-        if any(m.startswith(tail) for m in markers):
-            return k
-    return 0
+    """Length of the longest tail of ``text`` that some marker starts with (shorter than it)."""
+    best = 0
+    for m in markers:
+        # Only tails starting with the marker's first character can match; the earliest is longest.
+        i = text.find(m[0], max(0, len(text) - len(m) + 1))
+        while i >= 0 and not m.startswith(text[i:]):
+            i = text.find(m[0], i + 1)
+        if i >= 0:
+            best = max(best, len(text) - i)
+    return best
 
 
 class StreamingOutputParser:
@@ -251,6 +260,10 @@ class StreamingOutputParser:
         self._pending = ""  # text not yet classified
         self._block_origin = ""  # channel a tool-call block opened in
         self._block_separator = ""  # the blank line consumed before it
+        # Incremental scanning of an open block: the terminator it waits for and from where to
+        # look, and how far it has been searched for EOS (long arguments arrive in many pieces).
+        self._block_wait: tuple[str, int] | None = None
+        self._eos_scanned = 0
         self._fed: list[str] = []
         self._finished = False
         self._ignoring = False  # text after EOS was seen
@@ -344,22 +357,31 @@ class StreamingOutputParser:
                 self._pending, self._state, self.result.ended = rest, "done", True
             else:
                 self._block_origin, self._state = state, "block"
+                self._block_wait, self._eos_scanned = None, 0
                 self._block_separator = TOOL_CALLS_SEPARATOR if marker == _BLOCK_AFTER_BLANK else ""
                 self._pending = TOOL_CALLS_OPEN + rest
 
     def _step_block(self, final: bool, out: list[Event]) -> bool:
         """Try to close the tool-call block in ``_pending``; False while it needs more text."""
         text = self._pending
-        eos = text.find(EOS)  # a block cannot run past the end of the output
+        eos = text.find(EOS, max(0, self._eos_scanned - len(EOS) + 1))  # a block ends with the output
+        self._eos_scanned = len(text)
         if eos >= 0:
-            segment = text[:eos]
+            usable = eos
         else:
             # A tail that may still become EOS is not block text yet, or a stream split inside
             # EOS would be judged differently from the whole output.
-            segment = text if final else text[:len(text) - _partial_marker_length(text, (EOS,))]
+            usable = len(text) if final else len(text) - _partial_marker_length(text, (EOS,))
+        if self._block_wait and not final and eos < 0:
+            # The text so far parsed up to a search for a terminator: only its arrival changes that.
+            terminator, search_from = self._block_wait
+            if text.find(terminator, search_from, usable) < 0:
+                self._block_wait = terminator, max(search_from, usable - len(terminator) + 1)
+                return False
         try:
-            invokes, end = _parse_block(segment, final=final or eos >= 0)
-        except _NeedMore:
+            invokes, end = _parse_block(text[:usable], final=final or eos >= 0)
+        except _NeedMore as wait:
+            self._block_wait = (wait.terminator, wait.search_from) if wait.terminator else None
             return False
         except _Malformed as e:
             # Give the opener back as text and look at the rest again in the same channel.

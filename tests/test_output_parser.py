@@ -155,6 +155,17 @@ def test_content_is_not_held_back_longer_than_needed():
     assert parser.finish() == [] and parser.result.ended and parser.result.content == "Hello world\n\nok <b>"
 
 
+def test_tool_calls_come_out_when_their_block_closes():
+    text = "</think>" + block(MIXED_CALL, WEATHER_CALL) + "after"
+    closed_at = text.index(CLOSE) + len(CLOSE)
+    for piece in (1, 3, 7):
+        parser = StreamingOutputParser(thinking=True)
+        for start in range(0, len(text), piece):
+            calls = [e for e in parser.feed(text[start:start + piece]) if isinstance(e, ToolCall)]
+            closes_here = start < closed_at <= start + piece
+            assert len(calls) == (2 if closes_here else 0), (piece, start)
+
+
 def test_raw_span_is_the_sampled_invoke():
     sloppy = '<｜DSML｜invoke  name="get_weather" >\n  <｜DSML｜parameter name="location"  string="true" >Oslo</｜DSML｜parameter>\n</｜DSML｜invoke>'
     r = parse_output("</think>" + "\n\n" + OPEN + sloppy + "\n" + CLOSE, thinking=True)
