@@ -128,11 +128,11 @@ class _Cursor:
             raise _Malformed(f"expected whitespace at {self.pos}")
 
     def choose(self, *literals: str) -> str:
-        rest = self.text[self.pos:]
         for lit in literals:
-            if rest.startswith(lit):
+            if self.text.startswith(lit, self.pos):
                 self.pos += len(lit)
                 return lit
+        rest = self.text[self.pos:self.pos + max(map(len, literals))]  # not the whole (long) block
         if any(lit.startswith(rest) for lit in literals):
             self._short("tag")
         # No excerpt of what followed: the message must not depend on how much text has arrived.
