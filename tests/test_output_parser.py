@@ -193,8 +193,9 @@ ROUND_TRIP_ARGUMENTS = [
 ]
 
 
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no tools"])  # no tools: earlier reasoning drops
 @pytest.mark.parametrize("thinking", [True, False])
-def test_render_of_parse_is_the_sampled_text(thinking):
+def test_render_of_parse_is_the_sampled_text(thinking, tools):
     """Generated turns re-render byte for byte: in the conversation, prompt + sample is what the
     next request's prompt starts with."""
     conversation = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
@@ -205,12 +206,12 @@ def test_render_of_parse_is_the_sampled_text(thinking):
         head + "Calling two.\n" + block(WEATHER_CALL, invoke("f", ("x", "false", "[]"))) + EOS,
         head + "\n\n" + OPEN + '\n<｜DSML｜invoke name="now">\n\n</｜DSML｜invoke>\n' + CLOSE + EOS,  # no arguments
     ]
-    prompt = render_prompt(conversation, tools=TOOLS, thinking=thinking)
+    prompt = render_prompt(conversation, tools=tools, thinking=thinking)
     for sample in samples:
         r = parse_output(sample, thinking=thinking)
         assert r.replays_exactly, sample
         assert render_assistant_completion(r.to_message(), thinking=thinking) + EOS == sample
-        after = render_prompt(conversation + [r.to_message()], tools=TOOLS, thinking=thinking)
+        after = render_prompt(conversation + [r.to_message()], tools=tools, thinking=thinking)
         assert after == prompt + sample
 
 
