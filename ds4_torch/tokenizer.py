@@ -4,86 +4,58 @@ Both classes share one small interface used by generation, the CLI and the serve
 ``encode``, ``decode``, ``render_chat``, ``encode_chat``, ``bos_token_id``, ``eos_token_id``,
 ``vocab_size``.
 
-Chat rendering follows DeepSeek's format (V3 and V4 share it for plain chat)::
-
-    <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜>{assistant}<｜end▁of▁sentence｜>...
-
-ending with ``<｜Assistant｜>`` when a generation prompt is asked for. Several system
-messages are joined with a blank line, as DeepSeek-V3's template does. V4 can also open
-the assistant turn with ``<think>`` (thinking mode) or ``</think>`` (chat mode): pass
-``thinking=True/False``; the default ``None`` adds neither. A tokenizer that ships its own
-``chat_template`` in tokenizer_config.json is rendered with that template instead.
+Chat rendering follows DeepSeek-V4's format (``chat_encoding.render_prompt``): messages
+(system, user, assistant with reasoning and tool calls, tool results), ``tools``, thinking or
+chat mode (``thinking``; None means chat mode) and ``reasoning_effort``. A tokenizer that ships
+its own ``chat_template`` in tokenizer_config.json is rendered with that template instead (the
+tools go to it as ``tools``, the thinking switch as ``thinking``/``enable_thinking``).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-
-ROLES = ("system", "user", "assistant")
+from .chat_encoding import (  # noqa: F401  (the markers are re-exported for callers)
+    ASSISTANT, BOS, DEFAULT_EFFORT_PROFILE, EOS, THINK_END, THINK_START, USER, Message, detect_effort_profile,
+    normalize_messages, normalize_tools, render_prompt,
+)
 
 
-def _validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check the OpenAI-style message list; return it as plain dicts."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    if not messages:
-        raise ValueError("messages must not be empty")
+def _template_messages(msgs: list[Message]) -> list[dict]:
+    """Validated messages in the shape HF chat templates expect (tool arguments as dicts)."""
     out = []
-    seen_turn = False
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise ValueError(f"messages[{i}]: role must be one of {', '.join(ROLES)}; got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}] ({role}): content must be a string, got {type(content).__name__}")
-        if role == "system" and seen_turn:
-            # DeepSeek places the system prompt right after BOS; a later one has no slot.
-            raise ValueError(f"messages[{i}]: system messages must come before user/assistant messages")
-        seen_turn = seen_turn or role != "system"
-        out.append({"role": role, "content": content})
-    return out
-
-
-def render_deepseek_chat(
-    messages: Sequence[Mapping[str, str]],
-    add_generation_prompt: bool = True,
-    thinking: bool | None = None,
-) -> str:
-    """Render messages in DeepSeek's chat format (see the module docstring)."""
-    msgs = _validate_messages(messages)
-    system = "\n\n".join(m["content"] for m in msgs if m["role"] == "system")
-    parts = [BOS, system]
     for m in msgs:
-        if m["role"] == "user":
-            parts += [USER, m["content"]]
-        elif m["role"] == "assistant":
-            parts += [ASSISTANT, m["content"], EOS]
-    if add_generation_prompt:
-        parts.append(ASSISTANT)
-        if thinking is not None:
-            parts.append(THINK_START if thinking else THINK_END)
-    return "".join(parts)
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.reasoning is not None:
+            d["reasoning_content"] = m.reasoning
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"type": "function", **({"id": c.id} if c.id else {}),
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 class _ChatMixin:
     chat_template: str | None = None
+    # Which reasoning-effort table the checkpoint's encoder uses (see chat_encoding).
+    effort_profile: str = DEFAULT_EFFORT_PROFILE
 
-    def render_chat(self, messages, add_generation_prompt: bool = True, thinking: bool | None = None) -> str:
-        return render_deepseek_chat(messages, add_generation_prompt, thinking)
+    def render_chat(self, messages, add_generation_prompt: bool = True, thinking: bool | None = None,
+                    tools=None, reasoning_effort: str | None = None) -> str:
+        return render_prompt(messages, tools=tools, thinking=bool(thinking), reasoning_effort=reasoning_effort,
+                             add_generation_prompt=add_generation_prompt, effort_profile=self.effort_profile)
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True, thinking: bool | None = None) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt: bool = True, thinking: bool | None = None,
+                    tools=None, reasoning_effort: str | None = None) -> list[int]:
         # The rendered text already carries BOS, so no special tokens are added again.
-        return self.encode(self.render_chat(messages, add_generation_prompt, thinking), add_special_tokens=False)
+        text = self.render_chat(messages, add_generation_prompt, thinking, tools, reasoning_effort)
+        return self.encode(text, add_special_tokens=False)
 
 
 class ByteTokenizer(_ChatMixin):
@@ -107,9 +79,10 @@ class ByteTokenizer(_ChatMixin):
 class HFTokenizer(_ChatMixin):
     """A `transformers.PreTrainedTokenizerFast` read from a local directory."""
 
-    def __init__(self, hf_tokenizer, chat_template: str | None = None):
+    def __init__(self, hf_tokenizer, chat_template: str | None = None, effort_profile: str = DEFAULT_EFFORT_PROFILE):
         self.hf = hf_tokenizer
         self.chat_template = chat_template
+        self.effort_profile = effort_profile
 
     @property
     def vocab_size(self) -> int:
@@ -129,14 +102,18 @@ class HFTokenizer(_ChatMixin):
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages, add_generation_prompt: bool = True, thinking: bool | None = None) -> str:
+    def render_chat(self, messages, add_generation_prompt: bool = True, thinking: bool | None = None,
+                    tools=None, reasoning_effort: str | None = None) -> str:
         if self.chat_template is None:
-            return super().render_chat(messages, add_generation_prompt, thinking)
-        msgs = _validate_messages(messages)
-        extra = {} if thinking is None else {"thinking": thinking, "enable_thinking": thinking}
+            return super().render_chat(messages, add_generation_prompt, thinking, tools, reasoning_effort)
+        msgs = _template_messages(normalize_messages(messages))
+        extra: dict[str, Any] = {} if thinking is None else {"thinking": thinking, "enable_thinking": thinking}
+        if reasoning_effort is not None:
+            extra["reasoning_effort"] = reasoning_effort
+        functions = normalize_tools(tools)
         return self.hf.apply_chat_template(
-            msgs, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **extra,
+            msgs, tools=[{"type": "function", "function": f} for f in functions] or None,
+            chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt, **extra,
         )
 
 
@@ -191,7 +168,10 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
         hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_file), **kwargs)
     except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
         raise ValueError(f"cannot load tokenizer {tok_file}: {e}") from e
-    return HFTokenizer(hf, chat_template)
+    # V4 checkpoints ship their encoder; its reasoning-effort table differs between releases.
+    encoder = directory / "encoding" / "encoding_dsv4.py"
+    profile = detect_effort_profile(encoder.read_text(encoding="utf-8")) if encoder.is_file() else DEFAULT_EFFORT_PROFILE
+    return HFTokenizer(hf, chat_template, profile)
 
 
 class StreamDecoder:

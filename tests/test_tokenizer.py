@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds4_torch.tokenizer import (
-    ASSISTANT, BOS, EOS, USER, ByteTokenizer, StreamDecoder, load_tokenizer, render_deepseek_chat,
+    ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, ByteTokenizer, StreamDecoder, load_tokenizer,
 )
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
@@ -14,11 +14,12 @@ CONVERSATION = [
     {"role": "assistant", "content": "Hello."},
     {"role": "user", "content": "2+2?"},
 ]
-# The documented DeepSeek format, written out by hand.
+# DeepSeek-V4's format in chat mode (the default), written out by hand: every assistant turn
+# opens with </think>. tests/test_chat_encoding.py covers the format in depth.
 EXPECTED_CHAT = (
     "<｜begin▁of▁sentence｜>You are terse."
-    "<｜User｜>Hi there<｜Assistant｜>Hello.<｜end▁of▁sentence｜>"
-    "<｜User｜>2+2?<｜Assistant｜>"
+    "<｜User｜>Hi there<｜Assistant｜></think>Hello.<｜end▁of▁sentence｜>"
+    "<｜User｜>2+2?<｜Assistant｜></think>"
 )
 
 
@@ -28,7 +29,7 @@ def write_bpe(directory, config=None):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=[BOS, EOS, USER, ASSISTANT],
+        vocab_size=320, special_tokens=[BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator([TEXT] * 3 + ["Hello there. How are you?"], trainer)
@@ -69,23 +70,28 @@ def test_render_chat_matches_documented_format(tok_dir):
     assert tok.render_chat(CONVERSATION) == EXPECTED_CHAT
     assert ByteTokenizer().render_chat(CONVERSATION) == EXPECTED_CHAT
     no_prompt = tok.render_chat(CONVERSATION, add_generation_prompt=False)
-    assert no_prompt == EXPECTED_CHAT[: -len(ASSISTANT)]
+    assert no_prompt == EXPECTED_CHAT[: -len(ASSISTANT + THINK_END)]
 
 
 def test_render_chat_variants():
+    tok = ByteTokenizer()
     user = [{"role": "user", "content": "Q"}]
-    assert render_deepseek_chat(user) == f"{BOS}{USER}Q{ASSISTANT}"
-    assert render_deepseek_chat(user, thinking=True) == f"{BOS}{USER}Q{ASSISTANT}<think>"
-    assert render_deepseek_chat(user, thinking=False) == f"{BOS}{USER}Q{ASSISTANT}</think>"
+    assert tok.render_chat(user) == f"{BOS}{USER}Q{ASSISTANT}</think>"
+    assert tok.render_chat(user, thinking=True) == f"{BOS}{USER}Q{ASSISTANT}<think>"
+    assert tok.render_chat(user, thinking=False) == f"{BOS}{USER}Q{ASSISTANT}</think>"
     two_systems = [{"role": "system", "content": "A"}, {"role": "system", "content": "B"}] + user
-    assert render_deepseek_chat(two_systems) == f"{BOS}A\n\nB{USER}Q{ASSISTANT}"
+    assert tok.render_chat(two_systems) == f"{BOS}A\n\nB{USER}Q{ASSISTANT}</think>"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with_tools = tok.render_chat(user, tools=tools, thinking=True, reasoning_effort="max")
+    assert with_tools.startswith(f"{BOS}Reasoning Effort: Absolute maximum")
+    assert '{"name": "f"}\n' in with_tools and with_tools.endswith(f"{USER}Q{ASSISTANT}<think>")
 
 
 def test_encode_chat_uses_special_tokens(tok_dir):
     tok = load_tokenizer(tok_dir)
     ids = tok.encode_chat(CONVERSATION)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
-    assert ids[-1] == tok.hf.convert_tokens_to_ids(ASSISTANT)
+    assert ids[-2:] == tok.hf.convert_tokens_to_ids([ASSISTANT, THINK_END])
     assert ids.count(tok.eos_token_id) == 1  # the one closing the assistant turn
     assert tok.decode(ids, skip_special_tokens=False) == EXPECTED_CHAT
 
@@ -97,6 +103,35 @@ def test_chat_template_from_config_wins(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.render_chat(msgs) == "[user]hi[assistant]"
     assert tok.render_chat(msgs, add_generation_prompt=False) == "[user]hi"
+
+
+def test_chat_template_gets_tools_and_options(tmp_path):
+    template = ("{% for t in tools or [] %}<{{ t['function']['name'] }}>{% endfor %}"
+                "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+                "{% for c in m.get('tool_calls', []) %}({{ c['function']['name'] }}:{{ c['function']['arguments']['x'] }})"
+                "{% endfor %}{% endfor %}"
+                "{% if thinking %}+think{% endif %}{% if reasoning_effort %}+{{ reasoning_effort }}{% endif %}")
+    tok = load_tokenizer(write_bpe(tmp_path, {"chat_template": template}))
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 7}'}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "r"}]
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    # Content parts arrive joined, tool arguments as a dict, as HF templates expect.
+    assert tok.render_chat(msgs, add_generation_prompt=False, thinking=True, tools=tools, reasoning_effort="high") \
+        == "<f><g>[user]hi[assistant](f:7)[tool]r+think+high"
+
+
+def test_effort_profile_read_from_the_checkpoint_encoder(tmp_path):
+    write_bpe(tmp_path)
+    assert load_tokenizer(tmp_path).effort_profile == "v4"
+    (tmp_path / "encoding").mkdir()
+    (tmp_path / "encoding" / "encoding_dsv4.py").write_text(
+        'DEFAULT_REASONING_EFFORT = "low"\nREASONING_EFFORT_PROMPTS = {\n    "low": "",\n    "high": "H",\n'
+        '    "max": "M",\n}\n', encoding="utf-8")
+    tok = load_tokenizer(tmp_path)
+    assert tok.effort_profile == "v4-0731"
+    high = tok.render_chat([{"role": "user", "content": "Q"}], thinking=True, reasoning_effort="high")
+    assert high.startswith(f"{BOS}Reasoning Effort: Absolute maximum")
 
 
 @pytest.mark.parametrize("messages, match", [
@@ -135,7 +170,7 @@ def test_byte_tokenizer():
     assert tok.decode(ids) == text
     assert tok.decode([0xFF, 0x41]) == "\ufffdA"  # invalid bytes never raise
     assert tok.eos_token_id is None
-    assert tok.encode_chat([{"role": "user", "content": "hi"}]) == list(f"{BOS}{USER}hi{ASSISTANT}".encode())
+    assert tok.encode_chat([{"role": "user", "content": "hi"}]) == list(f"{BOS}{USER}hi{ASSISTANT}</think>".encode())
 
 
 def _stream(tok, ids):
