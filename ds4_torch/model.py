@@ -493,8 +493,10 @@ class DS4ForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device=None, attn_backend: str = "auto",
                         quantized: str = "dequantize", progress: bool | None = None) -> "DS4ForCausalLM":
-        """Load a local directory: config.json + model.safetensors (or a sharded index)."""
-        from .loading import load_checkpoint_into
+        """Load a local directory: config.json + model.safetensors (or a sharded index).
+
+        Sets ``model.checkpoint_fingerprint`` (:func:`ds4_torch.loading.checkpoint_fingerprint`)."""
+        from .loading import checkpoint_fingerprint, load_checkpoint_into
 
         path = os.fspath(path)
         if not os.path.isdir(path):
@@ -507,6 +509,7 @@ class DS4ForCausalLM(nn.Module):
         model.to_dtype(dtype)
         model._init_buffers()
         load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress)
+        model.checkpoint_fingerprint = checkpoint_fingerprint(path)
         model.ops = resolve_backend(attn_backend, device)
         return model.eval()
 
