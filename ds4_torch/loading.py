@@ -16,7 +16,8 @@ The target module's ``state_dict`` keys follow transformers'
   or kept quantized (``quantized="keep"``, see :mod:`ds4_torch.quant`).
 
 Tensors are read one at a time with ``safe_open`` (stacked 3-D tensors one
-expert at a time) and copied into the already-allocated parameters; problems
+expert at a time) and copied into the already-allocated parameters (or, with
+``allocate_meta``, into meta-device ones allocated after the checks); problems
 (missing, unexpected, mis-shaped, unreadable) are collected and raised as a
 single :class:`CheckpointError` before any data is copied.
 """
@@ -512,6 +513,21 @@ def _alloc_device(tensor: torch.Tensor, device):
     return tensor.device
 
 
+def _allocate_meta(model: nn.Module, device: torch.device) -> None:
+    """Replace every meta parameter/buffer by an uninitialised one on ``device``; tied stay tied."""
+    replaced: dict[int, tuple] = {}  # id(old) -> (old, new); holding old keeps its id unique
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in replaced:
+                    data = torch.empty_like(t, device=device)
+                    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    replaced[id(t)] = (t, new)
+                store[name] = replaced[id(t)][1]
+
+
 def _fits_dense(t: _Task, dense: torch.Tensor) -> bool:
     if t.piece is not None and (dense.dim() != 3 or t.piece[0] >= dense.shape[0]):
         return False
@@ -634,6 +650,7 @@ def load_checkpoint_into(
     device=None,
     quantized: str = "dequantize",
     progress: bool | None = None,
+    allocate_meta: bool = False,
 ) -> None:
     """Stream a safetensors checkpoint into ``model``'s existing parameters/buffers.
 
@@ -641,8 +658,13 @@ def load_checkpoint_into(
     copied onto each parameter's own device. ``quantized``: ``"dequantize"``
     (FP8/FP4 -> parameter dtype) or ``"keep"`` (swap in :class:`FP8BlockLinear`
     and FP4/FP8 experts storage, see :mod:`ds4_torch.quant`). ``progress``: tqdm
-    bar; ``None`` -> only when stderr is a TTY. Raises :class:`CheckpointError`
-    listing every missing / unexpected / mis-shaped / unreadable tensor.
+    bar; ``None`` -> only when stderr is a TTY. ``allocate_meta``: allocate the
+    parameters/buffers still on the meta device on ``device`` (uninitialised)
+    once the checkpoint has been checked, instead of refusing them; with a model
+    built on the meta device, ``"keep"`` then never allocates the dense weights
+    it replaces (non-persistent buffers are left for the caller to fill).
+    Raises :class:`CheckpointError` listing every missing / unexpected /
+    mis-shaped / unreadable tensor.
     """
     if quantized not in ("dequantize", "keep"):
         raise ValueError(f"quantized must be 'dequantize' or 'keep', got {quantized!r}")
@@ -713,6 +735,9 @@ def load_checkpoint_into(
             lacking = _expected_pieces(k, state[k].shape[0]) - got
             missing.extend(_piece_name(k, p) for p in sorted(lacking))
     _raise_collected(path, missing, unexpected, mismatched, unreadable)
+    if allocate_meta:
+        _allocate_meta(model, torch.device(device) if device is not None else torch.device("cpu"))
+        state = model.state_dict(keep_vars=True)
     on_meta = sorted({t.target for t in valid if state[t.target].device.type == "meta"}, key=_natural_key)
     if on_meta:
         raise ValueError(

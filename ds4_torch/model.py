@@ -505,10 +505,11 @@ class DS4ForCausalLM(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         with torch.device("meta"):
             model = cls(config, attn_backend=attn_backend)
-        model.to_empty(device=device)
         model.to_dtype(dtype)
+        # Built on meta and allocated by the loader after any keep-mode module swap: quantized
+        # modules never hold dense weights, and nothing is allocated in fp32 first.
+        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress, allocate_meta=True)
         model._init_buffers()
-        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress)
         model.checkpoint_fingerprint = checkpoint_fingerprint(path)
         model.ops = resolve_backend(attn_backend, device)
         return model.eval()

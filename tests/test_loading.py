@@ -516,6 +516,25 @@ def test_meta_tensors_are_refused(source, tmp_path):
         load_checkpoint_into(target, tmp_path)
 
 
+def test_allocate_meta_fills_a_meta_built_model(tmp_path):
+    model = randomise(new_model(hf_config(tie_word_embeddings=True)), seed=3)
+    state = state_of(model)
+    del state["lm_head.weight"]
+    save_single(state, tmp_path)
+    with torch.device("meta"):
+        target = new_model(model.config)
+    del state["model.norm.weight"]
+    save_single(state, tmp_path / "incomplete")
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        load_checkpoint_into(target, tmp_path / "incomplete", allocate_meta=True)
+    assert all(p.is_meta for p in target.parameters())  # checked before anything is allocated
+
+    load_checkpoint_into(target, tmp_path, allocate_meta=True)
+    assert_loaded(target, state_of(model))
+    assert target.lm_head.weight is target.model.embed_tokens.weight  # still tied
+    assert not any(t.is_meta for t in [*target.parameters(), *target.buffers()])
+
+
 def test_bad_quantized_argument(source, tmp_path):
     with pytest.raises(ValueError, match="quantized"):
         load_checkpoint_into(fresh(source), tmp_path, quantized="fp8")
