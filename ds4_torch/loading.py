@@ -16,15 +16,18 @@ The target module's ``state_dict`` keys follow transformers'
   or kept quantized (``quantized="keep"``, see :mod:`ds4_torch.quant`).
 
 Tensors are read one at a time with ``safe_open`` (stacked 3-D tensors one
-expert at a time) and copied into the already-allocated parameters; problems
+expert at a time) and copied into the already-allocated parameters (or, with
+``allocate_meta``, into meta-device ones allocated after the checks); problems
 (missing, unexpected, mis-shaped, unreadable) are collected and raised as a
 single :class:`CheckpointError` before any data is copied.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
 import sys
 from collections import defaultdict
@@ -40,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "read_config_dict",
     "checkpoint_tensor_names",
+    "checkpoint_fingerprint",
     "rename_checkpoint_key",
     "load_checkpoint_into",
 ]
@@ -48,6 +52,13 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 MAX_LISTED = 20
+
+# checkpoint_fingerprint: bytes hashed from each file's data region, at this many evenly spaced
+# points (the first at its start, the last ending at its end).
+FINGERPRINT_SAMPLE_BYTES = 4096
+FINGERPRINT_SAMPLE_POINTS = 5
+# safetensors refuses headers above 100 MB; a larger length prefix means a corrupt file.
+MAX_SAFETENSORS_HEADER = 100_000_000
 
 # Checkpoint keys silently skipped (multi-token-prediction heads), as transformers does.
 IGNORED_KEYS = re.compile(r"(^|\.)mtp\.")
@@ -238,6 +249,53 @@ def _names_from_index(index: Path) -> dict[str, str]:
     if absent:
         _raise_collected(index.parent, unreadable=[f"missing shard file {f}" for f in absent])
     return {k: str(files[v]) for k, v in wm.items()}
+
+
+def checkpoint_fingerprint(path) -> str:
+    """A sha256 hex digest identifying a checkpoint's weights, from metadata and a fixed byte sample.
+
+    Hashed: ``config.json`` (if present next to the weights), the tensor name -> file map, and for
+    each safetensors file its name, size, raw header (every tensor's name, dtype, shape and
+    offsets) and ``FINGERPRINT_SAMPLE_POINTS`` chunks of ``FINGERPRINT_SAMPLE_BYTES`` spread over
+    its data region, so a re-trained checkpoint with identical shapes still differs. Reads are
+    bounded by headers + samples (O(files + tensors), never O(weight bytes)); a change to a
+    weight byte outside the samples is, by design, not seen.
+    """
+    p = Path(path)
+    names = checkpoint_tensor_names(p)
+    root = p if p.is_dir() else p.parent
+    files = sorted(set(names.values()))
+    h = hashlib.sha256(b"ds4_torch checkpoint fingerprint v1\0")
+
+    def put(tag: str, data: bytes) -> None:  # length-prefixed: no two inputs hash the same stream
+        h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+    config = root / CONFIG_NAME
+    put("config", config.read_bytes() if config.is_file() else b"<absent>")
+    put("names", json.dumps(sorted((n, os.path.relpath(f, root)) for n, f in names.items())).encode())
+    for file in files:
+        put("file", os.path.relpath(file, root).encode())
+        try:
+            with open(file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                prefix = f.read(8)
+                header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+                if not 0 <= header_len <= min(size - 8, MAX_SAFETENSORS_HEADER):
+                    raise CheckpointError(
+                        f"Unreadable safetensors file {file}: header length {header_len} does not fit "
+                        f"its size of {size} bytes",
+                        unreadable=[file],
+                    )
+                put("size", str(size).encode())
+                put("header", f.read(header_len))
+                start = 8 + header_len
+                chunk = min(FINGERPRINT_SAMPLE_BYTES, size - start)
+                for i in range(FINGERPRINT_SAMPLE_POINTS):
+                    f.seek(start + i * (size - start - chunk) // (FINGERPRINT_SAMPLE_POINTS - 1))
+                    put("sample", f.read(chunk))
+        except OSError as e:
+            raise CheckpointError(f"Unreadable safetensors file {file}: {e}", unreadable=[file]) from e
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- names
@@ -455,6 +513,21 @@ def _alloc_device(tensor: torch.Tensor, device):
     return tensor.device
 
 
+def _allocate_meta(model: nn.Module, device: torch.device) -> None:
+    """Replace every meta parameter/buffer by an uninitialised one on ``device``; tied stay tied."""
+    replaced: dict[int, tuple] = {}  # id(old) -> (old, new); holding old keeps its id unique
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in replaced:
+                    data = torch.empty_like(t, device=device)
+                    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    replaced[id(t)] = (t, new)
+                store[name] = replaced[id(t)][1]
+
+
 def _fits_dense(t: _Task, dense: torch.Tensor) -> bool:
     if t.piece is not None and (dense.dim() != 3 or t.piece[0] >= dense.shape[0]):
         return False
@@ -577,6 +650,7 @@ def load_checkpoint_into(
     device=None,
     quantized: str = "dequantize",
     progress: bool | None = None,
+    allocate_meta: bool = False,
 ) -> None:
     """Stream a safetensors checkpoint into ``model``'s existing parameters/buffers.
 
@@ -584,8 +658,13 @@ def load_checkpoint_into(
     copied onto each parameter's own device. ``quantized``: ``"dequantize"``
     (FP8/FP4 -> parameter dtype) or ``"keep"`` (swap in :class:`FP8BlockLinear`
     and FP4/FP8 experts storage, see :mod:`ds4_torch.quant`). ``progress``: tqdm
-    bar; ``None`` -> only when stderr is a TTY. Raises :class:`CheckpointError`
-    listing every missing / unexpected / mis-shaped / unreadable tensor.
+    bar; ``None`` -> only when stderr is a TTY. ``allocate_meta``: allocate the
+    parameters/buffers still on the meta device on ``device`` (uninitialised)
+    once the checkpoint has been checked, instead of refusing them; with a model
+    built on the meta device, ``"keep"`` then never allocates the dense weights
+    it replaces (non-persistent buffers are left for the caller to fill).
+    Raises :class:`CheckpointError` listing every missing / unexpected /
+    mis-shaped / unreadable tensor.
     """
     if quantized not in ("dequantize", "keep"):
         raise ValueError(f"quantized must be 'dequantize' or 'keep', got {quantized!r}")
@@ -656,6 +735,9 @@ def load_checkpoint_into(
             lacking = _expected_pieces(k, state[k].shape[0]) - got
             missing.extend(_piece_name(k, p) for p in sorted(lacking))
     _raise_collected(path, missing, unexpected, mismatched, unreadable)
+    if allocate_meta:
+        _allocate_meta(model, torch.device(device) if device is not None else torch.device("cpu"))
+        state = model.state_dict(keep_vars=True)
     on_meta = sorted({t.target for t in valid if state[t.target].device.type == "meta"}, key=_natural_key)
     if on_meta:
         raise ValueError(

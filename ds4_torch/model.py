@@ -503,8 +503,10 @@ class DS4ForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device=None, attn_backend: str = "auto",
                         quantized: str = "dequantize", progress: bool | None = None) -> "DS4ForCausalLM":
-        """Load a local directory: config.json + model.safetensors (or a sharded index)."""
-        from .loading import load_checkpoint_into
+        """Load a local directory: config.json + model.safetensors (or a sharded index).
+
+        Sets ``model.checkpoint_fingerprint`` (:func:`ds4_torch.loading.checkpoint_fingerprint`)."""
+        from .loading import checkpoint_fingerprint, load_checkpoint_into
 
         path = os.fspath(path)
         if not os.path.isdir(path):
@@ -513,10 +515,12 @@ class DS4ForCausalLM(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         with torch.device("meta"):
             model = cls(config, attn_backend=attn_backend)
-        model.to_empty(device=device)
         model.to_dtype(dtype)
+        # Built on meta and allocated by the loader after any keep-mode module swap: quantized
+        # modules never hold dense weights, and nothing is allocated in fp32 first.
+        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress, allocate_meta=True)
         model._init_buffers()
-        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress)
+        model.checkpoint_fingerprint = checkpoint_fingerprint(path)
         return model.eval()
 
     @torch.no_grad()

@@ -254,3 +254,79 @@ def fp4_quantize(w: torch.Tensor, scale_fmt="e8m0"):
     code = code.reshape(rows, cols)
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
     return packed, encode_scale(scale, scale_fmt), dequant
+
+
+# ---------------------------------------------------------------- quantized checkpoints
+
+# Linear weights quantized to FP8 in the FP8 tests (HF names relative to a layer).
+FP8_LINEARS = re.compile(
+    r"(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)|self_attn\.compressor\.indexer\.q_b_proj"
+    r"|shared_experts\.(gate_proj|up_proj|down_proj))\.weight$|^lm_head\.weight$"
+)
+
+
+def state_of(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fp8_checkpoint(model, scale_fmt: str, upstream: bool):
+    """(checkpoint dict, expected state): FP8_LINEARS quantized, scales as `.scale` (upstream)
+    or `.weight_scale_inv` (HF)."""
+    expected = state_of(model)
+    ckpt = dict(expected)
+    for k in list(expected):
+        short = re.sub(r"^model\.layers\.\d+\.", "", k)
+        if FP8_LINEARS.search(short):
+            q, s = fp8_quantize(expected[k], scale_fmt)
+            expected[k] = fp8_reference(q, s)
+            ckpt[k] = q
+            ckpt[k[: -len(".weight")] + ".weight_scale_inv"] = s
+    if upstream:
+        up = {}
+        for k, v in ckpt.items():
+            if k.endswith(".weight_scale_inv"):
+                up[to_upstream(k[: -len("_scale_inv")])[: -len(".weight")] + ".scale"] = v
+            elif not k.endswith(("gate_up_proj", "down_proj")):
+                up[to_upstream(k)] = v
+        up.update({k: v for k, v in upstream_state(expected).items() if ".experts." in k})
+        ckpt = up
+    return ckpt, expected
+
+
+def fp4_experts(model, scale_fmt="e8m0"):
+    """Per layer: packed/scale tensors per expert + the exact dequantized stacked weights."""
+    expected = state_of(model)
+    quantized = {}
+    for k in list(expected):
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", k)
+        if not m:
+            continue
+        packs, scales, deq = [], [], []
+        for e in range(expected[k].shape[0]):
+            p, s, d = fp4_quantize(expected[k][e], scale_fmt)
+            packs.append(p), scales.append(s), deq.append(d)
+        quantized[k] = (torch.stack(packs), torch.stack(scales))
+        expected[k] = torch.stack(deq)
+    return quantized, expected
+
+
+def fp4_upstream_checkpoint(model, scale_fmt="e8m0", f4_dtype=False):
+    """(upstream-named checkpoint with FP4 per-expert w1/w3/w2 + scales, expected dequantized
+    state, {stacked HF key: (packed, scale)})."""
+    quantized, expected = fp4_experts(model, scale_fmt)
+    ckpt = {k: v for k, v in upstream_state(state_of(model)).items() if ".experts." not in k}
+    for k, (packed, scale) in quantized.items():
+        layer = k.split(".")[2]
+        if f4_dtype:
+            packed = packed.view(torch.float4_e2m1fn_x2)
+        for e in range(packed.shape[0]):
+            base = f"layers.{layer}.ffn.experts.{e}"
+            if k.endswith("gate_up_proj"):
+                half = packed.shape[1] // 2
+                for w, rows in (("w1", slice(0, half)), ("w3", slice(half, None))):
+                    ckpt[f"{base}.{w}.weight"] = packed[e, rows].clone()
+                    ckpt[f"{base}.{w}.scale"] = scale[e, rows].clone()
+            else:
+                ckpt[f"{base}.w2.weight"] = packed[e].clone()
+                ckpt[f"{base}.w2.scale"] = scale[e].clone()
+    return ckpt, expected, quantized

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -16,7 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpt_utils import (
+    fp4_experts,
     fp4_quantize,
+    fp4_upstream_checkpoint,
+    fp8_checkpoint,
     fp8_quantize,
     fp8_reference,
     hf_config,
@@ -24,6 +29,7 @@ from ckpt_utils import (
     randomise,
     save_sharded,
     save_single,
+    state_of,
     to_upstream,
     upstream_state,
     write_config,
@@ -31,7 +37,10 @@ from ckpt_utils import (
 )
 from ds4_torch import quant as Q
 from ds4_torch.loading import (
+    FINGERPRINT_SAMPLE_BYTES,
+    FINGERPRINT_SAMPLE_POINTS,
     CheckpointError,
+    checkpoint_fingerprint,
     checkpoint_tensor_names,
     load_checkpoint_into,
     read_config_dict,
@@ -40,11 +49,6 @@ from ds4_torch.loading import (
 
 torch.set_num_threads(1)
 
-# Linear weights quantized to FP8 in the FP8 tests (HF names relative to a layer).
-FP8_LINEARS = re.compile(
-    r"(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)|self_attn\.compressor\.indexer\.q_b_proj"
-    r"|shared_experts\.(gate_proj|up_proj|down_proj))\.weight$|^lm_head\.weight$"
-)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +60,6 @@ def source():
 def source300():
     """vocab 300: the FP8 lm_head spans 3 row blocks (128, 128, 44) and 1 partial column block."""
     return randomise(new_model(hf_config(vocab_size=300)), seed=1)
-
-
-def state_of(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def fresh(model):
@@ -213,33 +213,9 @@ def test_dequant_formulas_match_transformers_and_reference():
     assert Q.unpack_fp4(one).tolist() == [[0.5, 6.0]]
 
 
-def _fp8_checkpoint(model, scale_fmt: str, upstream: bool):
-    """(checkpoint dict, expected state): FP8_LINEARS quantized, scales as `.scale` (upstream)
-    or `.weight_scale_inv` (HF)."""
-    expected = state_of(model)
-    ckpt = dict(expected)
-    for k in list(expected):
-        short = re.sub(r"^model\.layers\.\d+\.", "", k)
-        if FP8_LINEARS.search(short):
-            q, s = fp8_quantize(expected[k], scale_fmt)
-            expected[k] = fp8_reference(q, s)
-            ckpt[k] = q
-            ckpt[k[: -len(".weight")] + ".weight_scale_inv"] = s
-    if upstream:
-        up = {}
-        for k, v in ckpt.items():
-            if k.endswith(".weight_scale_inv"):
-                up[to_upstream(k[: -len("_scale_inv")])[: -len(".weight")] + ".scale"] = v
-            elif not k.endswith(("gate_up_proj", "down_proj")):
-                up[to_upstream(k)] = v
-        up.update({k: v for k, v in upstream_state(expected).items() if ".experts." in k})
-        ckpt = up
-    return ckpt, expected
-
-
 @pytest.mark.parametrize("scale_fmt,upstream", [("float32", True), ("e8m0", False), ("uint8", False)])
 def test_load_fp8_block_quantized(source300, tmp_path, scale_fmt, upstream):
-    ckpt, expected = _fp8_checkpoint(source300, scale_fmt, upstream)
+    ckpt, expected = fp8_checkpoint(source300, scale_fmt, upstream)
     assert ckpt["head.weight" if upstream else "lm_head.weight"].dtype == torch.float8_e4m3fn
     save_sharded(ckpt, tmp_path, n_shards=3, config_model=source300)  # scales sit in other shards
     target = fresh(source300)
@@ -247,53 +223,16 @@ def test_load_fp8_block_quantized(source300, tmp_path, scale_fmt, upstream):
     assert_loaded(target, expected)
 
 
-def _fp4_experts(model, scale_fmt="e8m0"):
-    """Per layer: packed/scale tensors per expert + the exact dequantized stacked weights."""
-    expected = state_of(model)
-    quantized = {}
-    for k in list(expected):
-        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", k)
-        if not m:
-            continue
-        packs, scales, deq = [], [], []
-        for e in range(expected[k].shape[0]):
-            p, s, d = fp4_quantize(expected[k][e], scale_fmt)
-            packs.append(p), scales.append(s), deq.append(d)
-        quantized[k] = (torch.stack(packs), torch.stack(scales))
-        expected[k] = torch.stack(deq)
-    return quantized, expected
-
-
-def _fp4_upstream_ckpt(model, scale_fmt="e8m0", f4_dtype=False):
-    quantized, expected = _fp4_experts(model, scale_fmt)
-    ckpt = {k: v for k, v in upstream_state(state_of(model)).items() if ".experts." not in k}
-    for k, (packed, scale) in quantized.items():
-        layer = k.split(".")[2]
-        if f4_dtype:
-            packed = packed.view(torch.float4_e2m1fn_x2)
-        for e in range(packed.shape[0]):
-            base = f"layers.{layer}.ffn.experts.{e}"
-            if k.endswith("gate_up_proj"):
-                half = packed.shape[1] // 2
-                for w, rows in (("w1", slice(0, half)), ("w3", slice(half, None))):
-                    ckpt[f"{base}.{w}.weight"] = packed[e, rows].clone()
-                    ckpt[f"{base}.{w}.scale"] = scale[e, rows].clone()
-            else:
-                ckpt[f"{base}.w2.weight"] = packed[e].clone()
-                ckpt[f"{base}.w2.scale"] = scale[e].clone()
-    return ckpt, expected, quantized
-
-
 @pytest.mark.parametrize("layout,scale_fmt", [("upstream", "e8m0"), ("upstream", "uint8"),
                                                ("upstream_f4", "e8m0"), ("hf_stacked", "e8m0")])
-def test_load_fp4_experts(source, tmp_path, layout, scale_fmt):
+def test_loadfp4_experts(source, tmp_path, layout, scale_fmt):
     if layout == "hf_stacked":
-        quantized, expected = _fp4_experts(source, scale_fmt)
+        quantized, expected = fp4_experts(source, scale_fmt)
         ckpt = state_of(source)
         for k, (packed, scale) in quantized.items():
             ckpt[k], ckpt[k + "_scale_inv"] = packed, scale
     else:
-        ckpt, expected, _ = _fp4_upstream_ckpt(source, scale_fmt, f4_dtype=layout == "upstream_f4")
+        ckpt, expected, _ = fp4_upstream_checkpoint(source, scale_fmt, f4_dtype=layout == "upstream_f4")
     save_single(ckpt, tmp_path)
     target = fresh(source)
     load_checkpoint_into(target, tmp_path)
@@ -372,9 +311,9 @@ def test_quantized_experts_expert_weights():
     assert torch.equal(a[0], ref) and torch.equal(b[0], fp8_reference(*dq[1]))
 
 
-def test_keep_mode_fp8_linears_and_fp4_experts(source, tmp_path):
-    ckpt, expected = _fp8_checkpoint(source, "e8m0", upstream=True)
-    fp4_ckpt, fp4_expected, quantized = _fp4_upstream_ckpt(source)
+def test_keep_mode_fp8_linears_andfp4_experts(source, tmp_path):
+    ckpt, expected = fp8_checkpoint(source, "e8m0", upstream=True)
+    fp4_ckpt, fp4_expected, quantized = fp4_upstream_checkpoint(source)
     ckpt = {k: v for k, v in ckpt.items() if ".experts." not in k or "shared" in k}
     ckpt.update({k: v for k, v in fp4_ckpt.items() if ".experts." in k and "shared" not in k})
     expected.update({k: v for k, v in fp4_expected.items() if ".mlp.experts." in k})
@@ -456,7 +395,7 @@ def test_keep_mode_fp8_experts(source, tmp_path, layout):
 
 
 def test_keep_mode_needs_expert_weights(source, tmp_path):
-    ckpt, _, _ = _fp4_upstream_ckpt(source)
+    ckpt, _, _ = fp4_upstream_checkpoint(source)
     save_single(ckpt, tmp_path)
     with pytest.raises(CheckpointError, match="expert_weights"):
         load_checkpoint_into(fresh(source), tmp_path, quantized="keep")
@@ -524,7 +463,7 @@ def test_wrong_shape_named(source, tmp_path):
 
 
 def test_fp8_bad_scale_grid(source300, tmp_path):
-    ckpt, _ = _fp8_checkpoint(source300, "float32", upstream=False)
+    ckpt, _ = fp8_checkpoint(source300, "float32", upstream=False)
     ckpt["lm_head.weight_scale_inv"] = torch.ones(2, 1)  # 300 rows need 3 row blocks
     save_single(ckpt, tmp_path)
     with pytest.raises(CheckpointError, match=r"lm_head.weight_scale_inv: expected \(3, 1\), found \(2, 1\)"):
@@ -577,6 +516,140 @@ def test_meta_tensors_are_refused(source, tmp_path):
         load_checkpoint_into(target, tmp_path)
 
 
+def test_allocate_meta_fills_a_meta_built_model(tmp_path):
+    model = randomise(new_model(hf_config(tie_word_embeddings=True)), seed=3)
+    state = state_of(model)
+    del state["lm_head.weight"]
+    save_single(state, tmp_path)
+    with torch.device("meta"):
+        target = new_model(model.config)
+    del state["model.norm.weight"]
+    save_single(state, tmp_path / "incomplete")
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        load_checkpoint_into(target, tmp_path / "incomplete", allocate_meta=True)
+    assert all(p.is_meta for p in target.parameters())  # checked before anything is allocated
+
+    load_checkpoint_into(target, tmp_path, allocate_meta=True)
+    assert_loaded(target, state_of(model))
+    assert target.lm_head.weight is target.model.embed_tokens.weight  # still tied
+    assert not any(t.is_meta for t in [*target.parameters(), *target.buffers()])
+
+
 def test_bad_quantized_argument(source, tmp_path):
     with pytest.raises(ValueError, match="quantized"):
         load_checkpoint_into(fresh(source), tmp_path, quantized="fp8")
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+def _header(file):
+    """(header dict, header length, data start) read straight from the safetensors layout."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), n, 8 + n
+
+
+def _rewrite_header(file, edit):
+    """Apply ``edit`` to the header JSON in place, same length, data bytes untouched."""
+    raw = file.read_bytes()
+    header, n, _ = _header(file)
+    edit(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    file.write_bytes(raw[:8] + new.ljust(n, b" ") + raw[8 + n:])
+
+
+def _flip_byte(file, offset):
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0xFF]))
+
+
+def test_fingerprint_stable_and_location_independent(source, tmp_path):
+    save_sharded(state_of(source), tmp_path / "a", n_shards=2, config_model=source)
+    fp = checkpoint_fingerprint(tmp_path / "a")
+    assert re.fullmatch(r"[0-9a-f]{64}", fp)
+    assert checkpoint_fingerprint(tmp_path / "a") == fp
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert checkpoint_fingerprint(tmp_path / "b") == fp  # a copy elsewhere is the same checkpoint
+    save_single(state_of(source), tmp_path / "c", config_model=source)
+    assert checkpoint_fingerprint(tmp_path / "c") != fp  # same tensors, other file layout
+
+
+def test_fingerprint_sees_metadata_changes_with_identical_bytes(source, tmp_path):
+    """Name, dtype and shape edits that leave every data byte (hence every sample) unchanged."""
+    save_single(state_of(source), tmp_path, config_model=source)
+    file = tmp_path / "model.safetensors"
+    base = checkpoint_fingerprint(tmp_path)
+    key = "model.embed_tokens.weight"
+    assert _header(file)[0][key]["dtype"] == "F32" and _header(file)[0][key]["shape"] == [97, 64]
+
+    edits = {
+        "name": lambda h: h.__setitem__("model.embed_tokens.weighX", h.pop(key)),
+        "dtype": lambda h: h[key].__setitem__("dtype", "I32"),
+        "shape": lambda h: h[key].__setitem__("shape", [64, 97]),
+    }
+    seen = {base}
+    original = file.read_bytes()
+    for what, edit in edits.items():
+        _rewrite_header(file, edit)
+        assert file.read_bytes()[_header(file)[2]:] == original[_header(file)[2]:]
+        fp = checkpoint_fingerprint(tmp_path)
+        assert fp not in seen, what
+        seen.add(fp)
+        file.write_bytes(original)
+    assert checkpoint_fingerprint(tmp_path) == base
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert checkpoint_fingerprint(tmp_path) not in seen
+
+
+def test_fingerprint_sees_sampled_weight_bytes(source, tmp_path):
+    """A re-trained checkpoint with identical metadata: bytes at the start, middle and end of the
+    data region are sampled."""
+    save_single(state_of(source), tmp_path, config_model=source)
+    file = tmp_path / "model.safetensors"
+    base = checkpoint_fingerprint(tmp_path)
+    _, _, start = _header(file)
+    size = file.stat().st_size
+    original = file.read_bytes()
+    for offset in (start, start + (size - start) // 2, size - 1):
+        _flip_byte(file, offset)
+        assert checkpoint_fingerprint(tmp_path) != base, offset
+        file.write_bytes(original)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_fingerprint_reads_a_bounded_number_of_bytes(tmp_path):
+    """rchar counts every byte this process gets from read()/pread() syscalls, whoever issues them."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(256, 1024, generator=g) for i in range(8)}  # 8 MiB of weights
+    save_sharded(state, tmp_path, n_shards=2)
+    (tmp_path / "config.json").write_text("{}")
+    metadata = sum(_header(f)[2] for f in tmp_path.glob("*.safetensors"))
+    metadata += (tmp_path / "model.safetensors.index.json").stat().st_size + 2
+
+    def rchar():
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+    checkpoint_fingerprint(tmp_path)  # warm imports so only the fingerprint's own reads are counted
+    before = rchar()
+    checkpoint_fingerprint(tmp_path)
+    read = rchar() - before
+    samples = 2 * FINGERPRINT_SAMPLE_POINTS * FINGERPRINT_SAMPLE_BYTES
+    assert read <= metadata + samples + 16 * 1024, (read, metadata)
+    assert read < sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) // 50
+
+
+def test_fingerprint_names_a_corrupt_shard(source, tmp_path):
+    save_sharded(state_of(source), tmp_path, n_shards=2)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    shard.write_bytes((10**12).to_bytes(8, "little") + shard.read_bytes()[8:])
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002.safetensors: header length 1000000000000"):
+        checkpoint_fingerprint(tmp_path)
