@@ -138,6 +138,7 @@ class DS4Cache:
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         # Sequences whose state a failed step may have left half-written: unusable until reset.
         self.invalid: set[int] = set()
+        self._offset = 0  # a view's first sequence in the cache it views (`invalid` holds those indices)
         self.layers: list[LayerCache] = []
         for i, kind in enumerate(config.layer_types):
             rate = config.compress_rate(i)
@@ -172,9 +173,9 @@ class DS4Cache:
         """Forget everything (or one sequence), keeping the allocation."""
         sel = slice(None) if batch_index is None else batch_index
         if batch_index is None:
-            self.invalid.clear()
+            self.invalid.difference_update(range(self._offset, self._offset + self.batch_size))
         else:
-            self.invalid.discard(batch_index)
+            self.invalid.discard(self._offset + batch_index)
         self.positions[sel] = 0
         for layer in self.layers:
             layer.window[sel] = 0
@@ -247,7 +248,7 @@ class DS4Cache:
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"state[{name!r}]: {got}, expected {shape} {dtype} for a sequence of {n} tokens")
-        old = None if index in self.invalid else int(self.positions[index])
+        old = None if self.is_invalid(index) else int(self.positions[index])
         for name, dst in self._sequence_views(index, n).items():
             if name != "position":
                 dst.copy_(state[name])
@@ -259,7 +260,7 @@ class DS4Cache:
                 s.rows[index, n // layer.rate:stop].zero_()
                 s.rows[index, -1].zero_()
         self.positions[index] = n
-        self.invalid.discard(index)
+        self.invalid.discard(self._offset + index)
 
     def copy_sequence(self, dst_index: int, src_index: int, source: "DS4Cache | None" = None) -> None:
         """Copy sequence `src_index` of `source` (default: this cache; same config and dtype, any
@@ -275,34 +276,46 @@ class DS4Cache:
 
     def narrow(self, n: int) -> "DS4Cache":
         """The first `n` sequences as a cache sharing this one's storage (views, no copies)."""
-        if n == self.batch_size:
-            return self
+        return self if n == self.batch_size else self._view(0, n)
+
+    def slot(self, index: int) -> "DS4Cache":
+        """Sequence `index` alone, as a batch-1 cache sharing this one's storage: a prefill of one
+        sequence of a batch touches nothing else."""
+        self._check_index(index)
+        return self._view(index, 1)
+
+    def _view(self, start: int, n: int) -> "DS4Cache":
         view = object.__new__(DS4Cache)
         view.__dict__.update(self.__dict__)
         view.batch_size = n
-        view.positions = self.positions[:n]
-        view.invalid = self.invalid  # shared: a failure in the view invalidates the parent's rows
+        view._offset = self._offset + start
+        view.positions = self.positions[start:start + n]
+        # `invalid` is shared: a failure in the view invalidates the parent's rows (by their index there).
         view.layers = [
-            LayerCache(layer.kind, layer.rate, layer.window[:n],
-                       *[CompressorState(*[t[:n] if t is not None else None for t in (
+            LayerCache(layer.kind, layer.rate, layer.window[start:start + n],
+                       *[CompressorState(*[t[start:start + n] if t is not None else None for t in (
                            s.rows, s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)]) if s is not None else None
                          for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]
         return view
 
+    def is_invalid(self, index: int) -> bool:
+        return self._offset + index in self.invalid
+
     def invalidate(self, indices) -> None:
         """Mark sequences unusable (their state is unknown after a failed step) until reset."""
-        self.invalid.update(int(i) for i in indices)
+        self.invalid.update(self._offset + int(i) for i in indices)
 
     def check_usable(self, n: int | None = None) -> None:
-        bad = sorted(i for i in self.invalid if n is None or i < n)
+        end = self.batch_size if n is None else n
+        bad = sorted(i - self._offset for i in self.invalid if 0 <= i - self._offset < end)
         if bad:
             raise RuntimeError(f"cache sequences {bad} were invalidated by a failed step; call cache.reset() "
                                f"(or reset(i)) before using them again")
 
     def check_usable_index(self, index: int) -> None:
-        if index in self.invalid:
+        if self.is_invalid(index):
             raise RuntimeError(f"cache sequence {index} was invalidated by a failed step; reset it first")
 
     def check_room(self, new_tokens: int, n: int | None = None) -> None:

@@ -75,10 +75,17 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
     return logits
 
 
-def make_decoder(model, cache: DS4Cache, mode: str = "auto") -> "Decoder":
-    """A decoder for `model` over `cache`; env DS4_TORCH_DECODE_MODE overrides `mode`."""
+def make_decoder(model, cache: DS4Cache, mode: str = "auto", scratch_padding: bool = False) -> "Decoder":
+    """A decoder for `model` over `cache`; env DS4_TORCH_DECODE_MODE overrides `mode`.
+
+    `scratch_padding`: the caller keeps the sequences a step uses first, and every row past them
+    is scratch (holds nothing it needs). Graph mode then captures one graph per power-of-two
+    batch bucket (1, 2, 4, ...; at most the cache's batch) and pads each step with scratch rows,
+    instead of one graph per batch size."""
     resolved = resolve_mode(mode, cache.device)
-    return GraphDecoder(model, cache) if resolved == "graph" else EagerDecoder(model, cache)
+    if resolved == "graph":
+        return GraphDecoder(model, cache, scratch_padding=scratch_padding)
+    return EagerDecoder(model, cache)
 
 
 class Decoder:
@@ -178,8 +185,9 @@ class _Captured:
 class GraphDecoder(Decoder):
     mode = "graph"
 
-    def __init__(self, model, cache: DS4Cache):
+    def __init__(self, model, cache: DS4Cache, scratch_padding: bool = False):
         super().__init__(model, cache)
+        self.scratch_padding = scratch_padding
         self.graphs: dict[int, _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
         self.backend = "cuda" if cache.device.type == "cuda" else "emulator"
@@ -193,7 +201,22 @@ class GraphDecoder(Decoder):
         # would read stale memory, so such a step runs eagerly (and the graph is recaptured).
         return captured.buffers == [t.data_ptr() for t in self.cache.narrow(captured.n).tensors()]
 
+    def bucket(self, n: int) -> int:
+        """The batch size of the graph that serves a step of `n` sequences."""
+        if not self.scratch_padding:
+            return n
+        return min(1 << (n - 1).bit_length(), self.cache.batch_size)
+
     def _step(self, input_ids, n):
+        b = self.bucket(n)
+        if b > n:
+            # Padding rows are scratch: kept at position 0, their writes never reach a window that
+            # closes and they never run out of room.
+            self.cache.positions[n:b].zero_()
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(b - n)])
+        return self._replay(input_ids, b)[:n]
+
+    def _replay(self, input_ids, n):
         captured = self.graphs.get(n)
         if captured is not None and not self._replayable(captured):
             del self.graphs[n]

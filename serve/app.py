@@ -50,6 +50,8 @@ class ServerConfig:
     prefill_chunk: int = 256
     decode_mode: str = "auto"
     max_queue: int = 64
+    max_batch: int = 8                    # sequences decoding together
+    max_sessions: int | None = None       # conversations kept resident (default max(max_batch, 16))
     api_key: str | None = None
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli
     kv_disk_space_mb: int | None = None
@@ -479,7 +481,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
     config = config or ServerConfig()
     metrics = Metrics()
     engine = Engine(model, tokenizer, ctx=config.ctx, prefill_chunk=config.prefill_chunk,
-                    decode_mode=config.decode_mode, max_queue=config.max_queue, metrics=metrics, kv_store=kv_store)
+                    decode_mode=config.decode_mode, max_queue=config.max_queue, max_batch=config.max_batch,
+                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store)
     state = AppState(model, tokenizer, config, engine, metrics)
 
     def endpoint(name: str, fn, auth: bool = True):
@@ -520,9 +523,12 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
-        log.info("serving %s: ctx %d, prefill chunk %d, decode mode %s, max queue %d%s",
-                 config.model_name, config.ctx, config.prefill_chunk, engine.decoder.mode, config.max_queue,
-                 ", API key required" if config.api_key else "")
+        log.info("serving %s: ctx %d, prefill chunk %d, decode mode %s, max batch %d, %d resident sessions, "
+                 "max queue %d%s; KV cache %.1f MiB (%d resident + %d batch slots x %.2f MiB at ctx %d)",
+                 config.model_name, config.ctx, config.prefill_chunk, engine.decoder.mode, engine.max_batch,
+                 engine.max_sessions, config.max_queue, ", API key required" if config.api_key else "",
+                 engine.cache_bytes / 2**20, engine.resident.batch_size, engine.batch.batch_size,
+                 engine.resident.nbytes / engine.resident.batch_size / 2**20, config.ctx)
         try:
             yield
         finally:

@@ -26,6 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="tokens per prefill chunk; disconnects are noticed between chunks (default 256)")
     p.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
                    help="decode path (auto: CUDA graphs where available); env DS4_TORCH_DECODE_MODE overrides")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="sequences decoding together in one batched step (default 8)")
+    p.add_argument("--max-sessions", type=positive_int, default=None,
+                   help="conversations kept resident in memory, each a KV cache slot at --ctx "
+                        "(default max(--max-batch, 16); the cache memory is logged at start)")
     p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
     p.add_argument("--api-key", metavar="KEY", default=None,
@@ -58,6 +63,9 @@ def load(args):
 
     tokenizer = load_model_tokenizer(args.model)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.max_sessions is not None and args.max_sessions < args.max_batch:
+        raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
+                        "decoding request holds a resident session")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and args.ctx > limit:
         raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
@@ -68,7 +76,8 @@ def load(args):
         aliases = (args.model, os.path.abspath(args.model))
     config = ServerConfig(
         model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
-        decode_mode=args.decode_mode, max_queue=args.max_queue,
+        decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
+        max_sessions=args.max_sessions,
         api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
         keepalive_interval=args.keepalive_interval,
@@ -88,7 +97,7 @@ def attach_kv_store(app, args):
     engine = app.state.engine
     try:
         store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,
-                        dtype=engine.cache.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
+                        dtype=engine.resident.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
                         registry=app.state.metrics.registry)
     except (OSError, RuntimeError) as e:
         raise UserError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e

@@ -1,30 +1,42 @@
-"""The engine: one worker thread owns the model and a batch-1 live KV cache.
+"""The engine: one worker thread, continuous batching over resident sessions.
 
-Requests wait in a bounded FIFO (`max_queue` waiting; one more is the one running). The worker
-takes them one at a time:
+Two caches, each allocated once at start:
 
-1. **Prefix reuse.** The live cache holds `cached_tokens` (prompt and generated tokens fed so
-   far) and the logits of the last one. The cache cannot rewind, so it is reused only when
-   `cached_tokens` is a prefix of the new prompt: then only the suffix is prefilled (and when
-   the prompt *equals* the cached tokens, the stored logits give the first token at once).
-   Anything else resets the cache. On that miss a disk KV store (`serve.kvstore.KVStore`,
-   when given) is consulted: the longest stored prefix of the prompt is restored and only the
-   rest is prefilled. The store writes a snapshot after a prefill (once the first token is
-   out), every `every` tokens of decode, when the live cache is replaced by another
-   conversation, and at shutdown. If the first step after a restore fails (a fault injected
-   with `DS4_TORCH_FAULT=restore:N` is raised right before it), the snapshot is quarantined
-   and the request is prefilled from scratch in the same attempt: the client sees no error.
-2. **Prefill** runs in chunks of `prefill_chunk` tokens; the request's cancel flag is checked
-   before each chunk, and `cached_tokens` grows after each, so an aborted prefill leaves a
-   reusable prefix.
-3. **Decode**: sample, emit, feed back; the cancel flag is checked at every token.
+- **resident** (`max_sessions` slots): one conversation per slot, kept between requests. A new
+  request takes the session whose tokens are the longest prefix of its prompt (an idle one is
+  taken over; a busy one is copied into another slot: a fork); else a free slot; else the least
+  recently used idle session is evicted (snapshotted to disk first when a store is attached).
+  On a slot with no reusable prefix, the disk store is asked for the longest stored prefix.
+  Prompts are prefilled in place, in the session's slot.
+- **batch** (`max_batch` slots, rounded up to a power of two): the sequences decoding together.
+  Once a prompt is prefilled, its session's state is copied into the next batch slot; when the
+  request ends, it is copied back to its resident slot (the conversation stays resident) and the
+  last batch slot moves into the hole. Decoding slots are always the first `n`; the rest are
+  scratch rows a graph-mode step may pad with. Copies cost what a sequence holds (its written
+  rows), and happen when a request starts or ends, never inside a step.
 
-A failure in prefill or decode (device error, OOM, anything raised by the model or injected
-with `DS4_TORCH_FAULT`) resets the engine (cache reset, decoder graphs dropped, CUDA cache
-emptied) and retries the request once from the clean state, resuming after the tokens already
-emitted (they are re-prefilled, so the client sees one seamless output). A second failure
-answers the request with 503 and marks the engine degraded until a request succeeds. Nothing
-raised in the worker ever escapes it.
+Each iteration of the worker runs one batched decode step for every decoding request, then at
+most one prefill chunk (`prefill_chunk` tokens) of the request being prefilled, so a long prompt
+delays the running streams by at most one chunk per token. A decode step reads and writes only
+the batch cache: a resident idle session is never touched by a step it is not part of.
+
+Sampling is per request (its own settings and generator): a request's tokens do not depend on
+what else is in the batch. A request's client that leaves is noticed at the next step or chunk:
+its slot is freed and its prefix stays resident.
+
+A failure in a step (a device error, an OOM, anything raised by the model or injected with
+`DS4_TORCH_FAULT`) resets the batch (captured graphs dropped, the batch cache cleared, CUDA
+cache emptied) and retries every request of that step once, resuming after the tokens already
+sent (they are prefilled again). A second failure answers 503 to that request and marks the
+engine degraded until a request succeeds. Nothing raised in the worker ever escapes it. If the
+first step after a disk restore fails (a fault injected with `DS4_TORCH_FAULT=restore:N` is
+raised right before it), the snapshot is quarantined and that request starts over from a clean
+prefill without spending its retry.
+
+Disk snapshots (with a store): after a prompt's prefill (once its first token is out), every
+`store.every` generated tokens, when an idle session is evicted, and at shutdown. The state is
+read out of the cache between steps (a host copy of what the sequence holds); encoding and
+writing run on a background writer thread, never between two decode steps.
 
 Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app):
 ``("token", TokenOut)``, ``("done", finish_reason)``, ``("error", APIError)``,
@@ -34,7 +46,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
+import queue
 import threading
 import time
 import uuid
@@ -53,6 +65,10 @@ from .protocol import APIError
 
 log = logging.getLogger("ds4.serve")
 
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MIN_SESSIONS = 16
+SNAPSHOT_QUEUE = 8  # snapshots waiting for the writer; past that a new one is dropped, not queued
+
 
 class QueueFull(Exception):
     pass
@@ -63,27 +79,24 @@ class EngineStopped(Exception):
 
 
 class KVStore(Protocol):
-    """What the engine calls on a disk KV cache (`serve.kvstore.KVStore` implements it).
-    Only `restore` and `save` are required; the engine calls `checkpoint`, `restore_ok`,
-    `restore_failed` and `close` when the store has them. A store's exception never fails a
-    request (it is logged), except in `restore`'s first step, which counts as the restore's."""
+    """What the engine calls on a disk KV cache (`serve.kvstore.KVStore` implements it). A store's
+    exception never fails a request (it is logged), except in the first step after a restore,
+    which counts as the restore's."""
+
+    every: int
 
     def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
-        """On a live-cache miss: load the longest stored prefix of `prompt_ids` into the (reset)
-        cache; return (tokens restored, logits of the last one), or None."""
+        """Load the longest stored prefix of `prompt_ids` into sequence 0 of `cache` (a batch-1
+        view of a clean slot); return (tokens restored, logits of the next token), or None."""
 
-    def save(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str = "prefill") -> bool:
-        """The cache holds `token_ids` and `last_logits` are the next token's: store it if worthwhile.
-        `why`: prefill, replaced (another conversation takes the live cache), shutdown."""
+    def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str):
+        """Read sequence 0 of `cache` (holding `token_ids`) out for a snapshot; None if not worth one."""
 
-    # optional:
-    # checkpoint(cache, token_ids, last_logits) after every decode step (periodic snapshots);
-    # restore_ok() / restore_failed(error) once the first step after a restore passed / failed;
-    # close() when the engine stops.
+    def write(self, pending) -> bool:
+        """Write what `prepare` returned (called on the writer thread)."""
 
-
-class _RestoreFailed(Exception):
-    """The first model step after a disk restore failed: the snapshot is blamed, not the engine."""
+    # Also: last_restored (name), restore_ok(name), restore_failed(error, name),
+    # checkpoint_due(n_tokens, saved_at), close().
 
 
 @dataclass
@@ -94,7 +107,7 @@ class TokenOut:
     top: list[tuple[int, float]] | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
@@ -117,15 +130,36 @@ class GenRequest:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first: float | None = None
+    t_last: float | None = None        # when the last token went out (inter-token latency)
     t_end: float | None = None
+    # the engine's bookkeeping while the request runs
+    session: "Session | None" = field(default=None, repr=False)
+    decode_slot: int | None = field(default=None, repr=False)   # its batch slot while decoding
+    held: list[int] = field(default_factory=list, repr=False)   # tokens its batch slot holds
+    pending: int | None = field(default=None, repr=False)       # sampled, to be fed by the next step
+    logits: torch.Tensor | None = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+    text_state: "_TextState | None" = field(default=None, repr=False)
+    no_restore: bool = field(default=False, repr=False)         # a disk restore failed: prefill cleanly
 
     def finished(self) -> bool:
         return self.state in ("done", "cancelled", "failed")
 
+    def sequence(self) -> list[int]:
+        """Everything the model must have seen before the next token: prompt and tokens sent."""
+        return self.prompt_ids + self.generated
 
-class _Cancelled(Exception):
-    def __init__(self, stage: str):
-        self.stage = stage
+
+@dataclass(eq=False)
+class Session:
+    """One resident conversation: slot `slot` of the resident cache holds `tokens`."""
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    last_logits: torch.Tensor | None = None   # the next token's logits: a prompt equal to `tokens` needs no step
+    last_used: float = 0.0
+    request: GenRequest | None = None        # the request using it, if any
+    saved_at: int = 0                        # tokens at its last disk snapshot
+    restored: str | None = None              # the snapshot it was restored from, until a step confirms it
 
 
 class _TextState:
@@ -161,27 +195,75 @@ class _TextState:
         return buf[:len(buf) - hold]
 
 
+class _SnapshotWriter:
+    """Writes prepared snapshots on its own thread, so disk I/O never sits between two steps."""
+
+    def __init__(self, store):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue(SNAPSHOT_QUEUE)
+        self.thread = threading.Thread(target=self._run, name="ds4-kv-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, pending) -> None:
+        try:
+            self.queue.put_nowait(pending)
+        except queue.Full:
+            log.warning("engine: the disk writer is behind; snapshot of %d tokens dropped", len(pending.tokens))
+
+    def _run(self) -> None:
+        while True:
+            pending = self.queue.get()
+            try:
+                if pending is None:
+                    return
+                self.store.write(pending)
+            except Exception as e:  # noqa: BLE001 - the disk cache must never fail anything
+                log.warning("engine: kv store write failed: %s: %s", type(e).__name__, e)
+            finally:
+                self.queue.task_done()
+
+    def flush(self) -> None:
+        self.queue.join()
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout)
+
+
+class _StepFailed(Exception):
+    """A prefill chunk or decode step failed; `requests` were in it."""
+
+
 class Engine:
     def __init__(self, model, tokenizer, *, ctx: int = 4096, prefill_chunk: int = 256, decode_mode: str = "auto",
-                 max_queue: int = 64, metrics: Metrics | None = None, kv_store: KVStore | None = None,
-                 eos_ids=None):
+                 max_queue: int = 64, max_batch: int = DEFAULT_MAX_BATCH, max_sessions: int | None = None,
+                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        max_sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
+        if max_sessions < max_batch:
+            raise ValueError(f"max_sessions ({max_sessions}) must be >= max_batch ({max_batch}): every decoding "
+                             "request holds a session")
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.decode_mode = decode_mode
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.max_sessions = max_sessions
         self.metrics = metrics or Metrics()
         self.kv_store = kv_store
         self.device = model.device
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
 
-        self.cache = model.new_cache(batch_size=1, max_context=ctx)
-        self.decoder = make_decoder(model, self.cache, decode_mode)
-        self.cached_tokens: list[int] = []     # what the live cache holds
-        self.last_logits: torch.Tensor | None = None
-        self._verify_restore = False            # the next model step is the first after a disk restore
-        self._no_restore = False                # this request falls back to a clean prefill
+        self.resident = model.new_cache(batch_size=max_sessions, max_context=ctx)
+        # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
+        self.batch = model.new_cache(batch_size=1 << (max_batch - 1).bit_length(), max_context=ctx)
+        self.decoder = make_decoder(model, self.batch, decode_mode, scratch_padding=True)
+        self.sessions = [Session(i) for i in range(max_sessions)]
+        self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
+        self.prefilling: GenRequest | None = None
 
         self.degraded: str | None = None        # reason, while the last request failed for good
         self.chunk_delay = 0.0                  # test hook: seconds slept after each prefill chunk
@@ -192,12 +274,16 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.current: GenRequest | None = None
+        self._writer: _SnapshotWriter | None = None
         self.served = 0
-        self._stage = "prefill"
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
         self.warm = False
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of both caches: `max_sessions` resident slots and the batch slots, at `ctx`."""
+        return self.resident.nbytes + self.batch.nbytes
 
     # ------------------------------------------------------------------ control (any thread)
     def start(self) -> None:
@@ -211,8 +297,9 @@ class Engine:
             pending = list(self._queue)
             self._queue.clear()
             self.metrics.queue_depth.set(0)
-            if self.current is not None:
-                self.current.cancel.set()
+            for req in [*self.running, self.prefilling]:
+                if req is not None:
+                    req.cancel.set()
             self._cv.notify_all()
         for req in pending:
             self._fail(req, APIError(503, "the server is shutting down", code="server_shutting_down",
@@ -235,6 +322,14 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def idle(self) -> bool:
+        """Nothing waiting, prefilling or decoding."""
+        return not self._queue and self.prefilling is None and not self.running
+
+    def resident_tokens(self) -> list[list[int]]:
+        """The token ids each non-empty resident session holds (for tests and tools)."""
+        return [list(s.tokens) for s in self.sessions if s.tokens]
+
     def submit(self, req: GenRequest) -> None:
         with self._cv:
             if self._stopping or not self.alive:
@@ -247,13 +342,14 @@ class Engine:
             self._cv.notify()
 
     def cancel(self, req: GenRequest) -> None:
-        """The client went away: stop the request at its next chunk/token boundary (or drop it
+        """The client went away: stop the request at its next chunk/step boundary (or drop it
         from the queue now)."""
         req.cancel.set()
         with self._cv:
             try:
                 self._queue.remove(req)
             except ValueError:
+                self._cv.notify()  # a running request: the worker notices at its next boundary
                 return
             self.metrics.queue_depth.set(len(self._queue))
         self._abort(req, "queued")
@@ -262,16 +358,20 @@ class Engine:
     def warmup(self) -> None:
         """Run the model once (first calls pay one-off initialisation), then clear the cache.
         Calls the model directly, not through `prefill`/`step`, so no fault point is counted."""
+        scratch = self.batch.narrow(1)
         try:
             with torch.no_grad():
                 ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-                self.model(ids, cache=self.cache)
-                self.model(ids[:, :1], cache=self.cache)
+                self.model(ids, cache=scratch)
+                self.model(ids[:, :1], cache=scratch)
         except BaseException as e:  # noqa: BLE001
             log.warning("engine: warm-up failed: %s: %s", type(e).__name__, e)
         finally:
-            self.cache.reset()
+            self.batch.reset()
         self.warm = True
+
+    def _has_work(self) -> bool:
+        return bool(self._queue) or self.prefilling is not None or bool(self.running)
 
     def _loop(self) -> None:
         torch.set_num_threads(self.num_threads)
@@ -279,28 +379,96 @@ class Engine:
             self.warmup()
         while True:
             with self._cv:
-                while not self._queue and not self._stopping:
+                while not self._has_work() and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     break
-                req = self._queue.popleft()
-                self.metrics.queue_depth.set(len(self._queue))
-                self.current = req
-            self.metrics.running.set(1)
             try:
-                self._serve(req)
-            except BaseException as e:  # noqa: BLE001 - never let anything kill the worker
-                log.exception("engine: unexpected error serving %s", req.id)
-                self._fail(req, APIError(500, f"internal error: {e}", code="internal_error"))
-            finally:
-                with self._cv:
-                    self.current = None
-                self.metrics.running.set(0)
-                self.metrics.cache_tokens.set(len(self.cached_tokens))
-        if self.kv_store is not None:  # clean shutdown: keep the live conversation on disk
-            with torch.no_grad():
-                self._save_live("shutdown")
-            self._kv("close")
+                with torch.no_grad():
+                    self._iteration()
+            except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
+                log.exception("engine: unexpected error; resetting the batch")
+                self._recover_from_bug()
+        with torch.no_grad():
+            self._shutdown()
+
+    def _iteration(self) -> None:
+        self._reap_cancelled()
+        if self.running:
+            self._decode_step()
+        self._prefill_step()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self.running) + (self.prefilling is not None))
+        self.metrics.resident_sessions.set(sum(1 for s in self.sessions if s.tokens))
+        self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
+
+    # ------------------------------------------------------------------ sessions
+    def _claim_session(self, req: GenRequest) -> int:
+        """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
+        seq = req.sequence()
+        best = None
+        for s in self.sessions:
+            n = len(s.tokens)
+            if n and n <= len(seq) and (n < len(seq) or s.last_logits is not None) and seq[:n] == s.tokens \
+                    and (best is None or n > len(best.tokens)):
+                best = s
+        if best is not None and best.request is None:
+            session = best
+        else:
+            session = self._free_session()
+            if best is not None:  # busy with another request: fork its state
+                self.resident.copy_sequence(session.slot, best.slot)
+                session.tokens = list(best.tokens)
+                session.last_logits = best.last_logits
+            elif self.kv_store is not None and not req.no_restore:
+                self._restore(session, seq)
+        session.request = req
+        session.last_used = time.monotonic()
+        req.session = session
+        return len(session.tokens)
+
+    def _free_session(self) -> Session:
+        """An empty session: a free one, else the least recently used idle one, evicted."""
+        for s in self.sessions:
+            if s.request is None and not s.tokens:
+                return s
+        idle = [s for s in self.sessions if s.request is None]
+        victim = min(idle, key=lambda s: s.last_used)  # max_sessions >= max_batch: never empty
+        self._snapshot(victim, self.resident.slot(victim.slot), victim.tokens, victim.last_logits, "evicted")
+        self._clear(victim)
+        self.metrics.session_evictions.inc()
+        return victim
+
+    def _clear(self, session: Session) -> None:
+        self.resident.reset(session.slot)
+        session.tokens, session.last_logits, session.saved_at, session.restored = [], None, 0, None
+
+    def _restore(self, session: Session, seq: list[int]) -> None:
+        try:
+            restored = self.kv_store.restore(self.resident.slot(session.slot), seq)
+        except Exception as e:  # noqa: BLE001 - a store bug: serve without it
+            log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
+            self._clear(session)
+            return
+        if restored is not None:
+            count, logits = restored
+            session.tokens, session.last_logits = list(seq[:count]), logits
+            session.saved_at = count
+            session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
+
+    def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str) -> None:
+        """Read a sequence out for the disk store; the writer thread writes it."""
+        if self.kv_store is None or not tokens or logits is None or session.restored is not None:
+            return
+        pending = self._kv("prepare", view, list(tokens), logits, why)
+        if pending is None:
+            return
+        session.saved_at = len(tokens)
+        if self._writer is None:
+            self._writer = _SnapshotWriter(self.kv_store)
+        self._writer.submit(pending)
 
     def _kv(self, method: str, *args, **kwargs):
         """Call an (optional) store method; its failures are logged, never raised."""
@@ -313,224 +481,305 @@ class Engine:
             log.warning("engine: kv store %s failed: %s: %s", method, type(e).__name__, e)
             return None
 
-    def _save_live(self, why: str) -> None:
-        """Snapshot what the live cache holds (before it is replaced, or at shutdown)."""
-        if self.kv_store is None or not self.cached_tokens or self.last_logits is None or \
-                self.cache is None or self.cache.invalid:
-            return
-        self._kv("save", self.cache, list(self.cached_tokens), self.last_logits, why=why)
+    def _confirm_restored(self, session: Session) -> None:
+        if session.restored is not None:
+            name, session.restored = session.restored, None
+            self._kv("restore_ok", name)
 
-    def _serve(self, req: GenRequest) -> None:
-        if req.cancel.is_set():
-            self._abort(req, "queued")
+    # ------------------------------------------------------------------ admission and prefill
+    def _next_waiting(self) -> GenRequest | None:
+        with self._cv:
+            while self._queue:
+                req = self._queue.popleft()
+                self.metrics.queue_depth.set(len(self._queue))
+                if not req.cancel.is_set():
+                    return req
+                self._abort(req, "queued")
+        return None
+
+    def _prefill_step(self) -> None:
+        req = self.prefilling
+        if req is None:
+            if len(self.running) >= self.max_batch:
+                return
+            req = self._next_waiting()
+            if req is None:
+                return
+            if not self._admit(req):
+                return
+        session = req.session
+        seq = req.sequence()
+        piece = seq[len(session.tokens):len(session.tokens) + self.prefill_chunk]
+        ids = torch.tensor([piece], dtype=torch.long, device=self.device)
+        try:
+            if session.restored is not None:
+                fault_point("restore")
+            logits = prefill(self.model, self.resident.slot(session.slot), ids, len(piece))[0].clone()
+        except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
+            self._failed([req], e, "prefill")
             return
+        self._confirm_restored(session)
+        session.tokens.extend(piece)
+        session.last_logits = logits
+        req.prefill_chunks += 1
+        self.metrics.prefill_chunks.inc()
+        if self.chunk_delay:
+            time.sleep(self.chunk_delay)
+        if len(session.tokens) == len(seq):
+            self.prefilling = None
+            self._start_decoding(req, logits, prefilled=True)
+
+    def _admit(self, req: GenRequest) -> bool:
+        """Start `req`: a session, then either its prefill (True) or, when the session already
+        holds its whole sequence, its first token (False)."""
         req.state = "running"
-        req.t_start = time.perf_counter()
-        generator = req.sampling.generator(self.device)
-        text = _TextState(self.tokenizer, req.stop)
-        self._no_restore = False
-        for attempt in (1, 2):
-            req.attempts = attempt
-            self._stage = "prefill"
-            try:
-                with torch.no_grad():
-                    try:
-                        self._attempt(req, generator, text)
-                    except _RestoreFailed as rf:
-                        # Blame the snapshot: quarantined, and this attempt starts over from a clean
-                        # prefill (resuming after any token already sent), without touching the retry.
-                        cause = rf.__cause__
-                        log.warning("engine: %s: the first step after a disk restore failed (%s: %s); "
-                                    "snapshot quarantined, prefilling from scratch", req.id,
-                                    type(cause).__name__, cause)
-                        self._kv("restore_failed", cause)
-                        self.reset(f"restore failed: {type(cause).__name__}: {cause}")
-                        self._no_restore = True
-                        if req.cancel.is_set():
-                            raise _Cancelled(self._stage) from None
-                        self._attempt(req, generator, text)
-                self._finish(req)
-                if self.degraded is not None:
-                    log.info("engine: healthy again after a successful request")
-                self.degraded = None
-                self.metrics.healthy.set(1)
-                return
-            except _Cancelled as c:
-                self._abort(req, c.stage)
-                return
-            except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
-                self.metrics.device_errors.inc()
-                stage = self._stage
-                log.warning("engine: %s failed in %s (attempt %d/2): %s: %s", req.id, stage, attempt,
-                            type(e).__name__, e)
-                self.reset(f"{type(e).__name__}: {e}")
-                if req.cancel.is_set():
-                    self._abort(req, stage)
-                    return
-                if attempt == 2:
-                    self.degraded = f"a request failed twice in a row: {type(e).__name__}: {e}"
-                    self.metrics.healthy.set(0)
-                    self._fail(req, APIError(
-                        503, f"the engine failed on this request twice ({type(e).__name__}: {e}); it has been "
-                             f"reset, retry later", code="engine_error",
-                        headers={"Retry-After": str(self.retry_after_s)}))
-                    return
+        if req.t_start is None:
+            req.t_start = time.perf_counter()
+            req.generator = req.sampling.generator(self.device)
+            req.text_state = _TextState(self.tokenizer, req.stop)
+        if req.attempts == 0:
+            req.attempts = 1
+        try:
+            reused = self._claim_session(req)
+        except BaseException as e:  # noqa: BLE001 - a copy between slots failed (device error)
+            self._failed([req], e, "admit")
+            return False
+        if req.attempts == 1 and not req.generated:
+            req.cached_tokens = reused
+        if reused < len(req.sequence()):
+            self.prefilling = req
+            return True
+        self._start_decoding(req, req.session.last_logits, prefilled=False)
+        return False
 
-    def reset(self, reason: str = "") -> None:
-        """Drop all device state: cache contents, captured graphs, cached allocations."""
-        self.cached_tokens = []
-        self.last_logits = None
-        self._verify_restore = False
+    def _start_decoding(self, req: GenRequest, logits: torch.Tensor, prefilled: bool) -> None:
+        """The prompt is in the session: sample the first token, then join the batch."""
+        session = req.session
+        if req.cancel.is_set():
+            self._end(req, "cancelled", stage="prefill")
+            return
+        finish = self._take_token(req, logits)
+        if prefilled:  # once the first token is out, the prompt is worth a snapshot
+            self._snapshot(session, self.resident.slot(session.slot), session.tokens, logits, "prefill")
+        if finish is not None:
+            self._end(req, "done")
+            return
+        slot = len(self.running)
+        try:
+            self.batch.copy_sequence(slot, session.slot, self.resident)
+        except BaseException as e:  # noqa: BLE001
+            self.batch.reset(slot)
+            self._failed([req], e, "admit")
+            return
+        req.decode_slot, req.held = slot, list(session.tokens)
+        self.running.append(req)
+
+    # ------------------------------------------------------------------ decode
+    def _decode_step(self) -> None:
+        reqs = list(self.running)
+        ids = torch.tensor([r.pending for r in reqs], dtype=torch.long, device=self.device)
+        try:
+            if any(r.session.restored is not None for r in reqs):
+                fault_point("restore")
+            logits = self.decoder.step(ids)
+        except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
+            self._failed(reqs, e, "decode")
+            return
+        self.metrics.batch_size.observe(len(reqs))
+        done = []
+        for i, req in enumerate(reqs):
+            self._confirm_restored(req.session)
+            req.held.append(req.pending)
+            if self._take_token(req, logits[i]) is not None:
+                done.append(req)
+            elif self.kv_store is not None and self.kv_store.every > 0 and \
+                    self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
+                self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
+        for req in sorted(done, key=lambda r: -r.decode_slot):
+            self._end(req, "done")
+        if self.token_delay:
+            time.sleep(self.token_delay)
+
+    def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
+        """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
+        req.logits = logits
+        token = sample(logits, req.sampling, req.generator)
+        out = TokenOut(token, "")
+        if req.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            out.logprob = float(lp[token])
+            if req.logprobs > 0:
+                vals, idx = torch.topk(lp, min(req.logprobs, lp.numel()))
+                out.top = list(zip(idx.tolist(), vals.tolist()))
+        req.generated.append(token)
+        self.metrics.generated_tokens.inc()
+        now = time.perf_counter()
+        if req.t_first is None:
+            req.t_first = now
+            self.metrics.ttft.observe(now - req.t_arrival)
+        elif req.t_last is not None:
+            self.metrics.inter_token.observe(now - req.t_last)
+        req.t_last = now
+        finish = None
+        text = req.text_state
+        if token in self.eos_ids and not req.ignore_eos:
+            finish = "stop"
+            out.text = text.push(None, final=True)
+        else:
+            # Feeding this token back needs room for the whole sequence in the context.
+            final = len(req.generated) >= req.max_tokens or len(req.sequence()) > self.ctx
+            out.text = text.push(token, final=final)
+            if text.stopped:
+                finish = "stop"
+            elif final:
+                finish = "length"
+        req.text += out.text
+        self._emit(req, ("token", out))
+        req.pending = None if finish is not None else token
+        req.finish_reason = finish
+        return finish
+
+    # ------------------------------------------------------------------ leaving the batch
+    def _release(self, req: GenRequest) -> None:
+        """`req` stops using its session (and batch slot): what it computed stays resident."""
+        session = req.session
+        if session is None:
+            return
+        if req.decode_slot is not None:
+            slot, last = req.decode_slot, len(self.running) - 1
+            try:
+                self.resident.copy_sequence(session.slot, slot, self.batch)
+                session.tokens, session.last_logits = list(req.held), req.logits
+            except BaseException as e:  # noqa: BLE001 - lose this session, not the engine
+                log.warning("engine: cannot keep %s's session: %s: %s", req.id, type(e).__name__, e)
+                self._clear(session)
+            if slot != last:  # keep decoding slots first: the last one fills the hole
+                moved = self.running[last]
+                self.batch.copy_sequence(slot, last)
+                moved.decode_slot = slot
+                self.running[slot] = moved
+            self.running.pop()
+            self.batch.reset(last)
+            req.decode_slot = None
+        if self.prefilling is req:
+            self.prefilling = None
+        session.request = None
+        session.last_used = time.monotonic()
+        req.session = None
+
+    def _end(self, req: GenRequest, outcome: str, stage: str = "decode") -> None:
+        self._release(req)
+        if outcome == "done":
+            self._finish(req)
+        else:
+            self._abort(req, stage)
+
+    def _reap_cancelled(self) -> None:
+        for req in sorted((r for r in self.running if r.cancel.is_set()), key=lambda r: -r.decode_slot):
+            self._end(req, "cancelled", stage="decode")
+        req = self.prefilling
+        if req is not None and req.cancel.is_set():
+            self._end(req, "cancelled", stage="prefill")
+
+    # ------------------------------------------------------------------ failures
+    def _failed(self, reqs: list[GenRequest], error: BaseException, stage: str) -> None:
+        """A step with `reqs` in it failed: reset, then retry each request once (or fail it)."""
+        self.metrics.device_errors.inc()
+        log.warning("engine: %s step with %d request(s) failed: %s: %s", stage, len(reqs), type(error).__name__,
+                    error)
+        if stage == "decode":
+            self._reset_batch(f"{type(error).__name__}: {error}")
+        else:  # a prefill chunk or a copy of one session: the batch, decoding beside it, is intact
+            self._reset_allocator()
+            self.metrics.engine_resets.inc()
+        requeue = []
+        for req in reqs:
+            session = req.session
+            blame_snapshot = session is not None and session.restored is not None
+            if session is not None:
+                if stage != "decode" or blame_snapshot:
+                    self._clear(session)  # half-written, or restored from a snapshot now suspect
+                session.request = None
+                req.session = None
+            if self.prefilling is req:
+                self.prefilling = None
+            req.decode_slot, req.pending, req.held = None, None, []
+            if blame_snapshot:
+                log.warning("engine: %s: the first step after a disk restore failed; snapshot quarantined, "
+                            "prefilling from scratch", req.id)
+                self._kv("restore_failed", error, session.restored)
+                req.no_restore = True
+            if req.cancel.is_set():
+                self._abort(req, stage)
+            elif not blame_snapshot and req.attempts >= 2:
+                self.degraded = f"a request failed twice in a row: {type(error).__name__}: {error}"
+                self.metrics.healthy.set(0)
+                self._fail(req, APIError(
+                    503, f"the engine failed on this request twice ({type(error).__name__}: {error}); it has been "
+                         f"reset, retry later", code="engine_error",
+                    headers={"Retry-After": str(self.retry_after_s)}))
+            else:
+                if not blame_snapshot:
+                    req.attempts += 1
+                requeue.append(req)
+        self.running = [r for r in self.running if r not in reqs]
+        with self._cv:  # retried first, in their order
+            self._queue.extendleft(reversed(requeue))
+            self.metrics.queue_depth.set(len(self._queue))
+
+    def _reset_batch(self, reason: str) -> None:
+        """Drop the batch's device state: captured graphs, batch cache contents, cached allocations.
+        Requests still decoding go back to their sessions' resident state (it was not touched)."""
         try:
             self.decoder.reset()
-            self.cache.reset()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        except BaseException as e:  # noqa: BLE001 - the reset itself failed: rebuild from scratch
-            log.error("engine: reset failed (%s); reallocating the cache", e)
+            self.batch.reset()
+            self._reset_allocator()
+        except BaseException as e:  # noqa: BLE001 - the reset itself failed: reallocate
+            log.error("engine: reset failed (%s); reallocating the batch cache", e)
             try:
-                self.cache = None
-                self.decoder = None
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                self.cache = self.model.new_cache(batch_size=1, max_context=self.ctx)
-                self.decoder = make_decoder(self.model, self.cache, self.decode_mode)
+                self.batch = self.model.new_cache(batch_size=self.batch.batch_size, max_context=self.ctx)
+                self.decoder = make_decoder(self.model, self.batch, self.decode_mode, scratch_padding=True)
             except BaseException as e2:  # noqa: BLE001
-                log.error("engine: cannot reallocate the cache: %s", e2)
+                log.error("engine: cannot reallocate the batch cache: %s", e2)
                 self.degraded = f"cannot reallocate the KV cache: {e2}"
                 self.metrics.healthy.set(0)
         self.metrics.engine_resets.inc()
-        self.metrics.cache_tokens.set(0)
-        log.info("engine: reset (%s)", reason or "requested")
+        log.info("engine: reset (%s)", reason)
 
-    # ------------------------------------------------------------------ one attempt
-    def _match(self, seq: list[int]) -> int:
-        """Tokens of `seq` the live cache can keep; resets the cache when it cannot be reused."""
-        n = len(self.cached_tokens)
-        usable = self.cache is not None and not self.cache.invalid
-        if usable and n and n <= len(seq) and seq[:n] == self.cached_tokens and \
-                (n < len(seq) or self.last_logits is not None):
-            return n
-        if n or not usable:
-            if usable:
-                self._save_live("replaced")  # another conversation takes the live cache
-            self.cached_tokens, self.last_logits = [], None
-            self._verify_restore = False
-            self.cache.reset()
-        # Live-cache miss: the disk KV store may hold a prefix.
-        if self.kv_store is not None and not self._no_restore:
-            try:
-                restored = self.kv_store.restore(self.cache, seq)
-            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
-                log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
-                self.cache.reset()
-                restored = None
-            if restored is not None:
-                count, logits = restored
-                self.cached_tokens, self.last_logits = list(seq[:count]), logits
-                self._verify_restore = True
-                return count
-        return 0
+    def _reset_allocator(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    def _first_step_after_restore(self, run):
-        """Run one model step; if it is the first after a disk restore, a failure in it (or the
-        `restore` fault point just before it) is the snapshot's."""
-        if not self._verify_restore:
-            return run()
-        try:
-            fault_point("restore")
-            out = run()
-        except BaseException as e:  # noqa: BLE001
-            if not self._verify_restore:  # a later prefill chunk failed: not the snapshot's fault
-                raise
-            self._verify_restore = False
-            raise _RestoreFailed() from e
-        if self._verify_restore:
-            self._verify_restore = False
-            self._kv("restore_ok")
-        return out
+    def _recover_from_bug(self) -> None:
+        reqs = [*self.running, *([self.prefilling] if self.prefilling is not None else [])]
+        for req in reqs:
+            self._release_quietly(req)
+            self._fail(req, APIError(500, "internal error in the engine", code="internal_error"))
+        self.running, self.prefilling = [], None
+        self._reset_batch("unexpected error")
 
-    def _attempt(self, req: GenRequest, generator, text: _TextState) -> None:
-        # A retry resumes: the tokens already emitted are fed again after the prompt.
-        seq = req.prompt_ids + req.generated
-        reused = self._match(seq)
-        if req.attempts == 1:
-            req.cached_tokens = reused
-        logits = self.last_logits
-        suffix = seq[reused:]
-        if suffix:
-            if req.cancel.is_set():
-                raise _Cancelled("prefill")
-            fed = len(self.cached_tokens)
+    def _release_quietly(self, req: GenRequest) -> None:
+        if req.session is not None:
+            self._clear(req.session)
+            req.session.request = None
+            req.session = None
+        req.decode_slot = None
 
-            def on_chunk(done: int, chunk_logits: torch.Tensor) -> bool:
-                # The cache now holds seq[:fed + done]: record it, so an abort leaves a reusable prefix.
-                nonlocal logits
-                logits = chunk_logits[0].clone()  # drop the [1, T, V] buffer the view keeps alive
-                self.cached_tokens.extend(seq[len(self.cached_tokens):fed + done])
-                self.last_logits = logits
-                req.prefill_chunks += 1
-                self.metrics.prefill_chunks.inc()
-                if self._verify_restore:  # the first step after a disk restore passed
-                    self._verify_restore = False
-                    self._kv("restore_ok")
-                if self.chunk_delay:
-                    time.sleep(self.chunk_delay)
-                return not req.cancel.is_set()
-
-            self._stage = "prefill"
-            ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
-            if self._first_step_after_restore(
-                    lambda: prefill(self.model, self.cache, ids, self.prefill_chunk, on_chunk)) is None:
-                raise _Cancelled("prefill")
-        # Snapshot after a prefill; written once the first token is out (the cache still holds
-        # exactly the prompt then), so the disk write does not delay the first token.
-        save_pending = bool(suffix) and self.kv_store is not None
-
-        while True:
-            if req.cancel.is_set():
-                raise _Cancelled("decode" if req.generated else "prefill")
-            token = sample(logits, req.sampling, generator)
-            out = TokenOut(token, "")
-            if req.logprobs is not None:
-                lp = torch.log_softmax(logits.float(), dim=-1)
-                out.logprob = float(lp[token])
-                if req.logprobs > 0:
-                    vals, idx = torch.topk(lp, min(req.logprobs, lp.numel()))
-                    out.top = list(zip(idx.tolist(), vals.tolist()))
-            req.generated.append(token)
-            self.metrics.generated_tokens.inc()
-            if req.t_first is None:
-                req.t_first = time.perf_counter()
-                self.metrics.ttft.observe(req.t_first - req.t_arrival)
-            finish = None
-            if token in self.eos_ids and not req.ignore_eos:
-                finish = "stop"
-                out.text = text.push(None, final=True)
-            else:
-                final = len(req.generated) >= req.max_tokens or len(self.cached_tokens) >= self.ctx
-                out.text = text.push(token, final=final)
-                if text.stopped:
-                    finish = "stop"
-                elif final:
-                    finish = "length"
-            req.text += out.text
-            self._emit(req, ("token", out))
-            if save_pending:
-                save_pending = False
-                self._kv("save", self.cache, list(self.cached_tokens), self.last_logits, why="prefill")
-            if finish is not None:
-                req.finish_reason = finish
-                return
-            self._stage = "decode"
-            step_ids = torch.tensor([token], dtype=torch.long, device=self.device)
-            logits = self._first_step_after_restore(lambda: self.decoder.step(step_ids)[0])
-            self.cached_tokens.append(token)
-            self.last_logits = logits
-            if self.kv_store is not None:
-                self._kv("checkpoint", self.cache, self.cached_tokens, logits)
-            if self.token_delay:
-                time.sleep(self.token_delay)
+    def _shutdown(self) -> None:
+        for req in sorted(self.running, key=lambda r: -r.decode_slot):
+            self._end(req, "cancelled")
+        if self.prefilling is not None:
+            self._end(self.prefilling, "cancelled", stage="prefill")
+        if self.kv_store is None:
+            return
+        for session in self.sessions:  # clean shutdown: keep the conversations on disk
+            if session.tokens and session.saved_at < len(session.tokens):
+                self._snapshot(session, self.resident.slot(session.slot), session.tokens, session.last_logits,
+                               "shutdown")
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+        self._kv("close")
 
     # ------------------------------------------------------------------ outcomes
     def _emit(self, req: GenRequest, event: tuple) -> None:
@@ -545,6 +794,10 @@ class Engine:
         self.served += 1
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.metrics.cached_prompt_tokens.inc(req.cached_tokens)
+        if self.degraded is not None:
+            log.info("engine: healthy again after a successful request")
+        self.degraded = None
+        self.metrics.healthy.set(1)
         self._emit(req, ("done", req.finish_reason))
 
     def _abort(self, req: GenRequest, stage: str) -> None:
@@ -555,8 +808,8 @@ class Engine:
         req.t_end = time.perf_counter()
         self.metrics.prefill_aborted.inc()
         self.metrics.aborted.labels(stage=stage).inc()
-        log.info("engine: %s abandoned by its client while %s (cache keeps %d tokens)", req.id,
-                 "queued" if stage == "queued" else f"in {stage}", len(self.cached_tokens))
+        log.info("engine: %s abandoned by its client while %s", req.id,
+                 "queued" if stage == "queued" else f"in {stage}")
         self._emit(req, ("cancelled", stage))
 
     def _fail(self, req: GenRequest, error: APIError) -> None:

@@ -97,12 +97,22 @@ class _PromMetrics:
             self.rejected.labels(reason=reason)
 
 
+@dataclass
+class PendingSnapshot:
+    """A snapshot read out of the cache, not yet written (see `KVStore.prepare`)."""
+    name: str
+    tokens: list[int]
+    logits: torch.Tensor
+    state: dict
+    why: str
+
+
 class KVStore:
     """The engine's `KVStore` on disk. See the module docstring for the rules, `serve.snapshot` for the format.
 
     `model` is fingerprinted once; `ctx` and `dtype` (default: the model's) give the layout of the
-    engine's live cache. `every` > 0: `checkpoint` saves every `every` tokens of a growing
-    sequence. `min_tokens`: shorter sequences are not worth a file. `registry`: a
+    engine's live cache. `every` > 0: a growing sequence is snapshotted again every `every` tokens
+    (`checkpoint_due`). `min_tokens`: shorter sequences are not worth a file. `registry`: a
     prometheus_client registry for the `ds4_kv_disk_*` metrics (else plain counters only)."""
 
     def __init__(self, directory, space_mb: float, model, *, ctx: int = 4096, dtype: torch.dtype | None = None,
@@ -121,7 +131,6 @@ class KVStore:
         self.entries: dict[str, Entry] = {}
         self.last_rejection: tuple[str, str, str] | None = None   # (file, reason, detail)
         self._restored: str | None = None       # file of the last restore, until its first step passes
-        self._mark = 0                          # tokens of the live sequence at the last save/restore
         self._lock = threading.RLock()
         self._lockfile = None
         os.makedirs(self.qdir, exist_ok=True)
@@ -201,7 +210,6 @@ class KVStore:
         quarantined and the next longest is tried; `cache` is only written once one passed."""
         with self._lock:
             self._restored = None
-            self._mark = 0
             if not self._check_cache(cache):
                 return None
             candidates = sorted((e for e in self.entries.values()
@@ -226,7 +234,7 @@ class KVStore:
                 entry.hits += 1
                 entry.last_used = time.time()
                 _touch(os.path.join(self.dir, entry.name))
-                self._restored, self._mark = entry.name, entry.n
+                self._restored = entry.name
                 self._count("hits")
                 self._count("restored_tokens", entry.n)
                 log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
@@ -234,37 +242,62 @@ class KVStore:
             self._count("misses")
             return None
 
-    def restore_failed(self, error: BaseException | str = "") -> None:
-        """The engine's first step after the last restore failed: quarantine that snapshot."""
+    @property
+    def last_restored(self) -> str | None:
+        """The file the last `restore` loaded, until `restore_ok`/`restore_failed` settles it."""
+        return self._restored
+
+    def restore_failed(self, error: BaseException | str = "", name: str | None = None) -> None:
+        """The first step after a restore (of `name`, default: the last one) failed: quarantine
+        that snapshot."""
         with self._lock:
-            name, self._restored = self._restored, None
+            if name is None or name == self._restored:
+                name, self._restored = self._restored, None
             if name is not None and name in self.entries:
                 self._quarantine(name, SnapshotError("restore_failed", f"first step after restore failed: {error}"))
 
-    def restore_ok(self) -> None:
-        """The first step after the last restore passed."""
-        self._restored = None
+    def restore_ok(self, name: str | None = None) -> None:
+        """The first step after a restore (of `name`, default: the last one) passed."""
+        if name is None or name == self._restored:
+            self._restored = None
 
     def save(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor, why: str = "prefill") -> bool:
         """Write a snapshot of sequence 0 of `cache` (holding `token_ids`, `last_logits` the logits
         of the next token) unless it is too short, already stored, or larger than the budget."""
+        pending = self.prepare(cache, token_ids, last_logits, why)
+        return pending is not None and self.write(pending)
+
+    def prepare(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor,
+                why: str = "prefill") -> "PendingSnapshot | None":
+        """The part of a save that reads the cache: checks, then a host copy of sequence 0's live
+        state (it costs what the snapshot holds). None when not worth a file. `write` does the
+        rest, on any thread: the engine hands it to a background writer."""
         with self._lock:
             n = len(token_ids)
-            self._mark = n
             if n < max(1, self.min_tokens) or last_logits is None or n > self.layout.max_context:
-                return False
+                return None
             name = self._name(token_ids)
             if name in self.entries:
                 self.entries[name].last_used = time.time()
-                return False
-            t0 = time.perf_counter()
+                return None
             if not self._check_cache(cache):
+                return None
+            if int(cache.positions[0]) != n or cache.is_invalid(0):
+                log.warning("kvstore: not saving %d tokens: the cache holds %d", n, int(cache.positions[0]))
+                return None
+            return PendingSnapshot(name, list(token_ids), last_logits.detach().to("cpu", copy=True),
+                                   cache.export_sequence(0, device="cpu"), why)
+
+    def write(self, pending: "PendingSnapshot") -> bool:
+        """Encode and write a prepared snapshot; evict only once it is safely on disk."""
+        with self._lock:
+            t0 = time.perf_counter()
+            name, n = pending.name, len(pending.tokens)
+            if name in self.entries:
                 return False
             try:
-                if int(cache.positions[0]) != n or 0 in cache.invalid:
-                    raise SnapshotError("state", f"the cache holds {int(cache.positions[0])} tokens, not {n}")
-                head, payloads = encode_snapshot(self.model_fp, self.layout, list(token_ids), last_logits,
-                                                 cache.export_sequence(0, device="cpu"))
+                head, payloads = encode_snapshot(self.model_fp, self.layout, pending.tokens, pending.logits,
+                                                 pending.state)
             except SnapshotError as e:
                 log.warning("kvstore: not saving %d tokens: %s", n, e)
                 return False
@@ -283,19 +316,16 @@ class KVStore:
                 return False
             self._make_room()  # only now: a failed write must not cost other snapshots
             now = time.time()
-            self.entries[name] = Entry(name, list(token_ids), size, now, now)
+            self.entries[name] = Entry(name, pending.tokens, size, now, now)
             self._count("saves")
             self._update_gauges()
-            log.info("kvstore: saved %d tokens (%s, %.1f KiB, %.0f ms)", n, why, size / 1024,
+            log.info("kvstore: saved %d tokens (%s, %.1f KiB, %.0f ms)", n, pending.why, size / 1024,
                      1000 * (time.perf_counter() - t0))
             return True
 
-    def checkpoint(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor) -> bool:
-        """Called after each decode step: saves every `every` tokens of a growing sequence."""
-        if self.every <= 0 or len(token_ids) < self._mark + self.every:
-            return False
-        self._mark = len(token_ids)
-        return self.save(cache, token_ids, last_logits, why="periodic")
+    def checkpoint_due(self, n_tokens: int, saved_at: int) -> bool:
+        """A sequence of `n_tokens` last snapshotted at `saved_at` tokens is due another one."""
+        return self.every > 0 and n_tokens >= saved_at + self.every
 
     # ---------------------------------------------------------------- inspection
     def usage(self) -> int:

@@ -7,6 +7,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 disable_created_metrics()  # no `*_created` series: they only clutter the exposition
 
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -34,8 +36,18 @@ class Metrics:
         self.engine_resets = Counter("ds4_engine_resets", "Engine resets (cache cleared, graphs dropped)",
                                      registry=r)
         self.queue_depth = Gauge("ds4_queue_depth", "Requests waiting for the engine", registry=r)
-        self.running = Gauge("ds4_requests_running", "Requests the engine is working on (0 or 1)", registry=r)
-        self.cache_tokens = Gauge("ds4_live_cache_tokens", "Tokens held by the live KV cache", registry=r)
+        self.running = Gauge("ds4_requests_running", "Requests the engine is working on (decoding or prefilling)",
+                             registry=r)
+        self.resident_sessions = Gauge("ds4_resident_sessions", "Conversations held in the resident KV cache",
+                                       registry=r)
+        self.cache_tokens = Gauge("ds4_live_cache_tokens", "Tokens held by the resident sessions", registry=r)
+        self.session_evictions = Counter("ds4_session_evictions",
+                                         "Idle resident sessions evicted to make room for another conversation",
+                                         registry=r)
+        self.batch_size = Histogram("ds4_batch_size", "Sequences in each batched decode step", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.inter_token = Histogram("ds4_inter_token_latency_seconds",
+                                     "Time between two tokens of one request", buckets=ITL_BUCKETS, registry=r)
         self.healthy = Gauge("ds4_engine_healthy", "1 when the engine is usable, 0 while degraded", registry=r)
         self.healthy.set(1)
         self.ttft = Histogram("ds4_time_to_first_token_seconds",

@@ -460,15 +460,18 @@ def test_periodic_checkpoint(store, model):
     cache, logits = run(model, tokens)
     store.save(cache, tokens, logits)
     decoder = make_decoder(model, cache, "eager")
-    written = []
+    written, saved_at = [], len(tokens)
     with torch.no_grad():
         for step in range(40):
             t = int(logits.argmax())
             logits = decoder.step(torch.tensor([t]))[0]
             tokens.append(t)
-            if store.checkpoint(cache, tokens, logits):
+            if store.checkpoint_due(len(tokens), saved_at):
+                saved_at = len(tokens)
+                assert store.save(cache, tokens, logits, why="periodic")
                 written.append(len(tokens))
     assert written == [36, 52]
+    assert all(store.restore(model.new_cache(1, CTX), tokens[:n])[0] == n for n in written)
 
 
 def test_prometheus_metrics(tmp_path, model):

@@ -172,7 +172,7 @@ def prompt(seed, n=80):
 
 def wait_idle(srv):
     deadline = time.monotonic() + 10
-    while srv.app.state.engine.current is not None:
+    while not srv.app.state.engine.idle():
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
