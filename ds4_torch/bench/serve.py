@@ -1,22 +1,22 @@
-"""`ds4-torch bench serve`: HTTP streaming throughput against direct decode, in one run.
+"""`ds4-torch bench serve`: HTTP streaming through the batching server against direct decode.
 
-1. Direct: `ds4_torch.generate` on the model (same prefill chunk as the server), timing the
-   first token and the decode rate ((tokens - 1) / time from the first token to the last).
-2. HTTP: a local server (uvicorn on a background thread, the same model object) and 1, then N,
-   concurrent streaming clients (in a separate process) (httpx, `/v1/completions`, prompts of random token ids, distinct
-   per client so no prefix is reused, greedy, `return_token_ids` so every token arrives in its own
-   SSE chunk and is counted exactly). Per client: time to first token (request sent -> first token
-   chunk received) and tokens/s ((tokens - 1) / first-to-last token). Total tokens/s: all tokens /
-   wall time of the run.
-
-The engine serves one request at a time (batch 1), so with N clients the total rate stays near the
-direct rate while time to first token grows with the queue.
+1. Direct: `ds4_torch.generate` on the model (same prefill chunk as the server): the decode rate
+   of one sequence with nothing else running ((tokens - 1) / first-to-last token).
+2. HTTP, for each count in `--clients` (e.g. 1 2 4 8 16): that many concurrent streaming clients
+   (in a separate process; httpx, `/v1/completions`, distinct random prompts so no prefix is
+   reused, greedy, `return_token_ids` so every token is counted exactly). Per count: aggregate
+   tokens/s (all tokens / wall time, prefill and queueing included), time to first token p50/p99,
+   inter-token latency p50/p99 (gaps between consecutive tokens of one stream, over all streams).
+3. A long prompt mid-stream (`--stall-prompt-len`, default 2000): `--stall-clients` streams are
+   decoding when one request with that long prompt arrives; the largest gap any stream sees while
+   that prompt is prefilled, against one prefill chunk's time measured directly. The engine runs
+   one batched decode step then at most one prefill chunk per iteration, so that gap should stay
+   within one decode step plus one chunk.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import time
 
@@ -27,13 +27,18 @@ def add_arguments(p) -> None:
     from ..runtime import add_model_arguments, positive_int
 
     add_model_arguments(p)
-    p.add_argument("--clients", type=positive_int, default=4, help="concurrent streaming clients (default 4)")
+    p.add_argument("--clients", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="concurrent streaming clients, one run per count (default 1 2 4 8 16)")
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="the server's --max-batch (default: the largest client count)")
+    p.add_argument("--stall-prompt-len", type=int, default=2000,
+                   help="prompt of the request that arrives mid-stream (0: skip that run; default 2000)")
+    p.add_argument("--stall-clients", type=positive_int, default=4, help="streams decoding when it arrives (default 4)")
     p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens per request (default 256)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--repeat", type=positive_int, default=3,
-                   help="direct and 1-client HTTP runs, alternated; the median is reported (default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="direct runs; the median is reported (default 3)")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -74,53 +79,65 @@ async def _client(http, url: str, prompt: list[int], new_tokens: int) -> dict:
             for choice in chunk.get("choices", ()):
                 now = time.perf_counter()
                 stamps.extend([now] * len(choice.get("token_ids") or ()))
-    return {"ttft": stamps[0] - start, "rate": (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1
-            else float("nan"), "tokens": len(stamps)}
+    return {"ttft": stamps[0] - start, "stamps": stamps, "tokens": len(stamps)}
 
 
-async def _run_clients(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+async def _run_clients(url: str, prompts: list[list[int]], new_tokens: int, late: list[int] | None = None) -> dict:
+    """`prompts` stream concurrently; with `late`, a request with that prompt is sent once every
+    stream has produced a few tokens, and its send/answer times are returned."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         start = time.perf_counter()
-        results = await asyncio.gather(*(_client(http, url, p, new_tokens) for p in prompts))
+        tasks = [asyncio.ensure_future(_client(http, url, p, new_tokens)) for p in prompts]
+        window = None
+        if late is not None:
+            await asyncio.sleep(0.5)  # the streams are past their prefills and decoding
+            sent = time.perf_counter()
+            r = await http.post(url + "/v1/completions", json={"model": "bench", "prompt": late, "max_tokens": 1})
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            window = (sent, time.perf_counter())
+        results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-    return {"ttft": [r["ttft"] for r in results], "rates": [r["rate"] for r in results],
-            "tokens": sum(r["tokens"] for r in results), "wall": wall}
+    return {"ttft": [r["ttft"] for r in results], "stamps": [r["stamps"] for r in results],
+            "tokens": sum(r["tokens"] for r in results), "wall": wall, "window": window}
 
 
 def _client_main() -> None:
     """Entry point of the client process: spec as JSON on stdin, results as JSON on stdout."""
     spec = json.load(sys.stdin)
-    json.dump(asyncio.run(_run_clients(spec["url"], spec["prompts"], spec["new_tokens"])), sys.stdout)
+    json.dump(asyncio.run(_run_clients(spec["url"], spec["prompts"], spec["new_tokens"], spec.get("late"))),
+              sys.stdout)
 
 
-def run_clients(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+def run_clients(url: str, prompts: list[list[int]], new_tokens: int, late: list[int] | None = None) -> dict:
     """The clients run in a separate process, as real clients would: in this one they would
     compete with the server's threads for the GIL and slow down what is being measured."""
     import os
     import subprocess
 
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds ds4_torch/
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run([sys.executable, "-c", "from ds4_torch.bench.serve import _client_main; _client_main()"],
-                          input=json.dumps({"url": url, "prompts": prompts, "new_tokens": new_tokens}),
+                          input=json.dumps({"url": url, "prompts": prompts, "new_tokens": new_tokens, "late": late}),
                           capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"the client process failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout)
 
 
-def _median_run(runs: list[dict]) -> dict:
-    return sorted(runs, key=lambda r: r["rates"][0])[len(runs) // 2]
+def _gaps(stamps: list[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def run(args) -> int:
     from serve.app import ServerConfig, create_app
     from serve.runner import BackgroundServer
 
+    from ..decode import prefill
     from ..runtime import UserError, load_model, load_model_tokenizer
     from .report import write_csv
 
@@ -133,44 +150,63 @@ def run(args) -> int:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
-    def prompts(n):
-        return [torch.randint(vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(n)]
+    def prompts(n, length=args.prompt_len):
+        return [torch.randint(vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
+    counts = sorted(set(args.clients))
+    max_batch = args.max_batch or max(counts)
     print(f"bench serve: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
-          f"tokens, {args.clients} clients, {torch.get_num_threads()} threads, greedy, 1-client runs x{args.repeat}",
+          f"tokens, clients {counts}, max batch {max_batch}, {torch.get_num_threads()} threads, greedy",
           file=sys.stderr)
     bench_direct(model, prompts(1)[0][:8], 2, args.prefill_chunk)  # one-off first-call costs
+    direct = sorted((bench_direct(model, prompts(1)[0], args.new_tokens, args.prefill_chunk)
+                     for _ in range(args.repeat)), key=lambda r: r["rates"][0])[args.repeat // 2]
+    with torch.no_grad():  # one prefill chunk's time, directly: the stall bound
+        chunk_ids = torch.tensor(prompts(1, args.prefill_chunk), device=model.device)
+        cache = model.new_cache(1, args.prefill_chunk)
+        began = time.perf_counter()
+        prefill(model, cache, chunk_ids, args.prefill_chunk)
+        chunk_s = time.perf_counter() - began
 
-    config = ServerConfig(model_name="bench", ctx=args.prompt_len + args.new_tokens,
-                          prefill_chunk=args.prefill_chunk, max_queue=max(64, args.clients))
+    ctx = max(args.prompt_len + args.new_tokens, args.stall_prompt_len + 1)
+    config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=args.prefill_chunk,
+                          max_queue=max(64, max(counts)), max_batch=max_batch,
+                          max_sessions=max(max_batch, max(counts) + 1, 16))
     app = create_app(model, tokenizer, config)
-    direct, http1 = [], []
-    with BackgroundServer(app) as srv:
-        # Direct and 1-client HTTP runs alternate, so load from elsewhere on the machine hits both alike.
-        for _ in range(args.repeat):
-            direct.append(bench_direct(model, prompts(1)[0], args.new_tokens, args.prefill_chunk))
-            http1.append(run_clients(srv.url, prompts(1), args.new_tokens))
-        results = {"direct": _median_run(direct), "http x1": _median_run(http1)}
-        if args.clients > 1:
-            results[f"http x{args.clients}"] = run_clients(srv.url, prompts(args.clients), args.new_tokens)
-
-    direct_rate = results["direct"]["rates"][0]
     rows = []
-    for name, r in results.items():
-        per_client = statistics.mean(r["rates"])
-        rows.append({
-            "run": name, "clients": len(r["ttft"]), "ttft_p50_s": _pct(r["ttft"], 50), "ttft_p99_s": _pct(r["ttft"], 99),
-            "tok_s_per_client": per_client, "tok_s_total": r["tokens"] / r["wall"],
-            "vs_direct_decode": per_client / direct_rate,
-        })
-    print(f"{'run':<16} {'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s/client':>13} {'tok/s total':>12} "
-          f"{'vs direct':>10}")
+    stall = None
+    with BackgroundServer(app) as srv:
+        for c in counts:
+            r = run_clients(srv.url, prompts(c), args.new_tokens)
+            gaps = [g for s in r["stamps"] for g in _gaps(s)]
+            rows.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "ttft_p50_s": _pct(r["ttft"], 50),
+                         "ttft_p99_s": _pct(r["ttft"], 99), "itl_p50_ms": 1000 * _pct(gaps, 50),
+                         "itl_p99_ms": 1000 * _pct(gaps, 99)})
+        if args.stall_prompt_len > 0:
+            r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens,
+                            late=prompts(1, args.stall_prompt_len)[0])
+            lo, hi = r["window"]
+            inside = [b - a for s in r["stamps"] for a, b in zip(s, s[1:]) if b > lo and a < hi]
+            outside = [b - a for s in r["stamps"] for a, b in zip(s, s[1:]) if b <= lo or a >= hi]
+            stall = {"max_gap_ms": 1000 * max(inside, default=float("nan")),
+                     "itl_p50_ms": 1000 * _pct(outside, 50), "chunk_ms": 1000 * chunk_s,
+                     "prefill_s": hi - lo}
+
+    base = rows[0]["tok_s_total"] if rows and rows[0]["clients"] == 1 else float("nan")
+    print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
+    print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'ITL p50':>9} {'ITL p99':>9}")
     for r in rows:
-        print(f"{r['run']:<16} {r['clients']:>7} {r['ttft_p50_s']:>8.3f}s {r['ttft_p99_s']:>8.3f}s "
-              f"{r['tok_s_per_client']:>13.1f} {r['tok_s_total']:>12.1f} {r['vs_direct_decode']:>9.1%}")
-    print("(tok/s per client: decode rate seen by each client, first to last token; total: all tokens / wall time "
-          "including prefill and queueing; vs direct: per-client rate / direct decode rate; 1-client rows: the run "
-          "with the median rate)")
+        r["vs_1_client"] = r["tok_s_total"] / base
+        print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['ttft_p50_s']:>8.3f}s "
+              f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms")
+    print("(tok/s total: all tokens / wall time, prefill and queueing included; TTFT: request sent -> first token; "
+          "ITL: gap between consecutive tokens of one stream)")
+    if stall is not None:
+        print(f"a {args.stall_prompt_len}-token prompt arriving while {args.stall_clients} streams decode: prefilled "
+              f"in {stall['prefill_s']:.2f} s; largest gap any stream saw meanwhile {stall['max_gap_ms']:.1f} ms "
+              f"(ITL p50 outside it {stall['itl_p50_ms']:.1f} ms, one {args.prefill_chunk}-token prefill chunk "
+              f"{stall['chunk_ms']:.1f} ms)")
     if args.csv:
         write_csv(rows, args.csv)
     return 0
