@@ -263,3 +263,18 @@ def test_graph_mode_equals_eager_as_the_batch_grows_and_shrinks(model):
                 buckets = set(s.app.state.engine.decoder.graphs)
                 assert buckets <= {1, 2, 4, 8} and len(buckets) >= 3, buckets
     assert outputs["graph"] == outputs["eager"] == [reference(model, ids, n) for ids, n in jobs]
+
+
+# --------------------------------------------------------------------------- benchmark
+def test_bench_serve_prints_every_client_count(tmp_path, capsys):
+    from ds4_torch.cli import main
+
+    table = tmp_path / "serve.csv"
+    rc = main(["bench", "serve", "--clients", "1", "2", "--new-tokens", "4", "--prompt-len", "16",
+               "--prefill-chunk", "16", "--stall-prompt-len", "48", "--stall-clients", "2", "--repeat", "1",
+               "--threads", "1", "--csv", str(table)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = table.read_text().splitlines()
+    assert rows[0].startswith("clients,tok_s_total") and [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
+    assert "48-token prompt arriving while 2 streams decode" in out
