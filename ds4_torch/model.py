@@ -351,7 +351,7 @@ class Experts(nn.Module):
         for s in range(slots):
             expert = distinct[s:s + 1]
             gate_up, down = self.expert_weights(expert.clamp(min=0))  # a padding slot reads expert 0, adds nothing
-            routed = torch.where(indices == expert, torch.zeros_like(indices), no_expert)
+            routed = torch.where((indices == expert) & (expert >= 0), torch.zeros_like(indices), no_expert)
             out += self._moe(flat, routed, weights, gate_up.to(flat.dtype), down.to(flat.dtype)).float()
         return out.to(flat.dtype)
 

@@ -124,12 +124,16 @@ def _dot_dtype(dtype: torch.dtype):
 
 
 def moe_config(pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
-    """Block sizes and warps, from shapes only. BLOCK_M follows the mean pairs per expert (decode:
-    16, the smallest tensor-core M; long prefills: up to 64). fp32 (no tensor cores, twice the
-    bytes per tile) takes half the K tile."""
+    """Block sizes and warps, from shapes only (not tuned on a GPU yet). BLOCK_M follows the mean
+    pairs per expert (decode: 16, the smallest tensor-core M; long prefills: up to 64). With
+    BLOCK_M 16 the kernels stream weights, so BLOCK_N 32 doubles the programs reading them. fp32
+    (no tensor cores, an FMA dot) takes half the K tile and 8 warps for BLOCK_M 64: with 4 the
+    gate_up kernel's two accumulators spill at sm_80 (see tests/test_moe.py compile check)."""
     per_expert = pairs / max(num_experts, 1)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=4)
+    fp32 = dtype == torch.float32
+    return dict(BLOCK_M=block_m, BLOCK_N=32 if block_m == 16 else 64, BLOCK_K=32 if fp32 else 64,
+                num_warps=8 if fp32 and block_m == 64 else 4)
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
