@@ -356,6 +356,31 @@ def test_quantized_experts_trace_without_freezing_the_routing():
                  loop_reference(hidden, other, weights, gate_up_q[2], down_q[2], LIMIT), torch.float32)
 
 
+def test_bench_moe_agrees_with_transformers_at_tiny_sizes(tmp_path, capsys):
+    """The benchmark runs end to end, and its transformers modules (same weights, same routing)
+    produce ds4_torch's outputs: fp32 to rounding; bf16 within 0.07, one bf16 ulp at the outputs'
+    magnitude (8-16 here): transformers' eager loop adds the k slots in bf16, ds4_torch in fp32."""
+    import argparse
+    import csv
+
+    from ds4_torch import bench_moe
+
+    parser = argparse.ArgumentParser()
+    bench_moe.add_arguments(parser)
+    path = tmp_path / "moe.csv"
+    args = parser.parse_args(["--hidden", "64", "--intermediate", "32", "--experts", "4", "--top-k", "2",
+                              "--prefill-tokens", "8", "--repeats", "1", "--csv", str(path)])
+    assert bench_moe.run(args) == 0
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["dtype"], r["case"], r["impl"]) for r in rows] == [
+        (d, c, i) for d in ("fp32", "bf16") for c in ("decode", "prefill8")
+        for i in ("ds4_torch", "transformers-eager", "transformers-grouped_mm")]
+    for r in rows:
+        assert float(r["max_abs_diff"]) <= (1e-5 if r["dtype"] == "fp32" else 0.07), r
+        assert float(r["floor_mb"]) > 0 and float(r["ms"]) > 0
+    assert "ds4_torch" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- GPU-only checks
 def run_child(mode: str, *args: str, timeout=900):
     """This file as a script, with TRITON_INTERPRET unset (see the module docstring)."""
