@@ -138,8 +138,8 @@ def run(args) -> int:
     print(header)
     for r in rows:
         print(f"{r['dtype']:<5} {r['case']:<11} {r['impl']:<24} {r['ms']:>9.2f} {r['ms_per_token']:>9.3f} "
-              f"{r['floor_mb']:>9.1f} {r['gb_s']:>6.2f} {r['vs_transformers_eager']:>8.2f} {r['vs_transformers_best']:>7.2f} "
-              f"{r['max_abs_diff']:>9.2g}")
+              f"{r['floor_mb']:>9.1f} {r['gb_s']:>6.2f} {r['vs_transformers_eager']:>8.2f} "
+              f"{r['vs_transformers_best']:>7.2f} {r['max_abs_diff']:>9.2g}")
     print("(floor: weight bytes of the experts the routing selected; x eager / x best: time / transformers' eager "
           "loop / the faster transformers implementation; max diff: largest |output - ds4_torch output|)")
     if args.csv:

