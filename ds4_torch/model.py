@@ -320,6 +320,7 @@ class Experts(nn.Module):
     def forward(self, flat, indices, weights):
         """flat [N, H], indices [N, k] expert ids, weights [N, k] -> [N, H]."""
         if type(self).expert_weights is not Experts.expert_weights:
+            # quant.py's storages: no dense parameters, weights only through expert_weights.
             return self._forward_one_expert_at_a_time(flat, indices, weights)
         return self._moe(flat, indices, weights, self.gate_up_proj, self.down_proj)
 
@@ -333,8 +334,9 @@ class Experts(nn.Module):
         """Storages that only hand out weights through `expert_weights` (quantized, see quant.py):
         dequantize one selected expert at a time and run the op on it alone, with every pair routed
         elsewhere marked -1 (no expert). Slot s holds the s-th distinct selected expert (-1 past
-        them); the slot count min(N*k, E) is static, so this traces and captures too, and each hit
-        expert is dequantized once (prefill: at most E experts, decode: at most N*k)."""
+        them). The slot count min(N*k, E) is static, so this traces and captures too; it is also
+        the number of dequantizations: each hit expert once, plus expert 0 for each padding slot
+        (slots beyond the distinct experts hit), which adds nothing."""
         N, k = indices.shape
         E = self.num_experts
         ids = indices.reshape(-1)
