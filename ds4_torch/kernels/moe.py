@@ -85,16 +85,17 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
     counts = torch.bincount(flat_ids.clamp(-1, E) + 1, minlength=E + 2).tolist()  # the host sync
     all_valid = counts[0] == 0 and counts[E + 1] == 0
     pair_out = hidden.new_empty(N * k, H) if all_valid else hidden.new_zeros(N * k, H)
+    tokens, sorted_weights = order // k, pair_weights[order]  # per sorted pair; sliced per expert below
     begin = counts[0]
     for e in range(E):
         n = counts[e + 1]
         if n == 0:
             continue
-        pairs = order[begin:begin + n]
-        begin += n
-        x = hidden.index_select(0, pairs // k)
+        end = begin + n
+        x = hidden if N == 1 and n == 1 else hidden.index_select(0, tokens[begin:end])
         h = swiglu(_linear(x, gate_up[e]), swiglu_limit)
-        pair_out.index_copy_(0, pairs, _linear(h, down[e]) * pair_weights[pairs, None])
+        pair_out.index_copy_(0, order[begin:end], _linear(h, down[e]) * sorted_weights[begin:end, None])
+        begin = end
     return pair_out.view(N, k, H).sum(1)
 
 
