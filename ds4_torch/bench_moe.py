@@ -7,11 +7,11 @@ loaded transformers model picks by default). Cases: one decode token (N=1) and a
 `--prefill-tokens` tokens. The shared expert and the router are the same dense code on both
 sides and are left out: the table isolates the routed experts this op replaces.
 
-Columns: best-of-`--repeats` milliseconds (interleaved runs, so both sides see the same machine
-load), milliseconds per token, the bytes-read floor (the weight bytes of the experts the routing
-selected: each must be read at least once), the achieved GB/s against that floor, the time
-relative to transformers' eager loop and to the faster of its two implementations, and the largest
-output difference from ds4_torch.
+Columns: best-of-`--decode-repeats` / `--repeats` milliseconds (interleaved runs, so every
+implementation sees the same machine load), milliseconds per token, the bytes-read floor (the
+weight bytes of the experts the routing selected: each must be read at least once), the achieved
+GB/s against that floor, the time relative to transformers' eager loop and to the faster of its
+two implementations, and the largest output difference from ds4_torch.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-k", type=positive_int, default=6, help="experts per token (default 6, V4-Flash)")
     parser.add_argument("--prefill-tokens", type=positive_int, default=256, help="tokens of the prefill case")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed prefill runs per cell; the best is shown (default 5)")
+    parser.add_argument("--decode-repeats", type=positive_int, default=30,
+                        help="timed decode runs per cell (cheap, and noisier on a shared machine; default 30)")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="ds4::moe implementation (default auto)")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -100,7 +103,8 @@ def measure(args, dtype_name: str) -> list[dict]:
     ours, theirs = build_modules(H, I, E, dtype, args.backend)
     expert_bytes = (2 * I * H + H * I) * torch.finfo(dtype).bits // 8
     rows = []
-    for case, tokens in (("decode", 1), (f"prefill{args.prefill_tokens}", args.prefill_tokens)):
+    for case, tokens, repeats in (("decode", 1, args.decode_repeats),
+                                  (f"prefill{args.prefill_tokens}", args.prefill_tokens, args.repeats)):
         ids, weights = routing(tokens, E, k, seed=tokens)
         hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1)).to(dtype)
         weights = weights.to(dtype)
@@ -109,7 +113,7 @@ def measure(args, dtype_name: str) -> list[dict]:
             fns[f"transformers-{impl}"] = lambda module=module: module(hidden, ids, weights)
         reference = fns["ds4_torch"]().float()
         diffs = {name: (fn().float() - reference).abs().max().item() for name, fn in fns.items()}
-        best = time_interleaved(fns, args.repeats)
+        best = time_interleaved(fns, repeats)
         floor = ids.unique().numel() * expert_bytes
         for name, seconds in best.items():
             rows.append({
@@ -131,7 +135,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     print(f"bench moe: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
           f"top-{args.top_k}, {torch.get_num_threads()} threads, backend {args.backend}, "
-          f"best of {args.repeats}", file=sys.stderr)
+          f"best of {args.decode_repeats} (decode) / {args.repeats} (prefill)", file=sys.stderr)
     rows = [row for name in args.dtypes for row in measure(args, name)]
     header = (f"{'dtype':<5} {'case':<11} {'impl':<24} {'ms':>9} {'ms/token':>9} {'floor MB':>9} {'GB/s':>6} "
               f"{'x eager':>8} {'x best':>7} {'max diff':>9}")

@@ -157,13 +157,24 @@ def test_weights_are_read_in_place_not_copied(monkeypatch):
                                                   down.untyped_storage().data_ptr())
 
 
-def test_bf16_single_row_takes_the_two_row_product():
-    from ds4_torch.kernels.moe import _linear
+def test_cpu_linear_fast_paths_compute_the_product():
+    """`_linear` swaps kernels by shape (one bf16 row as two, fp32 row blocks on oneDNN): each
+    still computes x @ w.T, and autograd still flows (it then takes F.linear)."""
+    from ds4_torch.kernels.moe import _ONEDNN_LINEAR, _linear
 
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(1, 64, generator=g).bfloat16(), torch.randn(96, 64, generator=g).bfloat16()
-    assert torch.equal(_linear(x, w), F.linear(x.expand(2, -1), w)[:1])
-    assert_close(_linear(x, w), (x.double() @ w.double().T), torch.bfloat16)
+    w = torch.randn(96, 64, generator=g) / 8
+    for rows, dtype in ((1, torch.bfloat16), (1, torch.float32), (6, torch.float32), (6, torch.bfloat16)):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        assert_close(_linear(x, w.to(dtype)), x.double() @ w.to(dtype).double().T, dtype)
+    x = torch.randn(1, 64, generator=g).bfloat16()
+    assert torch.equal(_linear(x, w.bfloat16()), F.linear(x.expand(2, -1), w.bfloat16())[:1])
+    if _ONEDNN_LINEAR is not None:
+        x = torch.randn(6, 64, generator=g)
+        assert torch.equal(_linear(x, w), _ONEDNN_LINEAR(x, w, None, "none", [], ""))
+    x = torch.randn(6, 64, generator=g, requires_grad=True)
+    _linear(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(6, -1))
 
 
 # --------------------------------------------------------------------------- the Triton layout
@@ -369,7 +380,7 @@ def test_bench_moe_agrees_with_transformers_at_tiny_sizes(tmp_path, capsys):
     bench_moe.add_arguments(parser)
     path = tmp_path / "moe.csv"
     args = parser.parse_args(["--hidden", "64", "--intermediate", "32", "--experts", "4", "--top-k", "2",
-                              "--prefill-tokens", "8", "--repeats", "1", "--csv", str(path)])
+                              "--prefill-tokens", "8", "--repeats", "1", "--decode-repeats", "1", "--csv", str(path)])
     assert bench_moe.run(args) == 0
     rows = list(csv.DictReader(path.open()))
     assert [(r["dtype"], r["case"], r["impl"]) for r in rows] == [
