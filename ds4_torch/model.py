@@ -20,6 +20,7 @@ from torch import nn
 from .cache import CompressorState, DS4Cache, LayerCache
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
+from .kernels.moe import moe, moe_torch
 from .kernels.reference import apply_rope, rms_norm
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
@@ -295,12 +296,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I]."""
+    """Routed SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I].
 
-    # Up to this many (token, expert) pairs, gather the chosen experts' weights: no data-dependent
-    # shapes, so decode steps trace, compile and capture. Above it (prefill), loop over the experts
-    # that were hit, touching each weight once.
-    GATHER_LIMIT = 64
+    The math is the `ds4::moe` op (`kernels/moe.py`): each selected expert's weights are read in
+    place, once per step, for decode and prefill alike, with no host sync on CUDA (Triton) and
+    no data-dependent shape, so steps trace, compile and capture."""
+
+    # Which ds4::moe implementation runs: "auto" (Triton on CUDA, the torch loop elsewhere),
+    # "torch" or "triton"; the same names and errors as the attention backends.
+    backend = "auto"
 
     def __init__(self, config: DS4Config):
         super().__init__()
@@ -313,33 +317,45 @@ class Experts(nn.Module):
         """Weights of the given experts (quantized storages override this to dequantize)."""
         return self.gate_up_proj[expert_ids], self.down_proj[expert_ids]
 
-    def _act(self, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-
     def forward(self, flat, indices, weights):
+        """flat [N, H], indices [N, k] expert ids, weights [N, k] -> [N, H]."""
+        if type(self).expert_weights is not Experts.expert_weights:
+            # quant.py's storages: no dense parameters, weights only through expert_weights.
+            return self._forward_one_expert_at_a_time(flat, indices, weights)
+        return self._moe(flat, indices, weights, self.gate_up_proj, self.down_proj)
+
+    def _moe(self, flat, indices, weights, gate_up, down):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (flat, weights, gate_up, down)):
+            # Training: the op is forward-only; its torch implementation is differentiable.
+            return moe_torch(flat, indices, weights, gate_up, down, float(self.limit))
+        return moe(flat, indices, weights, gate_up, down, float(self.limit), self.backend)
+
+    def _forward_one_expert_at_a_time(self, flat, indices, weights):
+        """Storages that only hand out weights through `expert_weights` (quantized, see quant.py):
+        dequantize one selected expert at a time and run the op on it alone, with every pair routed
+        elsewhere marked -1 (no expert). Slot s holds the s-th distinct selected expert (-1 past
+        them). The slot count min(N*k, E) is static, so this traces and captures too; it is also
+        the number of dequantizations: each hit expert once, plus expert 0 for each padding slot
+        (slots beyond the distinct experts hit), which adds nothing."""
         N, k = indices.shape
-        if N * k <= self.GATHER_LIMIT or torch.compiler.is_compiling():
-            gate_up, down = self.expert_weights(indices.reshape(-1))
-            h = self._act(torch.einsum("nh,nih->ni", flat.repeat_interleave(k, 0), gate_up))
-            out = torch.einsum("ni,nhi->nh", h, down) * weights.reshape(-1, 1).to(flat.dtype)
-            return out.view(N, k, -1).sum(1)
-        out = torch.zeros_like(flat)
-        flat_idx = indices.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
-        begin = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[begin:begin + n]
-            begin += n
-            tokens = pairs // k
-            gate_up, down = self.expert_weights(torch.tensor([e], device=flat.device))
-            h = self._act(F.linear(flat[tokens], gate_up[0]))
-            y = F.linear(h, down[0]) * weights.reshape(-1)[pairs, None].to(flat.dtype)
-            out.index_add_(0, tokens, y)
-        return out
+        E = self.num_experts
+        ids = indices.reshape(-1)
+        slots = min(N * k, E)
+        ordered = ids.sort().values
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        first &= (ordered >= 0) & (ordered < E)
+        distinct = torch.full((slots + 1,), -1, dtype=ids.dtype, device=ids.device)
+        # The distinct ids go to slots 0, 1, ...; repeats and invalid ids to the scratch slot.
+        distinct.scatter_(0, torch.where(first, first.cumsum(0) - 1, slots), ordered)
+        out = torch.zeros(N, flat.shape[1], dtype=torch.float32, device=flat.device)
+        no_expert = torch.full_like(indices, -1)
+        for s in range(slots):
+            expert = distinct[s:s + 1]
+            gate_up, down = self.expert_weights(expert.clamp(min=0))  # a padding slot reads expert 0, adds nothing
+            routed = torch.where((indices == expert) & (expert >= 0), torch.zeros_like(indices), no_expert)
+            out += self._moe(flat, routed, weights, gate_up.to(flat.dtype), down.to(flat.dtype)).float()
+        return out.to(flat.dtype)
 
 
 class SharedExpert(nn.Module):
