@@ -490,6 +490,9 @@ class DS4ForCausalLM(nn.Module):
     @attn_backend.setter
     def attn_backend(self, name: str) -> None:
         self.ops = attention_ops(backend_name(name))
+        for module in self.modules():  # the MoE op takes the same backend names
+            if isinstance(module, Experts):
+                module.backend = self.ops.name
 
     # ----------------------------------------------------------------- dtype / device
     def to_dtype(self, dtype: torch.dtype) -> "DS4ForCausalLM":

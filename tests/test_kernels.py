@@ -277,6 +277,8 @@ def test_forced_backend_the_device_cannot_run_is_a_clear_error(monkeypatch):
         model(torch.zeros(1, 2, dtype=torch.long))
     model.attn_backend = "auto"  # switching needs no rebuild
     assert model(torch.zeros(1, 2, dtype=torch.long)).shape == (1, 2, 64)
+    model.attn_backend = "torch"  # the MoE op follows the same choice
+    assert {layer.mlp.experts.backend for layer in model.model.layers} == {"torch"}
 
 
 # --------------------------------------------------------------------------- whole model

@@ -374,7 +374,7 @@ def test_bench_moe_agrees_with_transformers_at_tiny_sizes(tmp_path, capsys):
     import argparse
     import csv
 
-    from ds4_torch import bench_moe
+    from ds4_torch.bench import moe as bench_moe
 
     parser = argparse.ArgumentParser()
     bench_moe.add_arguments(parser)

@@ -7,12 +7,13 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `attention`  (`attention.py`): one decode step of attention at V4-Flash sizes vs transformers/SDPA.
 - `decode`     (`decode.py`): eager, graph and torch.compile decode paths.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
+- `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
 """
 from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "decode", "serve")
+TARGETS = ("model", "attention", "decode", "serve", "moe")
 
 
 def _threads(args) -> None:
@@ -41,6 +42,10 @@ def _run_decode(args) -> int:
 
 def _run_serve(args) -> int:
     return importlib.import_module(".serve", __name__).run(args)
+
+
+def _run_moe(args) -> int:
+    return importlib.import_module(".moe", __name__).run(args)
 
 
 def add_parser(sub) -> None:
@@ -82,3 +87,8 @@ def add_parser(sub) -> None:
     from .serve import add_arguments as add_serve_arguments  # argparse only; the server loads on run
 
     add_serve_arguments(s)
+
+    moe = target("moe", "one routed-experts layer (ds4::moe) at V4-Flash sizes vs transformers", _run_moe)
+    from .moe import add_arguments as add_moe_arguments  # argparse only
+
+    add_moe_arguments(moe)

@@ -1,4 +1,4 @@
-"""`bench moe`: one routed-experts layer at V4-Flash-like sizes, ds4_torch vs transformers.
+"""`ds4-torch bench moe`: one routed-experts layer at V4-Flash-like sizes, ds4_torch vs transformers.
 
 Both sides get the very same weight tensors (shared, not copied) and the same routing: ds4_torch's
 `Experts` module (the `ds4::moe` op) and transformers' `DeepseekV4Experts`, once with its plain
@@ -28,7 +28,7 @@ HF_IMPLEMENTATIONS = ("eager", "grouped_mm")
 
 
 def add_arguments(parser) -> None:
-    from .cli import positive_int
+    from ..runtime import positive_int
 
     parser.add_argument("--hidden", type=positive_int, default=4096, help="hidden size (default 4096, V4-Flash)")
     parser.add_argument("--intermediate", type=positive_int, default=2048,
@@ -61,7 +61,7 @@ def build_modules(H: int, I: int, E: int, dtype: torch.dtype, backend: str):
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
-    from .model import Experts
+    from ..model import Experts
 
     g = torch.Generator().manual_seed(0)
     # Scaled so that the projections are O(1) and both SwiGLU clamps bite sometimes.
@@ -129,7 +129,7 @@ def measure(args, dtype_name: str) -> list[dict]:
 
 
 def run(args) -> int:
-    from .bench import write_csv
+    from .report import write_csv
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -149,15 +149,3 @@ def run(args) -> int:
     if args.csv:
         write_csv(rows, args.csv)
     return 0
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m ds4_torch.bench_moe", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
