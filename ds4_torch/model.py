@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import CompressorState, DS4Cache, LayerCache
-from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
+from .config import CSA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
 from .kernels.reference import apply_rope, rms_norm

@@ -22,24 +22,22 @@ DEVICE_HELP = "torch device: auto (cuda, else mps, else cpu), cpu, cuda, cuda:1,
 
 
 # --------------------------------------------------------------------------- argument validators
-def positive_int(s: str) -> int:
+def _int_at_least(s: str, lo: int) -> int:
     try:
         v = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
     return v
+
+
+def positive_int(s: str) -> int:
+    return _int_at_least(s, 1)
 
 
 def non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return _int_at_least(s, 0)
 
 
 def positive_float(s: str) -> float:

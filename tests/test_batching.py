@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import time
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from ds4_torch.faults import reset_fault_counts
 from ds4_torch.generation import generate
 from serve.app import ServerConfig, create_app
 from serve.runner import BackgroundServer
+from helpers import wait_for
 
 MODEL = "ds4-default"
 CTX = 256
@@ -66,14 +66,6 @@ def complete(srv, ids, n, **extra):
 def concurrently(fn, args_list):
     with concurrent.futures.ThreadPoolExecutor(len(args_list)) as pool:
         return list(pool.map(lambda a: fn(*a), args_list))
-
-
-def wait_for(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 _blockers = iter(range(1000, 10**6))

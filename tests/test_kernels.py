@@ -11,26 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4_torch.kernels import attention_ops, kernel_for, ops, reference
+from ds4_torch.kernels import attention_ops, kernel_for, reference
 from ds4_torch.kernels import triton_kernels as tk
+from helpers import assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def randn(*shape, seed, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def assert_close(actual, expected, dtype):
-    assert actual.dtype == dtype and actual.shape == expected.shape
-    actual, expected = actual.float(), expected.float()
-    assert torch.isfinite(actual).all()
-    if dtype == torch.float32:
-        tol = 1e-5 * torch.ones_like(expected)
-    else:
-        tol = 8 * torch.finfo(dtype).eps * expected.abs().clamp(min=1.0)
-    err = (actual - expected).abs()
-    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance {tol.max().item():.3g})"
 
 
 def distinct_selection(B, T, K, C, seed, n_none=1):

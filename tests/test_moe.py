@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4_torch.kernels import moe as moe_module  # registers torch.ops.ds4.moe
+from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -48,18 +49,6 @@ def loop_reference(hidden, expert_ids, routing_weights, gate_up, down, limit):
             h = gate.clamp(max=limit) * torch.sigmoid(gate.clamp(max=limit)) * up.clamp(-limit, limit)
             out[n] += w[n, j] * (down[e].double() @ h)
     return out
-
-
-def assert_close(actual, expected, dtype):
-    assert actual.dtype == dtype and actual.shape == expected.shape
-    actual, expected = actual.double(), expected.double()
-    assert torch.isfinite(actual).all()
-    if dtype == torch.float32:
-        tol = 1e-5 * torch.ones_like(expected)
-    else:
-        tol = 8 * torch.finfo(dtype).eps * expected.abs().clamp(min=1.0)
-    err = (actual - expected).abs()
-    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance {tol.max().item():.3g})"
 
 
 def make_inputs(N, k, E, H, I, seed, dtype=torch.float32, ids=None):
@@ -462,61 +451,10 @@ def v4_flash_launches():
     return launches
 
 
-def specialise(kernel, args, kwargs):
-    """(signature, constexprs, attrs, options) as the JIT builds them (see test_kernel_compile)."""
-    pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-               torch.int32: "*i32"}
-    kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = {**dict(zip(kernel.arg_names, args)), **kwargs}
-    signature, constexprs, attrs = {}, {}, {}
-    for idx, name in enumerate(kernel.arg_names):
-        value = values[name]
-        if torch.is_tensor(value):
-            signature[name] = pointer[value.dtype]
-            attrs[(idx,)] = [["tt.divisibility", 16]]
-        elif name in kwargs or (type(value) is int and value == 1):
-            signature[name], constexprs[name] = "constexpr", value
-        elif type(value) is int:
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0:
-                attrs[(idx,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32"
-    return signature, constexprs, attrs, options
-
-
 def compile_report(path):
-    import contextlib
-    import io
-    import re
+    from test_kernel_compile import compile_launches
 
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    knobs.nvidia.dump_ptxas_log = True  # registers and spills come from triton's `ptxas -v` log
-    knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
-    rows = []
-    for case, kernel, args, kwargs in v4_flash_launches():
-        signature, constexprs, attrs, options = specialise(kernel, args, kwargs)
-        for cc in (80, 90):
-            log = io.StringIO()
-            with contextlib.redirect_stdout(log):
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                          target=GPUTarget("cuda", cc, 32), options=options)
-            text = log.getvalue()
-            registers = re.search(r"Used (\d+) registers", text)
-            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-            assert registers and spills, f"no ptxas -v log for {case} {kernel.__name__}:\n{text}"
-            rows.append(dict(
-                case=case, kernel=kernel.__name__, target=f"sm_{cc}", num_warps=compiled.metadata.num_warps,
-                num_stages=compiled.metadata.num_stages,
-                blocks=" ".join(f"{k}={v}" for k, v in constexprs.items() if k.startswith("BLOCK")),
-                registers=int(registers.group(1)), spill_stores=int(spills.group(1)),
-                spill_loads=int(spills.group(2)), shared_bytes=compiled.metadata.shared,
-                tensor_cores=bool(re.search(r"\b(wgmma|mma)\.", compiled.asm["ptx"]))))
+    rows = compile_launches(v4_flash_launches())
     Path(path).write_text(json.dumps(rows, indent=1))
     for r in rows:
         print(r)

@@ -14,6 +14,7 @@ import pytest
 
 from ds4_torch import faults
 from test_serve import MODEL, expected, metric, running_server
+from helpers import wait_for
 
 CHUNK = 16
 KEEPALIVE = 0.3
@@ -47,14 +48,6 @@ def tok():
     from ds4_torch.default_model import default_tokenizer
 
     return default_tokenizer()
-
-
-def wait_for(cond, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def wait_idle(engine, timeout=10.0):
