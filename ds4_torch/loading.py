@@ -598,12 +598,36 @@ def _piece_name(key: str, piece) -> str:
     return f"{key}[expert {e} {PART_LABEL[part]}]"
 
 
+def _shard_tasks(tasks: list[_Task], shards: dict) -> list[_Task]:
+    """Keep only what this rank's slices need: per-expert pieces of its own experts (renumbered
+    from 0), and whole tensors marked with the slice to read."""
+    out = []
+    for t in tasks:
+        spec = shards.get(t.target)
+        if spec is None:
+            out.append(t)
+            continue
+        if t.piece is not None:  # one expert of a stacked tensor: split along the expert axis
+            e, part = t.piece
+            first, count = spec[1], spec[2]
+            if first <= e < first + count:
+                t.piece = (e - first, part)
+                out.append(t)
+            continue
+        t.extra["shard"] = spec
+        out.append(t)
+    return out
+
+
 def _check_task(t: _Task, tensor: torch.Tensor, mismatched: list):
     """Append shape problems to ``mismatched``; False if the expert index is out of range."""
     if t.piece is not None and (tensor.dim() < 2 or t.piece[0] >= tensor.shape[0]):
         return False
     region = _region(tensor, t.piece)
     expected = tuple(tensor[region].shape)
+    if "shard" in t.extra:  # the checkpoint holds the whole tensor; this rank a slice of it
+        dim, full = t.extra["shard"][0], t.extra["shard"][3]
+        expected = expected[:dim] + (full,) + expected[dim + 1:]
     label = t.label()
     if t.mode == "copy" and t.scale is not None:
         if t.logical_shape != expected:
@@ -629,6 +653,29 @@ def _read(handle, src: _Src, index=None) -> torch.Tensor:
     return handle.get_slice(src.name)[index]
 
 
+def _read_shard(t: _Task, dst: torch.Tensor, hw, hs, dim: int, start: int, n: int, full: int) -> torch.Tensor:
+    """Rows/columns [start, start+n) of dimension `dim` of the checkpoint tensor, converted. Block
+    scaled weights read the whole blocks covering the slice (and their scales) and trim."""
+    def along(lo, hi):
+        return (slice(None),) * dim + (slice(lo, hi),)
+
+    if hs is None:
+        if t.weight.dtype == "F4":  # safetensors cannot slice packed F4
+            return _convert(t, dst, _read(hw, t.weight), None).narrow(dim, start, n)
+        return _convert(t, dst, _read(hw, t.weight, along(start, start + n)), None)
+    block = t.extra.get("block")
+    packed_last = t.fmt == "fp4" and dim == len(t.logical_shape) - 1
+    if block is None or packed_last or t.weight.dtype == "F4":  # per-tensor scale, or no clean slice
+        if block is None and not packed_last and t.weight.dtype != "F4":
+            return _convert(t, dst, _read(hw, t.weight, along(start, start + n)), _read(hs, t.scale))
+        return _convert(t, dst, _read(hw, t.weight), _read(hs, t.scale)).narrow(dim, start, n)
+    b = block[dim - (len(t.logical_shape) - 2)]
+    lo, hi = start // b * b, min(full, -(-(start + n) // b) * b)
+    w = _read(hw, t.weight, along(lo, hi))
+    s = _read(hs, t.scale, along(lo // b, -(-hi // b)))
+    return _convert(t, dst, w, s).narrow(dim, start - lo, n)
+
+
 def _convert(t: _Task, dst: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
     if t.mode == "raw":
         if dst.dtype == torch.int8 and w.dtype != torch.int8:
@@ -651,6 +698,7 @@ def load_checkpoint_into(
     quantized: str = "dequantize",
     progress: bool | None = None,
     allocate_meta: bool = False,
+    shards: dict | None = None,
 ) -> None:
     """Stream a safetensors checkpoint into ``model``'s existing parameters/buffers.
 
@@ -663,6 +711,9 @@ def load_checkpoint_into(
     once the checkpoint has been checked, instead of refusing them; with a model
     built on the meta device, ``"keep"`` then never allocates the dense weights
     it replaces (non-persistent buffers are left for the caller to fill).
+    ``shards``: {model key: (dim, start, length, full length)} for parameters that hold only a
+    slice of the checkpoint's tensor (tensor parallelism, :mod:`ds4_torch.parallel`): only that
+    slice is read (FP8 blocks covering it; per-expert tensors of other ranks are not opened).
     Raises :class:`CheckpointError` listing every missing / unexpected /
     mis-shaped / unreadable tensor.
     """
@@ -691,6 +742,10 @@ def load_checkpoint_into(
         scale = srcs.get(scale_of.get(name, ""), None)
         tasks.append(_Task(hit[0], hit[1], srcs[name], scale, block=fp8_block))
 
+    if shards:
+        if quantized == "keep":
+            raise ValueError("quantized='keep' is not supported with tensor parallelism; use 'dequantize'")
+        tasks = _shard_tasks(tasks, shards)
     if quantized == "keep":
         tasks = _apply_keep(model, tasks, device)
 
@@ -787,12 +842,16 @@ def _stream(valid: list[_Task], state: dict, handle, bar) -> None:
             try:
                 hw = handle(t.weight.file)
                 hs = handle(t.scale.file) if (t.scale is not None and t.mode == "copy") else None
+                shard = t.extra.get("shard")
                 if t.piece is None and region.dim() == 3 and t.weight.dtype != "F4" and len(t.weight.shape) == 3:
                     scale3 = hs is not None and len(t.scale.shape) == 3
+                    first = shard[1] if shard else 0  # 3-D tensors are split along the expert axis only
                     for e in range(region.shape[0]):
-                        w = _read(hw, t.weight, e)
-                        s = None if hs is None else (_read(hs, t.scale, e) if scale3 else _read(hs, t.scale))
+                        w = _read(hw, t.weight, first + e)
+                        s = None if hs is None else (_read(hs, t.scale, first + e) if scale3 else _read(hs, t.scale))
                         region[e].copy_(_convert(t, region, w, s))
+                elif shard is not None:
+                    region.copy_(_read_shard(t, region, hw, hs, *shard))
                 else:
                     w = _read(hw, t.weight)
                     s = None if hs is None else _read(hs, t.scale)

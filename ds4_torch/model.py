@@ -168,6 +168,9 @@ class Compressor(nn.Module):
 class Indexer(Compressor):
     """Lightning indexer: its own overlapping compressor at index_head_dim, plus query heads."""
 
+    # Tensor parallel (parallel.py): sums this rank's head scores with the others' before the top-k.
+    sharded_topk = None
+
     def __init__(self, config: DS4Config, rate: int):
         super().__init__(config, rate, config.index_head_dim, overlap=True)
         self.num_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
@@ -178,11 +181,13 @@ class Indexer(Compressor):
     def select(self, state, x, q_residual, start, cos, sin, ops: AttentionOps):
         """Top-k compressed rows per query: [B, T, K] row indices, -1 where nothing is picked."""
         B, T, _ = x.shape
-        q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
+        # -1: under tensor parallelism this rank holds a share of the heads; the scale stays global
+        q = self.q_b_proj(q_residual).view(B, T, -1, self.head_dim)
         q = apply_rope(q, cos, sin)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
         capacity = state.rows.shape[1] - 1
-        return ops.indexer_topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
+        topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
+        return topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
 
 
 class CompressorModule(Compressor):
@@ -258,7 +263,7 @@ class Attention(nn.Module):
         chunk_rows = kv.gather(1, (newest - start[:, None]).clamp(0, T - 1)[..., None].expand(-1, -1, kv.shape[-1]))
         ring.copy_(torch.where(from_chunk, chunk_rows.to(ring.dtype), ring))
 
-        grouped = out.reshape(B, T, self.config.o_groups, -1)
+        grouped = out.reshape(B, T, self.o_a_proj.groups, -1)  # this rank's groups under tensor parallelism
         return self.o_b_proj(self.o_a_proj(grouped).flatten(2))
 
 
@@ -521,8 +526,13 @@ class DS4ForCausalLM(nn.Module):
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device=None, attn_backend: str = "auto",
-                        quantized: str = "dequantize", progress: bool | None = None) -> "DS4ForCausalLM":
+                        quantized: str = "dequantize", progress: bool | None = None, tp=None) -> "DS4ForCausalLM":
         """Load a local directory: config.json + model.safetensors (or a sharded index).
+
+        ``tp``: split the model over the ranks of a process group (tensor and expert parallel, see
+        :mod:`ds4_torch.parallel`): an int N (join the default group the launcher, e.g. torchrun,
+        describes; it must have N ranks), a ``torch.distributed.ProcessGroup``, or a
+        :class:`ds4_torch.parallel.TensorParallel`. None or 1: one process.
 
         Sets ``model.checkpoint_fingerprint`` (:func:`ds4_torch.loading.checkpoint_fingerprint`)."""
         from .loading import checkpoint_fingerprint, load_checkpoint_into
@@ -535,9 +545,14 @@ class DS4ForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config, attn_backend=attn_backend)
         model.to_dtype(dtype)
+        if tp is not None and tp != 1:
+            from .parallel import parallelize, tensor_parallel
+
+            parallelize(model, tensor_parallel(tp, device))  # on meta: only this rank's shapes
         # Built on meta and allocated by the loader after any keep-mode module swap: quantized
         # modules never hold dense weights, and nothing is allocated in fp32 first.
-        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress, allocate_meta=True)
+        load_checkpoint_into(model, path, device=device, quantized=quantized, progress=progress, allocate_meta=True,
+                             shards=getattr(model, "tp_slices", None))
         model._init_buffers()
         model.checkpoint_fingerprint = checkpoint_fingerprint(path)
         return model.eval()

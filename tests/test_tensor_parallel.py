@@ -1,0 +1,97 @@
+"""Tensor + expert parallelism (ds4_torch.parallel) on CPU with gloo: two processes, started by the
+test with the launcher's environment, against the single-process model on the same checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4_torch import DS4ForCausalLM
+from ds4_torch.kernels import attention_ops
+from oracle import make_oracle
+from test_parity import TieWatch
+from tp_worker import prefill_decode_logits
+
+TESTS = Path(__file__).parent
+PYTHON = sys.executable
+TOL = 1e-5
+PREFILL, DECODE = 20, 40
+
+CONFIGS = {
+    # every layer kind (sliding, CSA rate 4, HCA rate 8), hash layers; vocab even so it splits
+    "base": dict(vocab_size=102),
+    # other shapes: 8 heads in 4 output groups, 16 indexer heads, 8 experts, CSA rate 2
+    "alt": dict(vocab_size=104, num_attention_heads=8, o_groups=4, index_n_heads=16, n_routed_experts=8,
+                moe_intermediate_size=48, sliding_window=11, index_topk=2, num_hidden_layers=4,
+                compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 5},
+                layer_types=["compressed_sparse_attention", "sliding_attention",
+                             "heavily_compressed_attention", "compressed_sparse_attention"],
+                mlp_layer_types=["hash_moe", "moe", "moe", "moe"]),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+
+
+def run_ranks(args: list[str], world: int = 2, timeout: float = 240) -> None:
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, str(TESTS / "tp_worker.py"), *args], env=rank_env(r, world, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{out}"
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    _, path = make_oracle(tmp_path_factory.mktemp(request.param), seed=3, **CONFIGS[request.param])
+    return path
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoint, tmp_path_factory):
+    """The reference: ids, and the single-process model's logits on them, with the indexer watched
+    so that no top-k boundary is a tie (a tie would make the comparison meaningless)."""
+    model = DS4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    watch = TieWatch()
+    model.ops = dataclasses.replace(attention_ops("torch"), indexer_topk=watch)
+    vocab = model.config.vocab_size
+    ids = torch.randint(2, vocab, (1, PREFILL + DECODE), generator=torch.Generator().manual_seed(7))
+    expected = prefill_decode_logits(model, ids, PREFILL)
+    assert watch.calls > 0 and watch.min_gap > 1e-4, f"indexer tie at the top-k boundary (gap {watch.min_gap})"
+    ids_path = tmp_path_factory.mktemp("ids") / "ids.pt"
+    torch.save(ids, ids_path)
+    return ids_path, expected
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_tp2_logits_equal_single_process(checkpoint, single_process, tmp_path, mode):
+    ids_path, expected = single_process
+    run_ranks(["logits", str(checkpoint), str(ids_path), str(PREFILL), str(tmp_path), mode])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got.shape == expected.shape
+        err = (got - expected).abs().max().item()
+        assert err <= TOL, f"rank {rank} ({mode}): max logit error {err:.3g}"
