@@ -95,3 +95,75 @@ def test_tp2_logits_equal_single_process(checkpoint, single_process, tmp_path, m
         assert got.shape == expected.shape
         err = (got - expected).abs().max().item()
         assert err <= TOL, f"rank {rank} ({mode}): max logit error {err:.3g}"
+
+
+# --------------------------------------------------------------------------- sharded loading
+# Loading needs only the split plan, not a live group: each rank's model is built on meta, split
+# (parallelize), then filled by the loader, which reads only that rank's slices.
+
+def load_rank(path, rank: int, world: int = 2):
+    from ds4_torch.config import DS4Config
+    from ds4_torch.loading import load_checkpoint_into
+    from ds4_torch.parallel import TensorParallel, parallelize
+
+    with torch.device("meta"):
+        model = DS4ForCausalLM(DS4Config.from_pretrained(path))
+    parallelize(model, TensorParallel(None, rank, world))
+    load_checkpoint_into(model, path, allocate_meta=True, shards=model.tp_slices)
+    return model
+
+
+def assert_rank_slices(model, expected: dict):
+    got = model.state_dict()
+    assert set(got) == set(expected)
+    split = 0
+    for name, full in expected.items():
+        want = full
+        if name in model.tp_slices:
+            dim, start, n, size = model.tp_slices[name]
+            assert size == full.shape[dim]
+            want, split = full.narrow(dim, start, n), split + 1
+        assert torch.equal(got[name], want.to(got[name].dtype)), name
+    assert split >= 10  # the plan really split the attention, indexer, experts and vocabulary
+
+
+@pytest.fixture(scope="module")
+def loading_source():
+    from ckpt_utils import hf_config, new_model, randomise
+
+    # vocab 300: each rank's half of the FP8 lm_head starts or ends inside a 128-row block
+    return randomise(new_model(hf_config(vocab_size=300)), seed=1)
+
+
+@pytest.mark.parametrize("layout", ["sharded_index", "fp8_upstream", "fp8_hf", "fp4_upstream", "fp4_hf_stacked"])
+def test_each_rank_loads_its_slices(loading_source, tmp_path, layout):
+    from ckpt_utils import fp4_experts, fp4_upstream_checkpoint, fp8_checkpoint, save_sharded, state_of
+
+    if layout == "sharded_index":
+        ckpt = expected = state_of(loading_source)
+    elif layout.startswith("fp8"):
+        ckpt, expected = fp8_checkpoint(loading_source, "e8m0", upstream=layout == "fp8_upstream")
+    elif layout == "fp4_upstream":
+        ckpt, expected, _ = fp4_upstream_checkpoint(loading_source)
+    else:
+        quantized, expected = fp4_experts(loading_source)
+        ckpt = state_of(loading_source)
+        for k, (packed, scale) in quantized.items():
+            ckpt[k], ckpt[k + "_scale_inv"] = packed, scale
+    save_sharded(ckpt, tmp_path, n_shards=3, config_model=loading_source)
+    for rank in range(2):
+        assert_rank_slices(load_rank(tmp_path, rank), expected)
+
+
+def test_sizes_that_do_not_divide_are_refused_at_load(tmp_path):
+    from ds4_torch.config import DS4Config
+    from ds4_torch.parallel import TensorParallel, parallelize
+
+    config = DS4Config(vocab_size=101, hidden_size=64, num_attention_heads=6, head_dim=32, q_lora_rank=32,
+                       o_groups=2, o_lora_rank=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                       num_hidden_layers=1, qk_rope_head_dim=8, layer_types=("sliding_attention",),
+                       mlp_layer_types=("moe",))
+    with torch.device("meta"):
+        model = DS4ForCausalLM(config)
+    with pytest.raises(ValueError, match=r"over 4 ranks: num_attention_heads=6, o_groups=2, vocab_size=101"):
+        parallelize(model, TensorParallel(None, 0, 4))
