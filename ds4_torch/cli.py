@@ -6,25 +6,42 @@ sit on top of the library and are imported only when their command runs.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 
 import torch
 
-from .runtime import (DTYPES, UserError, add_model_arguments, load_config, load_model, load_model_tokenizer,
-                      positive_int)
+from .runtime import (DTYPES, UserError, add_model_arguments, add_tp_argument, load_config, load_model,
+                      load_model_tokenizer, positive_int)
 
 EXIT_USAGE = 2  # argparse's code for bad input; we use it for every user-facing error
 
 
 # --------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
+    tok = load_model_tokenizer(args.model)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    tp = getattr(model, "tp", None)
+    seed = args.seed
+    if tp is not None:
+        from .parallel import shared_seed
+
+        seed = shared_seed(tp, seed)  # every rank must draw the same tokens
+    try:
+        return _generate(args, tok, model, seed, lead=tp is None or tp.rank == 0)
+    finally:
+        if tp is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _generate(args, tok, model, seed, lead: bool) -> int:
     from .generation import generate
     from .sampling import stop_token_ids
     from .tokenizer import StreamDecoder
 
-    tok = load_model_tokenizer(args.model)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.chat:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -33,13 +50,13 @@ def cmd_generate(args) -> int:
         raise UserError("the prompt encodes to no tokens")
 
     stream = StreamDecoder(tok)
-    out = sys.stdout
+    out = sys.stdout if lead else io.StringIO()  # the other ranks compute the same text silently
     start = time.perf_counter()
     n = 0
     try:
         for token in generate(
             model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+            top_k=args.top_k, min_p=args.min_p, seed=seed,
             eos_token_id=stop_token_ids(model.config, tok), decode_mode=args.decode_mode,
         ):
             n += 1
@@ -50,8 +67,9 @@ def cmd_generate(args) -> int:
     out.write(stream.flush() + "\n")
     out.flush()
     elapsed = time.perf_counter() - start
-    print(f"[{len(ids)} prompt tokens, {n} new tokens, {elapsed:.2f} s, {model.device}, "
-          f"{str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
+    if lead:
+        print(f"[{len(ids)} prompt tokens, {n} new tokens, {elapsed:.2f} s, {model.device}, "
+              f"{str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
     return 0
 
 
@@ -109,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
                    help="decode path: graph = captured CUDA graphs (an emulator off CUDA); auto picks graph "
                         "where the device supports it (env DS4_TORCH_DECODE_MODE overrides)")
+    add_tp_argument(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="layers, parameter count and KV cache size of a model")

@@ -34,7 +34,7 @@ from torch import nn
 
 from .config import CSA
 
-__all__ = ["TensorParallel", "init_tensor_parallel", "tensor_parallel", "split_dim", "parallelize", "check_divisible"]
+__all__ = ["TensorParallel", "init_tensor_parallel", "tensor_parallel", "shared_seed", "split_dim", "parallelize", "check_divisible"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,13 @@ def tensor_parallel(tp, device=None) -> TensorParallel:
     if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
         return init_tensor_parallel(tp, device)
     raise ValueError(f"tp must be a positive int, a ProcessGroup or a TensorParallel, got {tp!r}")
+
+
+def shared_seed(tp: TensorParallel, seed: int | None) -> int:
+    """Rank 0's seed (a fresh random one when None) on every rank: sampling must agree."""
+    value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()))], dtype=torch.int64)
+    dist.broadcast(value, group_src=0, group=tp.group)
+    return int(value)
 
 
 # --------------------------------------------------------------------------- the split plan

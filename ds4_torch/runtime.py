@@ -60,6 +60,14 @@ def add_model_arguments(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="dtype of weights and cache (default float32)")
 
 
+def add_tp_argument(p: argparse.ArgumentParser) -> None:
+    """--tp N: one model split over N processes (run under torchrun, see ds4_torch.parallel)."""
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor + expert parallel over N processes started by torchrun "
+                        "(`torchrun --nproc-per-node N -m ds4_torch ... --tp N`; multi-node: torchrun's "
+                        "--nnodes/--rdzv-endpoint); NCCL on CUDA, gloo on CPU (default 1)")
+
+
 # --------------------------------------------------------------------------- device and dtype
 def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     """'auto' (or None): CUDA if available, else MPS, else CPU; otherwise the named device, which
@@ -117,9 +125,10 @@ def load_config(model: str | None):
 
 
 def load_model(model: str | None = None, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype = "float32", attn_backend: str = "auto"):
+               dtype: str | torch.dtype = "float32", attn_backend: str = "auto", tp: int = 1):
     """The model of a checkpoint directory, or the built-in default model (None), on `device` in
-    `dtype`, ready for inference (eval mode)."""
+    `dtype`, ready for inference (eval mode). `tp` > 1: this process's share of the model split
+    over the launcher's N processes (`DS4ForCausalLM.from_pretrained(tp=...)`)."""
     from safetensors import SafetensorError
 
     from .model import DS4ForCausalLM
@@ -128,11 +137,14 @@ def load_model(model: str | None = None, device: str | torch.device | None = "au
     if model is None:
         from .default_model import build_default_model
 
-        return build_default_model(dtype=dtype, device=device, attn_backend=attn_backend)
+        try:
+            return build_default_model(dtype=dtype, device=device, attn_backend=attn_backend, tp=tp)
+        except ValueError as e:  # no launcher, or sizes that do not split
+            raise UserError(str(e)) from e
     load_config(model)  # a bad config.json gets its own message before any weight is read
     d = model_dir(model)
     try:
-        return DS4ForCausalLM.from_pretrained(d, dtype=dtype, device=device, attn_backend=attn_backend).eval()
+        return DS4ForCausalLM.from_pretrained(d, dtype=dtype, device=device, attn_backend=attn_backend, tp=tp).eval()
     # Bad config, missing/corrupt/mismatched weights: the user's to fix. Anything else
     # (ImportError, TypeError, ...) is our bug and keeps its traceback.
     except (OSError, ValueError, KeyError, SafetensorError) as e:

@@ -167,3 +167,27 @@ def test_sizes_that_do_not_divide_are_refused_at_load(tmp_path):
         model = DS4ForCausalLM(config)
     with pytest.raises(ValueError, match=r"over 4 ranks: num_attention_heads=6, o_groups=2, vocab_size=101"):
         parallelize(model, TensorParallel(None, 0, 4))
+
+
+# --------------------------------------------------------------------------- the CLI under torchrun
+@pytest.mark.parametrize("flags", [[], ["--decode-mode", "graph", "--temperature", "0.8", "--seed", "5"]],
+                         ids=["greedy-eager", "sampled-graph"])
+def test_cli_generate_under_torchrun_prints_the_single_process_text(flags):
+    args = ["-m", "ds4_torch", "generate", "-p", "ROMEO:", "-n", "40", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
+    one = subprocess.run([PYTHON, *args], env=env, capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), *args, "--tp", "2"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert two.returncode == 0, two.stderr
+    assert len(one.stdout.strip()) > 20
+    assert two.stdout == one.stdout
+
+
+def test_cli_tp_without_a_launcher_is_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([PYTHON, "-m", "ds4_torch", "generate", "-p", "x", "-n", "1", "--tp", "2"],
+                       env={**env, "PYTHONPATH": str(TESTS.parent)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "torchrun --nproc-per-node 2" in r.stderr and "Traceback" not in r.stderr
