@@ -50,7 +50,7 @@ def _run_moe(args) -> int:
 
 def add_parser(sub) -> None:
     """The `bench` command and its targets, under the CLI's subparsers `sub`."""
-    from ..runtime import add_model_arguments, positive_int
+    from ..runtime import add_model_arguments, add_tp_argument, positive_int
 
     b = sub.add_parser("bench", help=f"benchmarks (targets: {', '.join(TARGETS)})")
     targets = b.add_subparsers(dest="target", required=True, metavar="TARGET",
@@ -70,6 +70,7 @@ def add_parser(sub) -> None:
     add_model_arguments(m)
     m.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (default 256)")
     m.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    add_tp_argument(m)
     common(m)
 
     a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)

@@ -91,6 +91,42 @@ def bench_transformers(hf_model, prompt: list[int], new_tokens: int) -> dict:
     }
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the parameters and buffers this process holds."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def run_tensor_parallel(args) -> int:
+    """Under torchrun: the model split over --tp ranks, then (rank 0 alone) the same model in one
+    process; prefill/decode tokens/s and weight bytes per rank side by side."""
+    import torch.distributed as dist
+
+    from ..runtime import load_model
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    rank = model.tp.rank
+    prompt = torch.randint(model.config.vocab_size, (args.prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    split = bench_ours(model, prompt, args.new_tokens)
+    per_rank = [None] * args.tp
+    dist.all_gather_object(per_rank, weight_bytes(model))
+    if rank == 0:
+        del model
+        single_model = load_model(args.model, device=args.device, dtype=args.dtype)
+        single = bench_ours(single_model, prompt, args.new_tokens)
+        print(f"bench model --tp {args.tp}: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
+              f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads per process, greedy", file=sys.stderr)
+        print(f"{'run':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'weight bytes per rank':>22}")
+        for name, r, weights in ((f"tp {args.tp}", split, max(per_rank)), ("one process", single, weight_bytes(single_model))):
+            print(f"{name:<14} {args.prompt_len / r['prefill_s']:>14.1f} {(args.new_tokens - 1) / r['decode_s']:>13.1f} "
+                  f"{weights:>22,}")
+        print(f"weight bytes of each rank: {', '.join(f'{b:,}' for b in per_rank)}; "
+              f"greedy tokens identical: {sum(a == b for a, b in zip(split['tokens'], single['tokens']))}/{args.new_tokens}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def run(args) -> int:
     from ..runtime import UserError, load_model
 
@@ -99,6 +135,8 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    if args.tp > 1:
+        return run_tensor_parallel(args)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
