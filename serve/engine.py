@@ -332,9 +332,10 @@ class Engine:
         k = req.prompt_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"prompt_logprobs must be an integer >= 0, got {k!r}")
-        if req.grammar is not None and getattr(req.grammar, "outputs", None) is not None \
-                and req.grammar.outputs.vocab_size != self.model.config.vocab_size:
-            raise ValueError("grammar: compiled for another vocabulary")
+        if req.grammar is not None and req.constraint is None:
+            if req.grammar.outputs.vocab_size != self.model.config.vocab_size:
+                raise ValueError("grammar: compiled for another vocabulary")
+            req.constraint = req.grammar.constraint()  # here, so a failure is the caller's ValueError
 
     # ------------------------------------------------------------------ control (any thread)
     def start(self) -> None:
@@ -653,8 +654,6 @@ class Engine:
             req.t_start = time.perf_counter()
             req.generator = req.sampling.generator(self.device)
             req.text_state = _TextState(self.tokenizer, req.stop)
-            if req.grammar is not None:
-                req.constraint = req.grammar.constraint()
         if req.attempts == 0:
             req.attempts = 1
         try:
