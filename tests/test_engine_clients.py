@@ -163,6 +163,20 @@ def test_n_choices_share_one_prefill_even_when_they_end_at_once(engine):
     assert all(len(r.generated) == 2 for r in reqs)
 
 
+def test_choices_behind_a_prompt_logprobs_request_fork_its_prefill(engine, model, tok):
+    """echo with n = 2: the first choice computes the prompt logprobs (a full prefill), the second
+    forks its session."""
+    ids = ids_of(2 * CHUNK + 3, 10)
+    c0 = chunks(engine)
+    first, second = GenRequest(ids, 3, prompt_logprobs=0), GenRequest(ids, 3)
+    events = run(engine, first, second)
+    assert chunks(engine) - c0 == math.ceil(len(ids) / CHUNK)
+    assert [first.cached_tokens, second.cached_tokens] == [0, len(ids)]
+    assert "prompt_logprobs" not in [e[0] for e in events[1]]
+    check_prompt_logprobs(events[0][0][1], ids, reference_logprobs(model, ids), 0, tok)
+    assert first.generated == second.generated  # greedy both
+
+
 def test_n_choices_with_a_seed_are_reproducible_and_each_is_its_seed(engine, tok):
     ids = tok.encode("GLOUCESTER:\nNow is the winter of our discontent")
     params = SamplingParams(temperature=1.3, top_k=40, seed=1234)
