@@ -48,12 +48,14 @@ def resolve_mode(mode: str, device) -> str:
     return mode
 
 
-def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, on_chunk=None):
+def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, on_chunk=None,
+            full_logits: bool = False):
     """Feed `input_ids` [B, T] through the cache in chunks of `chunk` tokens; return the logits of
     the last token fed [B, V]. `on_chunk(tokens_done, logits)` runs after each chunk (`logits`: the
-    chunk's last token's, [B, V]): returning False stops early (the prefix fed so far stays valid
-    in the cache) and `prefill` returns None. The one chunked prefill loop: `generate()`, the
-    server's engine and the tests all feed prompts through it.
+    chunk's last token's, [B, V]; with `full_logits`, every token's of the chunk, [B, chunk, V], for
+    prompt logprobs): returning False stops early (the prefix fed so far stays valid in the cache)
+    and `prefill` returns None. The one chunked prefill loop: `generate()`, the server's engine and
+    the tests all feed prompts through it.
     A failing chunk invalidates the batch's sequences and re-raises."""
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
@@ -65,12 +67,13 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
     for a in range(0, T, chunk):
         try:
             fault_point("prefill")
-            logits = model(input_ids[:, a:a + chunk], cache=target)[:, -1]
+            every = model(input_ids[:, a:a + chunk], cache=target)
+            logits = every[:, -1]
             synchronize(cache.device)
         except BaseException:
             cache.invalidate(range(B))
             raise
-        if on_chunk is not None and on_chunk(min(a + chunk, T), logits) is False:
+        if on_chunk is not None and on_chunk(min(a + chunk, T), every if full_logits else logits) is False:
             return None if a + chunk < T else logits
     return logits
 

@@ -39,8 +39,25 @@ read out of the cache between steps (a host copy of what the sequence holds); en
 writing run on a background writer thread, never between two decode steps.
 
 Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app):
+``("prompt_logprobs", [TokenOut])`` (once, before the first token, when asked for),
 ``("token", TokenOut)``, ``("done", finish_reason)``, ``("error", APIError)``,
 ``("cancelled", stage)``.
+
+What clients ask beyond plain sampling:
+
+- **Prompt logprobs** (`GenRequest.prompt_logprobs` = k): computed from the full logits of the
+  request's own prefill chunks (so chunked and cancellable like any prefill). Cached tokens have
+  no logits, so such a request reuses no prefix (no resident session, no disk snapshot): it
+  prefills its whole prompt into a fresh session. Once they were sent, a retry reuses as usual.
+- **Several choices for one prompt** (`n`, `best_of`: the app submits one request per choice,
+  back to back, seeds from `SamplingParams.for_choice`): when a request's prompt is in its
+  session, the requests queued right behind it with the same sequence are admitted in the same
+  iteration, each forking that session: the prompt is prefilled once, whatever the choices'
+  lengths.
+- **Structured outputs** (`GenRequest.grammar`, from `ds4_torch.structured`): the request's
+  constraint masks each sample and closes the value before the budget ends; the request ends
+  ("stop") when nothing can follow.
+- `max_tokens` 0: the prompt is prefilled (for its logprobs) and nothing is sampled ("length").
 """
 from __future__ import annotations
 
@@ -51,7 +68,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -103,7 +120,7 @@ class KVStore(Protocol):
 class TokenOut:
     token_id: int
     text: str                          # text this token releases (may be "" while held back)
-    logprob: float | None = None
+    logprob: float | None = None       # raw log-softmax of the model (None for a prompt's first token)
     top: list[tuple[int, float]] | None = None
 
 
@@ -115,6 +132,8 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None   # k: each prompt token's logprob and its k best (event "prompt_logprobs")
+    grammar: Any = None                  # a ds4_torch.structured.Grammar: the output follows it
     emit: Callable[[tuple], None] = lambda event: None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -126,6 +145,8 @@ class GenRequest:
     finish_reason: str | None = None
     error: str | None = None
     attempts: int = 0
+    prompt_logprob_outs: list[TokenOut] | None = None   # once computed (also sent as an event)
+    cumulative_logprob: float = 0.0    # sum of the generated tokens' logprobs, when `logprobs` is set (best_of)
     state: str = "new"                 # new, queued, running, done, cancelled, failed
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
@@ -141,6 +162,12 @@ class GenRequest:
     generator: torch.Generator | None = field(default=None, repr=False)
     text_state: "_TextState | None" = field(default=None, repr=False)
     no_restore: bool = field(default=False, repr=False)         # a disk restore failed: prefill cleanly
+    constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
+    plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
+    prompt_tensor: torch.Tensor | None = field(default=None, repr=False)  # for the repetition penalty
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and self.prompt_logprob_outs is None
 
     def finished(self) -> bool:
         return self.state in ("done", "cancelled", "failed")
@@ -279,11 +306,36 @@ class Engine:
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
         self.warm = False
+        self._structured = None
+        self._structured_lock = threading.Lock()
 
     @property
     def cache_bytes(self) -> int:
         """Bytes of both caches: `max_sessions` resident slots and the batch slots, at `ctx`."""
         return self.resident.nbytes + self.batch.nbytes
+
+    def structured_outputs(self):
+        """The `ds4_torch.structured.StructuredOutputs` for this model's tokenizer (built on first use):
+        `engine.structured_outputs().json_schema(schema)` is a `GenRequest.grammar`."""
+        with self._structured_lock:
+            if self._structured is None:
+                from ds4_torch.structured import StructuredOutputs
+
+                self._structured = StructuredOutputs(self.tokenizer, self.model.config.vocab_size)
+            return self._structured
+
+    def check(self, req: GenRequest) -> None:
+        """What the request asks that no setting checks alone; ValueError naming the field."""
+        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {req.max_tokens!r}")
+        req.sampling.check(vocab_size=self.model.config.vocab_size, max_tokens=req.max_tokens)
+        k = req.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0, got {k!r}")
+        if req.grammar is not None and req.constraint is None:
+            if req.grammar.outputs.vocab_size != self.model.config.vocab_size:
+                raise ValueError("grammar: compiled for another vocabulary")
+            req.constraint = req.grammar.constraint()  # here, so a failure is the caller's ValueError
 
     # ------------------------------------------------------------------ control (any thread)
     def start(self) -> None:
@@ -331,13 +383,22 @@ class Engine:
         return [list(s.tokens) for s in self.sessions if s.tokens]
 
     def submit(self, req: GenRequest) -> None:
+        """Queue `req`; ValueError (naming the field) for settings the model cannot serve."""
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[GenRequest]) -> None:
+        """Queue `reqs` together, back to back, or none of them (the choices of one HTTP request:
+        adjacent in the queue, those with the same prompt share its prefill)."""
+        for req in reqs:
+            self.check(req)
         with self._cv:
             if self._stopping or not self.alive:
                 raise EngineStopped("the engine is not running")
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) + len(reqs) > self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
-            req.state = "queued"
-            self._queue.append(req)
+            for req in reqs:
+                req.state = "queued"
+                self._queue.append(req)
             self.metrics.queue_depth.set(len(self._queue))
             self._cv.notify()
 
@@ -408,6 +469,14 @@ class Engine:
     def _claim_session(self, req: GenRequest) -> int:
         """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
         seq = req.sequence()
+        if req.wants_prompt_logprobs():
+            # Cached tokens have no logits: prefill the whole prompt in a fresh session.
+            session = self._free_session()
+            req.plp = []
+            session.request = req
+            session.last_used = time.monotonic()
+            req.session = session
+            return 0
         best = None
         for s in self.sessions:
             n = len(s.tokens)
@@ -505,16 +574,25 @@ class Engine:
             req = self._next_waiting()
             if req is None:
                 return
-            if not self._admit(req):
+            seq = req.sequence()
+            if not self._admit(req):  # its session held its whole sequence: it is decoding already
+                self._admit_same_sequence(seq)
                 return
         session = req.session
         seq = req.sequence()
-        piece = seq[len(session.tokens):len(session.tokens) + self.prefill_chunk]
+        start = len(session.tokens)
+        piece = seq[start:start + self.prefill_chunk]
         ids = torch.tensor([piece], dtype=torch.long, device=self.device)
+        every = []  # the chunk's full logits, for prompt logprobs
         try:
             if session.restored is not None:
                 fault_point("restore")
-            logits = prefill(self.model, self.resident.slot(session.slot), ids, len(piece))[0].clone()
+            want = req.wants_prompt_logprobs()
+            logits = prefill(self.model, self.resident.slot(session.slot), ids, len(piece), full_logits=want,
+                             on_chunk=(lambda n, chunk_logits: every.append(chunk_logits[0])) if want else None)
+            logits = logits[0].clone()
+            if every:
+                self._collect_prompt_logprobs(req, start, every[0])
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed([req], e, "prefill")
             return
@@ -528,6 +606,45 @@ class Engine:
         if len(session.tokens) == len(seq):
             self.prefilling = None
             self._start_decoding(req, logits, prefilled=True)
+            self._admit_same_sequence(seq)
+
+    def _admit_same_sequence(self, seq: list[int]) -> None:
+        """Admit the requests queued right behind one whose sequence `seq` is now in a session and
+        that ask for the same sequence (the choices of an `n` > 1 request): each forks that
+        session now, before a decode step can extend it, so the prompt is prefilled once."""
+        while self.prefilling is None and len(self.running) < self.max_batch:
+            with self._cv:
+                if not self._queue or self._queue[0].sequence() != seq:
+                    return
+                req = self._queue.popleft()
+                self.metrics.queue_depth.set(len(self._queue))
+            if req.cancel.is_set():
+                self._abort(req, "queued")
+            else:
+                self._admit(req)
+
+    def _collect_prompt_logprobs(self, req: GenRequest, start: int, logits: torch.Tensor) -> None:
+        """Prompt logprobs from a chunk's logits [chunk, V] (row j, at position start + j, predicts
+        the token at start + j + 1); sent once the whole prompt is in."""
+        prompt, k = req.prompt_ids, req.prompt_logprobs
+        if start == 0:
+            req.plp = [TokenOut(prompt[0], "")]  # nothing predicts the first token
+        end = min(start + logits.shape[0], len(prompt) - 1)  # the last prompt position predicted here
+        if end > start:
+            lp = torch.log_softmax(logits[:end - start].float(), dim=-1)
+            targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.long, device=lp.device)
+            chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+            if k:
+                vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+            for j, token in enumerate(prompt[start + 1:end + 1]):
+                req.plp.append(TokenOut(token, "", chosen[j], tops[j] if k else None))
+        if len(req.plp) == len(prompt):
+            text = StreamDecoder(self.tokenizer)  # each token's text, as generated tokens carry theirs
+            for i, out in enumerate(req.plp):
+                out.text = text.push(out.token_id) + (text.flush() if i == len(prompt) - 1 else "")
+            req.prompt_logprob_outs, req.plp = req.plp, None
+            self._emit(req, ("prompt_logprobs", req.prompt_logprob_outs))
 
     def _admit(self, req: GenRequest) -> bool:
         """Start `req`: a session, then either its prefill (True) or, when the session already
@@ -557,6 +674,10 @@ class Engine:
         session = req.session
         if req.cancel.is_set():
             self._end(req, "cancelled", stage="prefill")
+            return
+        if req.max_tokens <= 0:  # the prompt only (its logprobs): nothing to sample
+            req.finish_reason = "length"
+            self._end(req, "done")
             return
         finish = self._take_token(req, logits)
         if prefilled:  # once the first token is out, the prompt is worth a snapshot
@@ -603,11 +724,18 @@ class Engine:
     def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
         """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
         req.logits = logits
-        token = sample(logits, req.sampling, req.generator)
+        c = req.constraint
+        if c is not None:
+            # Tokens it may still emit, this one included: max_tokens, and the context.
+            remaining = min(req.max_tokens - len(req.generated), self.ctx + 1 - len(req.sequence()))
+            token = c.step(lambda allowed: self._sample(req, logits, allowed), remaining)
+        else:
+            token = self._sample(req, logits)
         out = TokenOut(token, "")
         if req.logprobs is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)
             out.logprob = float(lp[token])
+            req.cumulative_logprob += out.logprob
             if req.logprobs > 0:
                 vals, idx = torch.topk(lp, min(req.logprobs, lp.numel()))
                 out.top = list(zip(idx.tolist(), vals.tolist()))
@@ -622,14 +750,16 @@ class Engine:
         req.t_last = now
         finish = None
         text = req.text_state
-        if token in self.eos_ids and not req.ignore_eos:
+        # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
+        if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
             finish = "stop"
             out.text = text.push(None, final=True)
         else:
+            complete = c is not None and c.done  # the value is whole: nothing can follow
             # Feeding this token back needs room for the whole sequence in the context.
-            final = len(req.generated) >= req.max_tokens or len(req.sequence()) > self.ctx
+            final = complete or len(req.generated) >= req.max_tokens or len(req.sequence()) > self.ctx
             out.text = text.push(token, final=final)
-            if text.stopped:
+            if text.stopped or complete:
                 finish = "stop"
             elif final:
                 finish = "length"
@@ -638,6 +768,15 @@ class Engine:
         req.pending = None if finish is not None else token
         req.finish_reason = finish
         return finish
+
+    def _sample(self, req: GenRequest, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+        prompt = req.prompt_ids
+        if req.sampling.repetition_penalty != 1.0:  # the prompt as a tensor once, not every token
+            if req.prompt_tensor is None:
+                req.prompt_tensor = torch.tensor(prompt, dtype=torch.long, device=logits.device)
+            prompt = req.prompt_tensor
+        return sample(logits, req.sampling, req.generator, output_ids=req.generated, prompt_ids=prompt,
+                      stop_ids=() if req.ignore_eos else self.eos_ids, allowed=allowed)
 
     # ------------------------------------------------------------------ leaving the batch
     def _release(self, req: GenRequest) -> None:
