@@ -5,6 +5,8 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 
 - `model`      (`model.py`): our model vs transformers' `DeepseekV4ForCausalLM.generate`.
 - `attention`  (`attention.py`): one decode step of attention at V4-Flash sizes vs transformers/SDPA.
+- `layer`      (`layer.py`): one decode step of a whole V4-Flash CSA/HCA attention layer at long
+  context, fp32 and bf16, vs transformers' DeepseekV4Attention.
 - `decode`     (`decode.py`): eager, graph and torch.compile decode paths.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "decode", "serve", "moe")
+TARGETS = ("model", "attention", "layer", "decode", "serve", "moe")
 
 
 def _threads(args) -> None:
@@ -31,6 +33,17 @@ def _run_model(args) -> int:
 def _run_attention(args) -> int:
     _threads(args)
     importlib.import_module(".attention", __name__).run(tuple(args.contexts), repeats=args.repeats, csv_path=args.csv)
+    return 0
+
+
+def _run_layer(args) -> int:
+    _threads(args)
+    import torch
+
+    dtypes = tuple(getattr(torch, name) for name in args.dtypes)
+    importlib.import_module(".layer", __name__).run(tuple(args.contexts), tuple(args.layers), dtypes,
+                                                    repeats=args.repeats, transformers=not args.no_transformers,
+                                                    csv_path=args.csv)
     return 0
 
 
@@ -76,6 +89,14 @@ def add_parser(sub) -> None:
     a.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 16384, 65536, 262144])
     a.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
     common(a)
+
+    y = target("layer", "one decode step of a V4-Flash CSA/HCA attention layer vs transformers", _run_layer)
+    y.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 65536, 262144])
+    y.add_argument("--layers", nargs="+", choices=("CSA", "HCA"), default=["CSA", "HCA"])
+    y.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
+    y.add_argument("--repeats", type=positive_int, default=3, help="timed runs per cell; the best is shown")
+    y.add_argument("--no-transformers", action="store_true", help="time ours only")
+    common(y)
 
     d = target("decode", "per-token latency of eager, graph and torch.compile decode", _run_decode)
     d.add_argument("--prompt-len", type=positive_int, default=200)
