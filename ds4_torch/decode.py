@@ -65,7 +65,9 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
     for a in range(0, T, chunk):
         try:
             fault_point("prefill")
-            logits = model(input_ids[:, a:a + chunk], cache=target)[:, -1]
+            with torch.inference_mode():  # no autograd bookkeeping per op (transformers' generate does the same)
+                logits = model(input_ids[:, a:a + chunk], cache=target, logits_to_keep=1)[:, -1]
+            logits = logits.clone()  # a normal tensor: callers may update it in place
             synchronize(cache.device)
         except BaseException:
             cache.invalidate(range(B))
@@ -106,7 +108,9 @@ class Decoder:
         return n
 
     def _eager_step(self, input_ids, n):
-        return self.model._forward(input_ids.view(n, 1), self.cache.narrow(n))[:, 0]
+        with torch.inference_mode():  # no autograd bookkeeping per op (transformers' generate does the same)
+            logits = self.model._forward(input_ids.view(n, 1), self.cache.narrow(n))[:, 0]
+        return logits.clone()  # a normal tensor: callers may update it in place
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         n = self._check(input_ids)

@@ -83,6 +83,8 @@ def add_parser(sub) -> None:
     add_model_arguments(m)
     m.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (default 256)")
     m.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    m.add_argument("--repeats", type=positive_int, default=3,
+                   help="runs per implementation, interleaved; the best of each is shown (default 3)")
     common(m)
 
     a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)
