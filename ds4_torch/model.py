@@ -21,7 +21,7 @@ from .cache import CompressorState, DS4Cache, LayerCache
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
-from .kernels.reference import apply_rope, rms_norm
+from .kernels.reference import apply_rope, cast, rms_norm
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
 # sinks, biases); we do the same so bf16 models round the same way.
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
 def unweighted_rms_norm(x, eps: float):
     if x.dtype == torch.float32:  # the same arithmetic as below, in one call
         return F.rms_norm(x, (x.shape[-1],), None, eps)
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * cast(torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps), x.dtype)
 
 
 def rope_inv_freq(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ class Rotary(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         if self.scaling != 1.0:
             cos, sin = cos * self.scaling, sin * self.scaling
-        return cos.to(dtype), sin.to(dtype)
+        return cast(cos, dtype), cast(sin, dtype)
 
 
 # --------------------------------------------------------------------------- positions of a forward
@@ -171,10 +171,10 @@ class ForwardPlan:
     def write_ring(self, ring, kv) -> None:
         """Store this forward's kv rows [B, T, D] in a layer's window ring."""
         if self.T == 1:
-            ring.view(-1, ring.shape[-1]).index_copy_(0, self.ring_index, kv.view(-1, kv.shape[-1]).to(ring.dtype))
+            ring.view(-1, ring.shape[-1]).index_copy_(0, self.ring_index, cast(kv.view(-1, kv.shape[-1]), ring.dtype))
             return
         chunk_rows = kv.gather(1, self.ring_source.expand(-1, -1, kv.shape[-1]))
-        ring.copy_(torch.where(self.ring_from_chunk, chunk_rows.to(ring.dtype), ring))
+        ring.copy_(torch.where(self.ring_from_chunk, cast(chunk_rows, ring.dtype), ring))
 
 
 # --------------------------------------------------------------------------- compressor
@@ -197,7 +197,7 @@ class Compressor(nn.Module):
         """Feed T new tokens (x [B,T,hidden]) into `state`: write every window that closes into
         `state.rows` and keep the open one in the frontier."""
         kv = self.kv_proj(x)
-        gate = self.gate_proj(x) + F.embedding(plan.slot, self.position_bias).to(x.dtype)
+        gate = self.gate_proj(x) + cast(F.embedding(plan.slot, self.position_bias), x.dtype)
         if plan.T == 1:
             self._update_one(state, kv, gate, plan, ops)
         else:
@@ -209,8 +209,8 @@ class Compressor(nn.Module):
     def _update_one(self, state, kv, gate, plan, ops):
         B, _, width = kv.shape
         open_kv, open_gate = state.open_kv, state.open_gate
-        open_kv.view(-1, width).index_copy_(0, plan.open_index, kv.view(B, width).to(open_kv.dtype))
-        open_gate.view(-1, width).index_copy_(0, plan.open_index, gate.view(B, width).to(open_gate.dtype))
+        open_kv.view(-1, width).index_copy_(0, plan.open_index, cast(kv.view(B, width), open_kv.dtype))
+        open_gate.view(-1, width).index_copy_(0, plan.open_index, cast(gate.view(B, width), open_gate.dtype))
         if self.overlap:
             d = self.dim
             pool_kv = torch.cat([state.prev_kv, open_kv[..., d:]], dim=1)
@@ -218,7 +218,7 @@ class Compressor(nn.Module):
         else:
             pool_kv, pool_gate = open_kv, open_gate
         row = self._pool(pool_kv[:, None], pool_gate[:, None], plan, ops)  # [B, 1, D]
-        state.rows.view(-1, row.shape[-1]).index_copy_(0, plan.row_index, row.view(B, -1).to(state.rows.dtype))
+        state.rows.view(-1, row.shape[-1]).index_copy_(0, plan.row_index, cast(row.view(B, -1), state.rows.dtype))
         if self.overlap:  # a window that closed hands its Ca half to the next one
             state.prev_kv.copy_(torch.where(plan.closes, open_kv[..., :d], state.prev_kv))
             state.prev_gate.copy_(torch.where(plan.closes, open_gate[..., :d], state.prev_gate))
@@ -244,7 +244,7 @@ class Compressor(nn.Module):
         rows = self._pool(pool_kv, pool_gate, plan, ops)  # [B, J, D]
         # Windows that did not close (or would not fit) go to the scratch row: no branch, no overflow.
         D = rows.shape[-1]
-        state.rows.view(-1, D).index_copy_(0, plan.row_index, rows.reshape(-1, D).to(state.rows.dtype))
+        state.rows.view(-1, D).index_copy_(0, plan.row_index, cast(rows.reshape(-1, D), state.rows.dtype))
 
         new_open_kv = torch.where(plan.keep_new, gather(own_kv, plan.open_source), state.open_kv)
         new_open_gate = torch.where(plan.keep_new, gather(own_gate, plan.open_source), state.open_gate)
@@ -528,7 +528,7 @@ class HyperConnection(nn.Module):
 
 def collapse(pre, streams):
     """sum_j pre_j * stream_j in fp32, as one matmul: [B, T, n] x [B, T, n, H] -> [B, T, H]."""
-    return torch.matmul(pre.unsqueeze(-2), streams.float()).squeeze(-2).to(streams.dtype)
+    return cast(torch.matmul(pre.unsqueeze(-2), streams.float()).squeeze(-2), streams.dtype)
 
 
 class HyperHead(nn.Module):
@@ -561,8 +561,8 @@ class DecoderLayer(nn.Module):
     def _mix(post, comb, block_out, streams):
         dtype = streams.dtype
         # comb is consumed transposed: out_k = sum_j comb[j, k] * stream_j.
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams)
+        return cast(post, dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            cast(comb, dtype).transpose(-1, -2), streams)
 
     def forward(self, streams, token_ids, layer_cache, plan: ForwardPlan, ops):
         post, comb, collapsed = self.attn_hc(streams)

@@ -28,6 +28,12 @@ import torch
 import torch.nn.functional as F
 
 
+def cast(x, dtype):
+    """`x` in `dtype`, with no call when it already is: a no-op `.to()` still costs a dispatch
+    (~1.5 us on a CPU), and a decode step would make hundreds."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def query_positions(start, T: int):
     return start[:, None] + torch.arange(T, device=start.device)  # [B, T]
 
@@ -72,7 +78,7 @@ def attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, 
 def additive_mask(mask, dtype):
     """0 where `mask` holds, -inf elsewhere: added to logits it masks them (faster than a masked
     fill with a broadcast boolean mask, and exact: x + 0 = x, x + -inf = -inf)."""
-    return torch.where(mask, 0.0, float("-inf")).to(dtype)
+    return cast(torch.where(mask, 0.0, float("-inf")), dtype)
 
 
 def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
@@ -90,7 +96,7 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     query_pos = query_positions(start, T)
     steps = torch.arange(W, device=q.device)
     ring_order = ((start[:, None] + steps) % W)[..., None].expand(-1, -1, D)  # slots of start-W .. start-1
-    ordered = torch.cat([ring.gather(1, ring_order), chunk_kv.to(ring.dtype)], dim=1).to(dtype)  # [B, W+T, D]
+    ordered = cast(torch.cat([ring.gather(1, ring_order), cast(chunk_kv, ring.dtype)], dim=1), dtype)  # [B, W+T, D]
     window = ordered.unfold(1, W, 1)[:, 1:].transpose(-1, -2).reshape(B * T, W, D)  # query i: rows i+1 .. i+W
     window_bias = additive_mask(query_pos[..., None] - (W - 1) + steps >= 0, dtype).view(B * T, 1, W)
     window_logits = torch.baddbmm(window_bias, queries, window.transpose(1, 2), alpha=scale)
@@ -100,11 +106,11 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     if picked:
         K = comp_sel.shape[-1]
         rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
-        rows = rows.to(ring.dtype).to(dtype).view(B * T, K, D)
+        rows = cast(cast(rows, ring.dtype), dtype).view(B * T, K, D)
         bias = additive_mask((comp_sel >= 0) & (comp_sel < n_visible), dtype).view(B * T, 1, K)
         comp_logits = torch.baddbmm(bias, queries, rows.transpose(1, 2), alpha=scale)
     else:
-        rows = comp.to(ring.dtype).to(dtype)  # [B, C, D]
+        rows = cast(cast(comp, ring.dtype), dtype)  # [B, C, D]
         visible = torch.arange(C, device=q.device) < n_visible if C else q.new_zeros(B, T, 0, dtype=torch.bool)
         if comp_sel is not None and C:
             chosen = torch.zeros(B, T, C + 1, dtype=torch.bool, device=q.device)
@@ -113,7 +119,7 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
         comp_logits = torch.bmm(q.reshape(B, T * H, D), rows.transpose(1, 2)).view(B, T, H, C) * scale
         comp_logits = (comp_logits + additive_mask(visible, dtype)[:, :, None]).view(B * T, H, C)
     L = comp_logits.shape[-1]
-    sink = sinks.to(dtype).view(1, H, 1).expand(B * T, H, 1)
+    sink = cast(sinks, dtype).view(1, H, 1).expand(B * T, H, 1)
     combined = torch.cat([window_logits, comp_logits, sink], dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)
     out = torch.bmm(probs[..., :W], window)
@@ -127,7 +133,7 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
 def rms_norm(x, weight, eps: float):
     """RMSNorm computed in fp32 with an fp32 weight, cast back to x's dtype (transformers' order:
     x * rsqrt(mean(x^2) + eps), then the weight)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return cast(F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps), x.dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -138,11 +144,11 @@ def apply_rope(x, cos, sin):
     rope_dim = 2 * cos.shape[-1]
     even, odd = x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+    return torch.cat([x[..., :-rope_dim], cast(rotated, x.dtype)], dim=-1)
 
 
 def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
-    weights = torch.softmax(gate, dim=-2, dtype=torch.float32).to(kv.dtype)
+    weights = cast(torch.softmax(gate, dim=-2, dtype=torch.float32), kv.dtype)
     pooled = (kv * weights).sum(dim=-2)
     return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
 
