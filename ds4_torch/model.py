@@ -483,19 +483,21 @@ def sinkhorn(comb, iters: int, eps: float):
     eps_t = m.new_full((1, 1, 1), eps)
     ones = m.new_ones(n, 1, n)
     one = ones[:1]
-    grad = torch.is_grad_enabled()  # autograd keeps every step's input: divide out of place
+    grad = torch.is_grad_enabled()  # autograd keeps every step's input: out of place then
+    row_sums, col_sums = m.new_empty(n, 1, N), m.new_empty(1, 1, n * N)
 
-    def normalised(x, weights):  # x / (weights @ x + eps)
-        sums = torch.baddbmm(eps_t, weights, x)
-        return x / sums if grad else x.div_(sums)
+    def normalised(x, weights, sums):  # x / (weights @ x + eps)
+        if grad:
+            return x / torch.baddbmm(eps_t, weights, x)
+        return x.div_(torch.baddbmm(eps_t, weights, x, out=sums))
 
     # Two views of one buffer: by rows [i, j, N] (sums over j) and by columns [1, i, (j, N)] (sums
     # over i). Dividing in place through one updates the other.
     rows, cols = m.view(n, n, N), m.view(1, n, n * N)
-    cols = normalised(cols, one)
+    cols = normalised(cols, one, col_sums)
     for _ in range(iters - 1):
-        rows = normalised(cols.view(n, n, N) if grad else rows, ones)
-        cols = normalised(rows.view(1, n, n * N) if grad else cols, one)
+        rows = normalised(cols.view(n, n, N) if grad else rows, ones, row_sums)
+        cols = normalised(rows.view(1, n, n * N) if grad else cols, one, col_sums)
     return cols.reshape(n * n, N).t().contiguous().view(comb.shape)  # back to [..., n, n] for the matmuls
 
 

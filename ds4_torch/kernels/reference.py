@@ -163,15 +163,17 @@ def indexer_scores(q, head_weights, rows):
     Each block of rows is read once in its own dtype and computed in fp32."""
     B, T, Hi, dI = q.shape
     C = rows.shape[1]
-    queries = q.float().reshape(B, T * Hi, dI).transpose(1, 2)  # [B, dI, T*Hi]
-    weights = head_weights.float()  # [B, T, Hi]
+    fp32 = torch.float32
+    queries = cast(q, fp32).reshape(B, T * Hi, dI).transpose(1, 2)  # [B, dI, T*Hi]
+    weights = cast(head_weights, fp32)  # [B, T, Hi]
     block = max(64, SCORE_BLOCK_BYTES // (4 * T * Hi))
     parts = []
     for c0 in range(0, C, block):
-        dots = torch.bmm(rows[:, c0:c0 + block].float(), queries).relu_()  # [B, c, T*Hi]
+        block_rows = rows if C <= block else rows[:, c0:c0 + block]
+        dots = torch.bmm(cast(block_rows, fp32), queries).relu_()  # [B, c, T*Hi]
         parts.append(torch.einsum("bcth,bth->btc", dots.view(B, -1, T, Hi), weights))
     if not parts:
-        return q.new_zeros(B, T, 0, dtype=torch.float32)
+        return q.new_zeros(B, T, 0, dtype=fp32)
     scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return scores * dI ** -0.5
 
@@ -190,7 +192,8 @@ def topk_lower_index_wins(scores, k: int):
 
 def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
     T, C = q.shape[1], rows.shape[1]
-    visible = visible_rows(start, T, C, rate)
-    scores = indexer_scores(q, head_weights, rows).masked_fill(~visible, float("-inf"))
-    order = topk_lower_index_wins(scores, min(k, C))
-    return torch.where(visible.gather(-1, order), order, -1)
+    n_visible = ((query_positions(start, T) + 1) // rate)[..., None]  # [B, T, 1]
+    visible = torch.arange(C, device=q.device) < n_visible
+    scores = torch.where(visible, indexer_scores(q, head_weights, rows), float("-inf"))
+    picks = topk_lower_index_wins(scores, min(k, C))
+    return torch.where(picks < n_visible, picks, -1)  # rows 0 .. n_visible-1 are the visible ones
