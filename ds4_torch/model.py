@@ -21,7 +21,7 @@ from .cache import CompressorState, DS4Cache, LayerCache
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
-from .kernels.reference import apply_rope, cast, rms_norm
+from .kernels.reference import cast, rms_norm, rope_tables, rotate
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
 # sinks, biases); we do the same so bf16 models round the same way.
@@ -150,10 +150,12 @@ class ForwardPlan:
         device = start.device
         self.start, self.T = start, T
         positions = start[:, None] + torch.arange(T, device=device)
-        main, compress = model.rotary_main(positions, dtype), model.rotary_compress(positions, dtype)
-        self.rope = {SLIDING: main, CSA: compress, HCA: compress}  # (cos, sin) by layer kind
-        self.rope_inverse = {SLIDING: (main[0], -main[1])}  # angle -t: undoes the rotation on outputs
-        self.rope_inverse[CSA] = self.rope_inverse[HCA] = (compress[0], -compress[1])
+        main = rope_tables(*model.rotary_main(positions, dtype))
+        compress = rope_tables(*model.rotary_compress(positions, dtype))
+        self.rope = {SLIDING: main, CSA: compress, HCA: compress}  # `rotate` tables by layer kind
+        # Angle -t (sin negated): undoes the rotation the values carried into the outputs.
+        main_inverse, compress_inverse = (main[0], -main[1]), (compress[0], -compress[1])
+        self.rope_inverse = {SLIDING: main_inverse, CSA: compress_inverse, HCA: compress_inverse}
         W, B = cache.config.sliding_window, start.shape[0]
         if T == 1:
             self.ring_index = torch.arange(B, device=device) * W + start % W  # row of ring.view(B*W, D)
@@ -265,11 +267,11 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
 
-    def select(self, state, x, q_residual, start, cos, sin, ops: AttentionOps):
+    def select(self, state, x, q_residual, start, rope, ops: AttentionOps):
         """Top-k compressed rows per query: [B, T, K] row indices, -1 where nothing is picked."""
         B, T, _ = x.shape
         q = self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
+        q = rotate(q, rope)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
         capacity = state.rows.shape[1] - 1
         return ops.indexer_topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
@@ -319,12 +321,12 @@ class Attention(nn.Module):
     def forward(self, x, layer_cache: LayerCache, plan: ForwardPlan, ops: AttentionOps):
         """x [B,T,hidden] (normed); `plan` holds this forward's positions, RoPE and write slots."""
         B, T, _ = x.shape
-        cos, sin = plan.rope[self.kind]
+        rope = plan.rope[self.kind]
         eps = self.config.rms_norm_eps
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim), eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, T, D]: key and value
+        q = rotate(q, rope)
+        kv = rotate(self.kv_norm(self.kv_proj(x)), rope)  # [B, T, D]: key and value
 
         # Keys: the ring (positions before `start`), this chunk's own rows, the compressed rows.
         ring = layer_cache.window
@@ -337,9 +339,9 @@ class Attention(nn.Module):
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer.update(layer_cache.indexer, x, windows, ops)
-                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, plan.start, cos, sin, ops)
+                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, plan.start, rope, ops)
         out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale)
-        out = apply_rope(out, *plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
+        out = rotate(out, plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
         plan.write_ring(ring, kv)
 
         grouped = out.reshape(B, T, self.config.o_groups, -1)

@@ -136,15 +136,30 @@ def rms_norm(x, weight, eps: float):
     return cast(F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps), x.dtype)
 
 
+def rope_tables(cos, sin):
+    """What `rotate` multiplies by, from the angles' cos/sin [..., R/2] (one per channel pair):
+    cos [..., R/2, 1] and (-sin, +sin) [..., R/2, 2]. Built once, they serve every rotation at
+    those positions (a forward's queries, keys and outputs)."""
+    return cos.unsqueeze(-1), torch.stack((-sin, sin), dim=-1)
+
+
+def rotate(x, tables):
+    """Interleaved RoPE on the trailing R channels of x [..., S, (H,) D] with `rope_tables` of
+    the S positions: pair (e, o) -> (e cos - o sin, o cos + e sin), in fp32; the first D - R
+    channels pass through."""
+    c, s = tables
+    R = 2 * c.shape[-2]
+    pairs = x[..., -R:].float().unflatten(-1, (-1, 2))
+    if pairs.dim() == c.dim() + 1:  # a heads axis sits between positions and channels
+        c, s = c.unsqueeze(-3), s.unsqueeze(-3)
+    rotated = torch.addcmul(pairs * c, pairs.flip(-1), s).flatten(-2)
+    return torch.cat([x[..., :-R], cast(rotated, x.dtype)], dim=-1)
+
+
 def apply_rope(x, cos, sin):
     """Rotate interleaved pairs of the trailing channels of x [..., S, (H,) D]; cos/sin
     [..., S, R/2] give the angle of each pair; the first D - R channels pass through."""
-    if x.dim() == cos.dim() + 1:  # a heads axis sits between positions and channels
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    rope_dim = 2 * cos.shape[-1]
-    even, odd = x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], cast(rotated, x.dtype)], dim=-1)
+    return rotate(x, rope_tables(cos, sin))
 
 
 def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
