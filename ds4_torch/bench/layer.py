@@ -71,10 +71,10 @@ class _Layer:
         self.x = torch.randn(1, 1, self.config.hidden_size, generator=g).to(dtype)
 
     def step(self):
-        positions = self.cache.positions[:, None]
-        rotary = self.model.model.rotary_compress
-        cos, sin = rotary(positions, self.x.dtype)
-        return self.attn(self.x, self.cache.layers[0], self.cache.positions, (rotary, cos, sin), self.model.ops)
+        from ..model import ForwardPlan
+
+        plan = ForwardPlan(self.model.model, self.cache, 1, self.x.dtype)  # what the model's forward builds
+        return self.attn(self.x, self.cache.layers[0], plan, self.model.ops)
 
 
 class _TransformersLayer:
