@@ -480,7 +480,7 @@ def sinkhorn(comb, iters: int, eps: float):
     each normalisation is one batched matmul (the sums, eps added by it) and one division,
     whatever N: two ops a step instead of three, and no per-matrix matmul overhead in prefill."""
     n = comb.shape[-1]
-    m = comb.reshape(-1, n * n).t().contiguous()  # [(i, j), N]
+    m = comb.reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [i, j, N]
     N = m.shape[-1]
     eps_t = m.new_full((1, 1, 1), eps)
     ones = m.new_ones(n, 1, n)
@@ -500,7 +500,7 @@ def sinkhorn(comb, iters: int, eps: float):
     for _ in range(iters - 1):
         rows = normalised(cols.view(n, n, N) if grad else rows, ones, row_sums)
         cols = normalised(rows.view(1, n, n * N) if grad else cols, one, col_sums)
-    return cols.reshape(n * n, N).t().contiguous().view(comb.shape)  # back to [..., n, n] for the matmuls
+    return cols.view(n, n, N).permute(2, 0, 1).contiguous().view(comb.shape)  # back to [..., n, n]
 
 
 class HyperConnection(nn.Module):

@@ -96,7 +96,7 @@ def add_parser(sub) -> None:
     y.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 65536, 262144])
     y.add_argument("--layers", nargs="+", choices=("CSA", "HCA"), default=["CSA", "HCA"])
     y.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
-    y.add_argument("--repeats", type=positive_int, default=3, help="timed runs per cell; the best is shown")
+    y.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
     y.add_argument("--no-transformers", action="store_true", help="time ours only")
     common(y)
 

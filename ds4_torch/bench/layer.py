@@ -33,16 +33,19 @@ FLASH = {
 KINDS = {"CSA": "compressed_sparse_attention", "HCA": "heavily_compressed_attention"}
 
 
-def _time(fn, repeats: int, before=None) -> float:
-    """Best wall time of `repeats` runs after one warm-up; `before` runs untimed before each."""
-    best = math.inf
+def _best_times(fns: dict, repeats: int, before: dict) -> dict:
+    """Best wall time of each function over `repeats` rounds after one warm-up round; the
+    functions take turns within a round, so a noisy stretch of the machine hits them alike.
+    `before[name]` runs untimed before each call of `fns[name]`."""
+    best = dict.fromkeys(fns, math.inf)
     for i in range(repeats + 1):
-        if before is not None:
-            before()
-        t = time.perf_counter()
-        fn()
-        if i:
-            best = min(best, time.perf_counter() - t)
+        for name, fn in fns.items():
+            if name in before:
+                before[name]()
+            t = time.perf_counter()
+            fn()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
@@ -130,15 +133,15 @@ class _TransformersLayer:
 
 @torch.no_grad()
 def run(contexts=(4096, 65536, 262144), kinds=("CSA", "HCA"), dtypes=(torch.float32, torch.bfloat16),
-        repeats: int = 3, transformers: bool = True, csv_path=None) -> list[dict]:
+        repeats: int = 5, transformers: bool = True, csv_path=None) -> list[dict]:
     rows = []
     for context in contexts:
         for kind in kinds:
-            row = {"context": context, "layer": kind}
+            fns, before = {}, {}
             for dtype in dtypes:
                 ours = _Layer(kind, context, dtype)
                 out = ours.step()
-                row[f"ours_{_short(dtype)}_ms"] = 1e3 * _time(ours.step, repeats)
+                fns[f"ours_{_short(dtype)}_ms"] = ours.step
                 if dtype == torch.float32 and transformers:
                     peer = _TransformersLayer(ours)
                     peer.restore()
@@ -146,10 +149,10 @@ def run(contexts=(4096, 65536, 262144), kinds=("CSA", "HCA"), dtypes=(torch.floa
                     diff = ((theirs - out).abs().max() / out.abs().max()).item()
                     if diff > 1e-3:
                         raise AssertionError(f"transformers disagrees with ours at {kind} {context}: {diff:.2e}")
-                    row["transformers_fp32_ms"] = 1e3 * _time(peer.step, repeats, before=peer.restore)
-                    del peer
-                del ours
-            rows.append(row)
+                    fns["transformers_fp32_ms"], before["transformers_fp32_ms"] = peer.step, peer.restore
+            best = _best_times(fns, repeats, before)
+            rows.append({"context": context, "layer": kind, **{k: 1e3 * v for k, v in best.items()}})
+            del fns, before
     print_table(rows)
     if csv_path:
         write_csv(rows, csv_path)
@@ -162,7 +165,7 @@ def _short(dtype) -> str:
 
 def print_table(rows) -> None:
     print(f"one V4-Flash attention layer, one decode step (no window closes), batch 1; {machine()}, "
-          f"{torch.get_num_threads()} thread(s); best of runs, ms")
+          f"{torch.get_num_threads()} thread(s); ms, best of interleaved runs")
     keys = [k for k in rows[0] if k.endswith("_ms")]
     head = f"{'context':>8} {'layer':>5} " + " ".join(f"{k[:-3]:>17}" for k in keys)
     print(head)

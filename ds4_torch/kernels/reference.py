@@ -181,7 +181,8 @@ def _relu_dots(rows, queries):
     oneDNN with the relu fused (small ones: its call costs more than the BLAS one)."""
     if (_ONEDNN_LINEAR is not None and rows.device.type == "cpu" and not torch.is_grad_enabled()
             and rows.shape[1] * queries.shape[1] >= 1 << 16):
-        return torch.stack([_ONEDNN_LINEAR(r, qb, None, "relu", [], "") for r, qb in zip(rows, queries)])
+        dots = [_ONEDNN_LINEAR(r, qb, None, "relu", [], "") for r, qb in zip(rows, queries)]
+        return dots[0][None] if len(dots) == 1 else torch.stack(dots)
     return torch.bmm(rows, queries.transpose(1, 2)).relu_()
 
 
