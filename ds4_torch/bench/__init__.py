@@ -7,7 +7,8 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `attention`  (`attention.py`): one decode step of attention at V4-Flash sizes vs transformers/SDPA.
 - `layer`      (`layer.py`): one decode step of a whole V4-Flash CSA/HCA attention layer at long
   context, fp32 and bf16, vs transformers' DeepseekV4Attention.
-- `decode`     (`decode.py`): eager, graph and torch.compile decode paths.
+- `decode`     (`decode.py`): eager, graph and torch.compile decode paths, and which one `auto` picks.
+- `kernels`    (`kernels.py`): the Triton kernels on a CUDA GPU, achieved GB/s against the peak.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "layer", "decode", "serve", "moe")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe")
 
 
 def _threads(args) -> None:
@@ -50,6 +51,14 @@ def _run_layer(args) -> int:
 def _run_decode(args) -> int:
     _threads(args)
     importlib.import_module(".decode", __name__).run(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv)
+    return 0
+
+
+def _run_kernels(args) -> int:
+    import torch
+
+    dtypes = tuple(getattr(torch, name) for name in args.dtypes)
+    importlib.import_module(".kernels", __name__).run(tuple(args.contexts), dtypes, csv_path=args.csv)
     return 0
 
 
@@ -105,6 +114,11 @@ def add_parser(sub) -> None:
     d.add_argument("--steps", type=positive_int, default=32)
     d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
     common(d)
+
+    k = target("kernels", "the Triton kernels on a CUDA GPU: achieved GB/s against the device's peak", _run_kernels)
+    k.add_argument("--contexts", type=positive_int, nargs="+", default=[65536, 262144])
+    k.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16", "float32"), default=["bfloat16"])
+    k.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
     s = target("serve", "HTTP streaming through a local server vs direct decode", _run_serve)
     from .serve import add_arguments as add_serve_arguments  # argparse only; the server loads on run
