@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .decode import MODES as DECODE_MODES
 from .runtime import (DTYPES, UserError, add_model_arguments, add_tp_argument, load_config, load_model,
                       load_model_tokenizer, positive_int)
 
@@ -124,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="0 = no min-p cut")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat format")
-    g.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
-                   help="decode path: graph = captured CUDA graphs (an emulator off CUDA); auto picks graph "
-                        "where the device supports it (env DS4_TORCH_DECODE_MODE overrides)")
+    g.add_argument("--decode-mode", choices=DECODE_MODES, default="auto",
+                   help="decode path: graph = captured CUDA graphs (an emulator off CUDA), compile = torch.compile; "
+                        "auto picks graph where the device supports it, else eager (env DS4_TORCH_DECODE_MODE "
+                        "overrides)")
     add_tp_argument(g)
     g.set_defaults(func=cmd_generate)
 

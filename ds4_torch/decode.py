@@ -1,4 +1,4 @@
-"""Decode paths: eager, and captured graphs replayed step after step.
+"""Decode paths: eager, captured graphs replayed step after step, and torch.compile.
 
 `make_decoder(model, cache, mode)` returns a decoder whose `.step(ids[B]) -> logits[B, V]`
 consumes one token per sequence and advances the cache. The graph path captures the model's
@@ -11,6 +11,14 @@ reallocates; the capture backends make that checkable:
   static buffers and the FX graph is replayed. Tracing runs on real tensors, so any Python value
   read at capture time (an `.item()`, an `int(...)`, a branch) is frozen into the graph exactly
   as a CUDA graph would freeze it, and shows up here as a divergence from eager.
+
+`compile` runs each step through `torch.compile(model, fullgraph=True)` (inductor): the first step
+compiles (a minute or more on a CPU), later ones run the fused code.
+
+`auto` (`choose_mode`) picks, per device, the mode that decodes a request fastest counting its
+first step: graph on CUDA; eager elsewhere, because the emulator only replays the same ops and
+a compile pays for itself only over long runs (`ds4-torch bench decode` measures all three and
+the break-even point; ask for `compile` explicitly where a process decodes that long).
 
 A failure during a step (a device error, an OOM, or one injected with `DS4_TORCH_FAULT`)
 drops every captured graph, marks the batch's sequences invalid in the cache (they must be reset
@@ -27,7 +35,7 @@ from .cache import DS4Cache
 from .capabilities import capabilities
 from .faults import fault_point
 
-MODES = ("auto", "eager", "graph")
+MODES = ("auto", "eager", "graph", "compile")
 ENV = "DS4_TORCH_DECODE_MODE"
 
 
@@ -39,12 +47,24 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def choose_mode(device) -> tuple[str, str]:
+    """The mode `auto` runs on `device`, and why."""
+    caps = capabilities(device)
+    if caps.cuda_graphs:
+        return "graph", "CUDA graphs: each decode step is one graph replay instead of a kernel launch per op"
+    compile_note = ("torch.compile works here but its first step compiles for a minute or more, repaid only "
+                    "over thousands of tokens (ask for mode 'compile' in a long-lived process)" if caps.compile
+                    else f"torch.compile is unavailable ({caps.compile.reason})")
+    return "eager", (f"no CUDA graphs ({caps.cuda_graphs.reason}); the capture emulator replays the same ops, "
+                     f"no faster than eager; {compile_note}")
+
+
 def resolve_mode(mode: str, device) -> str:
     mode = os.environ.get(ENV) or mode
     if mode not in MODES:
         raise ValueError(f"unknown decode mode {mode!r} (from {ENV} or the argument); modes: {', '.join(MODES)}")
     if mode == "auto":
-        return "graph" if capabilities(device).cuda_graphs else "eager"
+        return choose_mode(device)[0]
     return mode
 
 
@@ -67,8 +87,10 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
     for a in range(0, T, chunk):
         try:
             fault_point("prefill")
-            every = model(input_ids[:, a:a + chunk], cache=target)
-            logits = every[:, -1]
+            with torch.inference_mode():  # no autograd bookkeeping per op (transformers' generate does the same)
+                # Only the last token's logits unless the caller wants every token's (prompt logprobs).
+                every = model(input_ids[:, a:a + chunk], cache=target, logits_to_keep=0 if full_logits else 1)
+            logits = every[:, -1].clone()  # a normal tensor: callers may update it in place
             synchronize(cache.device)
         except BaseException:
             cache.invalidate(range(B))
@@ -88,6 +110,8 @@ def make_decoder(model, cache: DS4Cache, mode: str = "auto", scratch_padding: bo
     resolved = resolve_mode(mode, cache.device)
     if resolved == "graph":
         return GraphDecoder(model, cache, scratch_padding=scratch_padding)
+    if resolved == "compile":
+        return CompiledDecoder(model, cache)
     return EagerDecoder(model, cache)
 
 
@@ -109,7 +133,9 @@ class Decoder:
         return n
 
     def _eager_step(self, input_ids, n):
-        return self.model._forward(input_ids.view(n, 1), self.cache.narrow(n))[:, 0]
+        with torch.inference_mode():  # no autograd bookkeeping per op (transformers' generate does the same)
+            logits = self.model._forward(input_ids.view(n, 1), self.cache.narrow(n))[:, 0]
+        return logits.clone()  # a normal tensor: callers may update it in place
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         n = self._check(input_ids)
@@ -135,6 +161,22 @@ class Decoder:
 
 class EagerDecoder(Decoder):
     mode = "eager"
+
+
+class CompiledDecoder(Decoder):
+    """Steps through `torch.compile(model, fullgraph=True)`: one graph per batch size, compiled at
+    its first step (the cache's tensors are inputs, so the graph serves every position)."""
+
+    mode = "compile"
+
+    def __init__(self, model, cache: DS4Cache):
+        super().__init__(model, cache)
+        self.compiled = torch.compile(model, fullgraph=True)
+
+    def _step(self, input_ids, n):
+        with torch.inference_mode():
+            logits = self.compiled(input_ids.view(n, 1), cache=self.cache.narrow(n))[:, 0]
+        return logits.clone()  # a normal tensor: callers may update it in place
 
 
 class _Captured:

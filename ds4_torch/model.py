@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import CompressorState, DS4Cache, LayerCache
-from .config import CSA, SLIDING, DS4Config, RopeSpec
+from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
-from .kernels.reference import apply_rope, rms_norm
+from .kernels.reference import cast, rms_norm, rope_tables, rotate
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
 # sinks, biases); we do the same so bf16 models round the same way.
@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
 
 
 def unweighted_rms_norm(x, eps: float):
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    if x.dtype == torch.float32:  # the same arithmetic as below, in one call
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
+    return x * cast(torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps), x.dtype)
 
 
 def rope_inv_freq(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
@@ -74,7 +76,107 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[..., None].float() * self.inv_freq
-        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cast(cos, dtype), cast(sin, dtype)
+
+
+# --------------------------------------------------------------------------- positions of a forward
+class WindowPlan:
+    """Where the T new tokens of a forward go in the compressors of one rate m: the open-window
+    slot of each token, which windows close (and into which compressed row they go, the scratch
+    row C when none), the RoPE of each window's first position, and the gather indices of a
+    chunk. All of it follows from the positions, so it is computed once per forward and shared by
+    every layer of that rate and by a CSA layer's compressor and indexer. Tensors only: nothing
+    here reads a position on the host.
+
+    T == 1 (decode) writes the token into its slot and pools the open window as it stands, with no
+    gather: a closing window is complete, and an open one's pooled row goes to the scratch row."""
+
+    def __init__(self, start, T: int, rate: int, capacity: int, rotary: Rotary, dtype: torch.dtype):
+        m, C, B, device = rate, capacity, start.shape[0], start.device
+        self.T = T
+        self.slot = (start[:, None] + torch.arange(T, device=device)) % m  # [B, T]
+        first_window = start // m
+        if T == 1:
+            slot = self.slot[:, 0]
+            self.closes = (slot == m - 1).view(B, 1, 1)
+            self.open_index = torch.arange(B, device=device) * m + slot  # row of open_kv.view(B*m, -1)
+            target = torch.where(self.closes.view(B) & (first_window < C), first_window, C)
+            self.row_index = torch.arange(B, device=device) * (C + 1) + target  # row of rows.view(-1, D)
+            self.cos, self.sin = rotary((first_window * m)[:, None], dtype)  # [B, 1, R/2]
+            return
+
+        # A chunk: source rows addressed by absolute position in [prev (Ca) | open window | new tokens].
+        base = first_window * m  # first position of the open window
+
+        def own_index(pos):  # position (>= base) -> row of cat([open window, new tokens])
+            shape = (-1,) + (1,) * (pos.dim() - 1)
+            rel, s = pos - base.view(shape), start.view(shape)
+            return torch.where(pos < s, rel, m + pos - s).clamp(0, m + T - 1)
+
+        cand = torch.arange(T // m + 1, device=device)
+        windows = first_window[:, None] + cand  # [B, J]: every window the chunk may close
+        slots = torch.arange(m, device=device)
+        cur_pos = windows[..., None] * m + slots  # [B, J, m]
+        self.cur_index = own_index(cur_pos)
+        # CSA: the Ca half of window w comes from window w-1: the saved overlap for the first one.
+        self.ca_index = torch.where(cand[None, :, None] == 0, slots.expand(B, cand.shape[0], m),
+                                    m + own_index(cur_pos - m))
+        emit = (windows + 1) * m <= (start + T)[:, None]
+        target = torch.where(emit & (windows < C), windows, C)
+        self.row_index = (torch.arange(B, device=device)[:, None] * (C + 1) + target).view(-1)
+        self.cos, self.sin = rotary(windows * m, dtype)  # [B, J, R/2]
+
+        # Frontier after the chunk: the open window, and (CSA) the Ca half of the last closed one.
+        end = start + T
+        end_window = end // m
+        open_pos = end_window[:, None] * m + slots  # [B, m]
+        self.open_source = own_index(open_pos)
+        self.keep_new = (open_pos < end[:, None])[..., None]
+        closed = end_window - first_window  # windows closed in this chunk, per sequence
+        last_pos = (end_window[:, None] - 1) * m + slots
+        self.last_ca_index = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos))
+
+
+class ForwardPlan:
+    """Everything one forward derives from `cache.positions` before the layers run: the query
+    positions' RoPE (main and compress), the ring slots the new rows go to, and a `WindowPlan`
+    per compression rate. Computed once per forward instead of once per layer."""
+
+    def __init__(self, model: "DS4Model", cache: DS4Cache, T: int, dtype: torch.dtype):
+        start = cache.positions
+        device = start.device
+        self.start, self.T = start, T
+        positions = start[:, None] + torch.arange(T, device=device)
+        main = rope_tables(*model.rotary_main(positions, dtype))
+        compress = rope_tables(*model.rotary_compress(positions, dtype))
+        self.rope = {SLIDING: main, CSA: compress, HCA: compress}  # `rotate` tables by layer kind
+        # Angle -t (sin negated): undoes the rotation the values carried into the outputs.
+        main_inverse, compress_inverse = (main[0], -main[1]), (compress[0], -compress[1])
+        self.rope_inverse = {SLIDING: main_inverse, CSA: compress_inverse, HCA: compress_inverse}
+        W, B = cache.config.sliding_window, start.shape[0]
+        if T == 1:
+            self.ring_index = torch.arange(B, device=device) * W + start % W  # row of ring.view(B*W, D)
+        else:  # ring slot r keeps the newest position congruent to r seen so far
+            new_last = start[:, None] + T - 1
+            newest = new_last - (new_last - torch.arange(W, device=device)) % W  # [B, W]
+            self.ring_from_chunk = (newest >= start[:, None])[..., None]
+            self.ring_source = (newest - start[:, None]).clamp(0, T - 1)[..., None]
+        self.windows = {}
+        for layer in cache.layers:
+            if layer.rate and layer.rate not in self.windows:
+                capacity = layer.compressor.rows.shape[1] - 1
+                self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype)
+
+    def write_ring(self, ring, kv) -> None:
+        """Store this forward's kv rows [B, T, D] in a layer's window ring."""
+        if self.T == 1:
+            ring.view(-1, ring.shape[-1]).index_copy_(0, self.ring_index, cast(kv.view(-1, kv.shape[-1]), ring.dtype))
+            return
+        chunk_rows = kv.gather(1, self.ring_source.expand(-1, -1, kv.shape[-1]))
+        ring.copy_(torch.where(self.ring_from_chunk, cast(chunk_rows, ring.dtype), ring))
 
 
 # --------------------------------------------------------------------------- compressor
@@ -93,74 +195,64 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
 
-    def update(self, state: CompressorState, x, start, rotary: Rotary, ops: AttentionOps):
-        """Feed T new tokens (x [B,T,hidden], first at position `start` [B]) into `state`:
-        write every window that closes into `state.rows` and keep the open one in the frontier."""
-        m, T = self.rate, x.shape[1]
-        B = x.shape[0]
-        device = x.device
+    def update(self, state: CompressorState, x, plan: WindowPlan, ops: AttentionOps):
+        """Feed T new tokens (x [B,T,hidden]) into `state`: write every window that closes into
+        `state.rows` and keep the open one in the frontier."""
         kv = self.kv_proj(x)
-        steps = torch.arange(T, device=device)
-        slot = (start[:, None] + steps) % m  # [B, T]
-        gate = self.gate_proj(x) + self.position_bias.to(x.dtype)[slot]
+        gate = self.gate_proj(x) + cast(F.embedding(plan.slot, self.position_bias), x.dtype)
+        if plan.T == 1:
+            self._update_one(state, kv, gate, plan, ops)
+        else:
+            self._update_chunk(state, kv, gate, plan, ops)
 
-        # Source rows addressed by absolute position: [prev (Ca) | open window | new tokens].
-        first_window = start // m  # w0 [B]
-        base = first_window * m  # first position of the open window
+    def _pool(self, kv, gate, plan, ops):
+        return ops.compress_rows(kv, gate, self.kv_norm.weight, self.kv_norm.eps, plan.cos, plan.sin)
+
+    def _update_one(self, state, kv, gate, plan, ops):
+        B, _, width = kv.shape
+        open_kv, open_gate = state.open_kv, state.open_gate
+        open_kv.view(-1, width).index_copy_(0, plan.open_index, cast(kv.view(B, width), open_kv.dtype))
+        open_gate.view(-1, width).index_copy_(0, plan.open_index, cast(gate.view(B, width), open_gate.dtype))
+        if self.overlap:
+            d = self.dim
+            pool_kv = torch.cat([state.prev_kv, open_kv[..., d:]], dim=1)
+            pool_gate = torch.cat([state.prev_gate, open_gate[..., d:]], dim=1)
+        else:
+            pool_kv, pool_gate = open_kv, open_gate
+        row = self._pool(pool_kv[:, None], pool_gate[:, None], plan, ops)  # [B, 1, D]
+        state.rows.view(-1, row.shape[-1]).index_copy_(0, plan.row_index, cast(row.view(B, -1), state.rows.dtype))
+        if self.overlap:  # a window that closed hands its Ca half to the next one
+            state.prev_kv.copy_(torch.where(plan.closes, open_kv[..., :d], state.prev_kv))
+            state.prev_gate.copy_(torch.where(plan.closes, open_gate[..., :d], state.prev_gate))
+
+    def _update_chunk(self, state, kv, gate, plan, ops):
+        B = kv.shape[0]
         own_kv = torch.cat([state.open_kv, kv], dim=1)  # [B, m+T, Dc]
         own_gate = torch.cat([state.open_gate, gate], dim=1)
 
-        def own_index(pos):  # position (>= base) -> row of own_kv
-            rel = pos - base.view(-1, *([1] * (pos.dim() - 1)))
-            s = start.view(-1, *([1] * (pos.dim() - 1)))
-            idx = torch.where(pos < s, rel, m + pos - s)
-            return idx.clamp(0, m + T - 1)
-
-        n_cand = T // m + 1
-        cand = torch.arange(n_cand, device=device)
-        windows = first_window[:, None] + cand  # [B, J]
-        emit = (windows + 1) * m <= (start + T)[:, None]
-        slots = torch.arange(m, device=device)
-        cur_pos = windows[..., None] * m + slots  # [B, J, m]
-
-        def gather(src, index):  # src [B, N, F], index [B, J, m] -> [B, J, m, F]
+        def gather(src, index):  # src [B, N, F], index [B, ...] -> [B, ..., F]
             flat = index.reshape(B, -1, 1).expand(-1, -1, src.shape[-1])
             return src.gather(1, flat).view(*index.shape, src.shape[-1])
 
-        cur_idx = own_index(cur_pos)
         if self.overlap:
             d = self.dim
-            prev_pos = cur_pos - m
             ca_src_kv = torch.cat([state.prev_kv, own_kv[..., :d]], dim=1)  # [B, m + m+T, D]
             ca_src_gate = torch.cat([state.prev_gate, own_gate[..., :d]], dim=1)
-            ca_idx = torch.where(cand[None, :, None] == 0, slots.expand(B, n_cand, m), m + own_index(prev_pos))
-            pool_kv = torch.cat([gather(ca_src_kv, ca_idx), gather(own_kv[..., d:], cur_idx)], dim=2)
-            pool_gate = torch.cat([gather(ca_src_gate, ca_idx), gather(own_gate[..., d:], cur_idx)], dim=2)
+            pool_kv = torch.cat([gather(ca_src_kv, plan.ca_index), gather(own_kv[..., d:], plan.cur_index)], dim=2)
+            pool_gate = torch.cat([gather(ca_src_gate, plan.ca_index), gather(own_gate[..., d:], plan.cur_index)],
+                                  dim=2)
         else:
-            pool_kv, pool_gate = gather(own_kv, cur_idx), gather(own_gate, cur_idx)
-        cos, sin = rotary(windows * m, x.dtype)
-        rows = ops.compress_rows(pool_kv, pool_gate, self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [B, J, D]
-        capacity = state.rows.shape[1] - 1
+            pool_kv, pool_gate = gather(own_kv, plan.cur_index), gather(own_gate, plan.cur_index)
+        rows = self._pool(pool_kv, pool_gate, plan, ops)  # [B, J, D]
         # Windows that did not close (or would not fit) go to the scratch row: no branch, no overflow.
-        target = torch.where(emit & (windows < capacity), windows, torch.full_like(windows, capacity))
-        state.rows.scatter_(1, target[..., None].expand(-1, -1, rows.shape[-1]), rows.to(state.rows.dtype))
+        D = rows.shape[-1]
+        state.rows.view(-1, D).index_copy_(0, plan.row_index, cast(rows.reshape(-1, D), state.rows.dtype))
 
-        # Frontier after the chunk: the open window and (CSA) the Ca half of the last closed one.
-        end = start + T
-        end_window = end // m
-        open_pos = end_window[:, None] * m + slots  # [B, m]
-        open_idx = own_index(open_pos[:, None])[:, 0]  # [B, m]
-        keep_new = (open_pos < end[:, None])[..., None]
-        new_open_kv = torch.where(keep_new, gather(own_kv, open_idx[:, None])[:, 0], state.open_kv)
-        new_open_gate = torch.where(keep_new, gather(own_gate, open_idx[:, None])[:, 0], state.open_gate)
+        new_open_kv = torch.where(plan.keep_new, gather(own_kv, plan.open_source), state.open_kv)
+        new_open_gate = torch.where(plan.keep_new, gather(own_gate, plan.open_source), state.open_gate)
         if self.overlap:
-            closed = end_window - first_window  # windows closed in this chunk, per sequence
-            last_pos = (end_window[:, None] - 1) * m + slots
-            last_idx = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos[:, None])[:, 0])
-            new_prev_kv = gather(ca_src_kv, last_idx[:, None])[:, 0]
-            new_prev_gate = gather(ca_src_gate, last_idx[:, None])[:, 0]
-            state.prev_kv.copy_(new_prev_kv)
-            state.prev_gate.copy_(new_prev_gate)
+            state.prev_kv.copy_(gather(ca_src_kv, plan.last_ca_index))
+            state.prev_gate.copy_(gather(ca_src_gate, plan.last_ca_index))
         state.open_kv.copy_(new_open_kv)
         state.open_gate.copy_(new_open_gate)
 
@@ -178,12 +270,12 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
 
-    def select(self, state, x, q_residual, start, cos, sin, ops: AttentionOps):
+    def select(self, state, x, q_residual, start, rope, ops: AttentionOps):
         """Top-k compressed rows per query: [B, T, K] row indices, -1 where nothing is picked."""
         B, T, _ = x.shape
         # -1: under tensor parallelism this rank holds a share of the heads; the scale stays global
         q = self.q_b_proj(q_residual).view(B, T, -1, self.head_dim)
-        q = apply_rope(q, cos, sin)
+        q = rotate(q, rope)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
         capacity = state.rows.shape[1] - 1
         topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
@@ -231,37 +323,31 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads))
         self.compressor = CompressorModule(c, self.kind) if self.kind != SLIDING else None
 
-    def forward(self, x, layer_cache: LayerCache, start, rope, ops: AttentionOps):
-        """x [B,T,hidden] (normed), `start` [B] position of x[:, 0], rope = (rotary, cos, sin)."""
+    def forward(self, x, layer_cache: LayerCache, plan: ForwardPlan, ops: AttentionOps):
+        """x [B,T,hidden] (normed); `plan` holds this forward's positions, RoPE and write slots."""
         B, T, _ = x.shape
-        rotary, cos, sin = rope
+        rope = plan.rope[self.kind]
         eps = self.config.rms_norm_eps
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(B, T, self.num_heads, self.head_dim), eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, T, D]: key and value
+        q = rotate(q, rope)
+        kv = rotate(self.kv_norm(self.kv_proj(x)), rope)  # [B, T, D]: key and value
 
         # Keys: the ring (positions before `start`), this chunk's own rows, the compressed rows.
         ring = layer_cache.window
         comp, comp_sel, rate = kv.new_zeros(B, 0, self.head_dim), None, 0
         if self.compressor is not None:
             rate = self.compressor.rate
-            self.compressor.update(layer_cache.compressor, x, start, rotary, ops)
+            windows = plan.windows[rate]
+            self.compressor.update(layer_cache.compressor, x, windows, ops)
             comp = layer_cache.compressor.rows[:, :-1]  # the last row is scratch
             if self.kind == CSA:
                 indexer = self.compressor.indexer
-                indexer.update(layer_cache.indexer, x, start, rotary, ops)
-                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, start, cos, sin, ops)
-        out = ops.attention(q, ring, kv, start, comp, comp_sel, rate, self.sinks, self.scale)
-        out = apply_rope(out, cos, -sin)  # undo the rotation values carried (K == V)
-
-        # Ring update: slot r keeps the newest position congruent to r that has been seen.
-        W = self.window
-        new_last = start[:, None] + T - 1
-        newest = new_last - (new_last - torch.arange(W, device=x.device)) % W  # [B, W]
-        from_chunk = (newest >= start[:, None])[..., None]
-        chunk_rows = kv.gather(1, (newest - start[:, None]).clamp(0, T - 1)[..., None].expand(-1, -1, kv.shape[-1]))
-        ring.copy_(torch.where(from_chunk, chunk_rows.to(ring.dtype), ring))
+                indexer.update(layer_cache.indexer, x, windows, ops)
+                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, plan.start, rope, ops)
+        out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale)
+        out = rotate(out, plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
+        plan.write_ring(ring, kv)
 
         grouped = out.reshape(B, T, self.o_a_proj.groups, -1)  # this rank's groups under tensor parallelism
         return self.o_b_proj(self.o_a_proj(grouped).flatten(2))
@@ -393,6 +479,35 @@ class MoE(nn.Module):
 
 
 # --------------------------------------------------------------------------- mHC
+def sinkhorn(comb, iters: int, eps: float):
+    """transformers' Sinkhorn-Knopp projection of comb [..., n, n]: columns normalised, then rows
+    and columns iters-1 times, each x / (sum + eps). The N matrices are laid out [i, j, N] so that
+    each normalisation is one batched matmul (the sums, eps added by it) and one division,
+    whatever N: two ops a step instead of three, and no per-matrix matmul overhead in prefill."""
+    n = comb.shape[-1]
+    m = comb.reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [i, j, N]
+    N = m.shape[-1]
+    eps_t = m.new_full((1, 1, 1), eps)
+    ones = m.new_ones(n, 1, n)
+    one = ones[:1]
+    grad = torch.is_grad_enabled()  # autograd keeps every step's input: out of place then
+    row_sums, col_sums = m.new_empty(n, 1, N), m.new_empty(1, 1, n * N)
+
+    def normalised(x, weights, sums):  # x / (weights @ x + eps)
+        if grad:
+            return x / torch.baddbmm(eps_t, weights, x)
+        return x.div_(torch.baddbmm(eps_t, weights, x, out=sums))
+
+    # Two views of one buffer: by rows [i, j, N] (sums over j) and by columns [1, i, (j, N)] (sums
+    # over i). Dividing in place through one updates the other.
+    rows, cols = m.view(n, n, N), m.view(1, n, n * N)
+    cols = normalised(cols, one, col_sums)
+    for _ in range(iters - 1):
+        rows = normalised(cols.view(n, n, N) if grad else rows, ones, row_sums)
+        cols = normalised(rows.view(1, n, n * N) if grad else cols, one, col_sums)
+    return cols.view(n, n, N).permute(2, 0, 1).contiguous().view(comb.shape)  # back to [..., n, n]
+
+
 class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection: collapse the streams for a block (pre), expand its
     output (post) and mix the residual streams with a Sinkhorn-projected matrix (comb)."""
@@ -413,15 +528,16 @@ class HyperConnection(nn.Module):
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(B, T, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-        return post, comb, collapsed
+        pre = torch.sigmoid(torch.addcmul(pre_b, pre_w, pre_s)) + self.eps
+        post = 2 * torch.sigmoid(torch.addcmul(post_b, post_w, post_s))
+        comb = torch.softmax(torch.addcmul(comb_b.view(n, n), comb_w.view(B, T, n, n), comb_s), dim=-1) + self.eps
+        comb = sinkhorn(comb, self.iters, self.eps)
+        return post, comb, collapse(pre, streams)
+
+
+def collapse(pre, streams):
+    """sum_j pre_j * stream_j in fp32, as one matmul: [B, T, n] x [B, T, n, H] -> [B, T, H]."""
+    return cast(torch.matmul(pre.unsqueeze(-2), streams.float()).squeeze(-2), streams.dtype)
 
 
 class HyperHead(nn.Module):
@@ -435,8 +551,9 @@ class HyperHead(nn.Module):
 
     def forward(self, streams):
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(torch.addcmul(self.hc_base.float(), mixes, self.hc_scale.float())) + self.eps
+        return collapse(pre, streams)
 
 
 class DecoderLayer(nn.Module):
@@ -453,12 +570,12 @@ class DecoderLayer(nn.Module):
     def _mix(post, comb, block_out, streams):
         dtype = streams.dtype
         # comb is consumed transposed: out_k = sum_j comb[j, k] * stream_j.
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams)
+        return cast(post, dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+            cast(comb, dtype).transpose(-1, -2), streams)
 
-    def forward(self, streams, token_ids, layer_cache, start, rope, ops):
+    def forward(self, streams, token_ids, layer_cache, plan: ForwardPlan, ops):
         post, comb, collapsed = self.attn_hc(streams)
-        attn = self.self_attn(self.input_layernorm(collapsed), layer_cache, start, rope, ops)
+        attn = self.self_attn(self.input_layernorm(collapsed), layer_cache, plan, ops)
         streams = self._mix(post, comb, attn, streams)
         post, comb, collapsed = self.ffn_hc(streams)
         return self._mix(post, comb, self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams)
@@ -604,13 +721,16 @@ class DS4ForCausalLM(nn.Module):
         return self.new_cache(1, context).nbytes / context
 
     # ----------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor, cache: DS4Cache | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] for `input_ids` [B, T].
+    def forward(self, input_ids: torch.Tensor, cache: DS4Cache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits [B, T, vocab] for `input_ids` [B, T]; with `logits_to_keep` = n > 0, only the
+        last n tokens' [B, n, vocab] (the output head runs on those alone: a prefill needs one).
 
         Without a cache: a stateless forward over the whole sequence. With one: consume the T new
         tokens of every sequence (a prefill chunk or one decode token) and advance the cache."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0 (0: every token), got {logits_to_keep}")
         B, T = input_ids.shape
         if cache is None:
             cache = self.new_cache(B, T)
@@ -623,24 +743,17 @@ class DS4ForCausalLM(nn.Module):
             cache.check_room(T)
             if self.ops.name in BACKENDS:  # (training swaps in autograd-able reference functions)
                 kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run
-        return self._forward(input_ids, cache)
+        return self._forward(input_ids, cache, logits_to_keep)
 
-    def _forward(self, input_ids, cache: DS4Cache):
-        c = self.config
-        B, T = input_ids.shape
-        start = cache.positions
-        positions = start[:, None] + torch.arange(T, device=input_ids.device)
+    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0):
+        T = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
-        ropes = {}
-        for name, rotary in (("main", self.model.rotary_main), ("compress", self.model.rotary_compress)):
-            cos, sin = rotary(positions, x.dtype)
-            ropes[name] = (rotary, cos, sin)
-        streams = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+        plan = ForwardPlan(self.model, cache, T, x.dtype)
+        streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, layer_cache in zip(self.model.layers, cache.layers):
-            rope = ropes["main"] if layer.self_attn.kind == SLIDING else ropes["compress"]
-            # The compressors always rope with the compress rotary, whatever the layer's rope.
-            rope = (self.model.rotary_compress, rope[1], rope[2])
-            streams = layer(streams, input_ids, layer_cache, start, rope, self.ops)
+            streams = layer(streams, input_ids, layer_cache, plan, self.ops)
         cache.positions.add_(T)
+        if 0 < logits_to_keep < T:
+            streams = streams[:, -logits_to_keep:]
         hidden = self.model.norm(self.model.hc_head(streams))
         return self.lm_head(hidden)

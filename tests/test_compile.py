@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ds4_torch import DS4Config, DS4ForCausalLM
+from ds4_torch.decode import make_decoder
 from oracle import randomise
 from test_decode import SMALL
 
@@ -22,15 +23,17 @@ def model():
 
 @torch.no_grad()
 def test_inductor_decode_200_steps_compiles_at_most_twice(model):
-    """200 decode steps cross window fill (5), ring wraps, both emit rates (2 and 3), the first
-    compressed rows and indexer activation (> 3 visible CSA rows): one compiled graph serves all."""
-    compiled = torch.compile(model, fullgraph=True)
+    """200 decode steps through the `compile` decode mode cross window fill (5), ring wraps, both
+    emit rates (2 and 3), the first compressed rows and indexer activation (> 3 visible CSA rows):
+    one compiled graph serves all, and each step's logits are eager's."""
     ids = torch.randint(2, 64, (1, 201), generator=torch.Generator().manual_seed(1))
     eager_cache, compiled_cache = model.new_cache(1, 256), model.new_cache(1, 256)
+    eager, compiled = make_decoder(model, eager_cache, "eager"), make_decoder(model, compiled_cache, "compile")
+    assert compiled.mode == "compile"
     worst = 0.0
     for t in range(201):
-        step = ids[:, t:t + 1]
-        worst = max(worst, (compiled(step, cache=compiled_cache) - model(step, cache=eager_cache)).abs().max().item())
+        step = ids[:, t]
+        worst = max(worst, (compiled.step(step) - eager.step(step)).abs().max().item())
     assert worst <= 1e-5
     assert torch.equal(compiled_cache.positions, eager_cache.positions)
     assert counters["stats"]["unique_graphs"] <= 2

@@ -7,7 +7,7 @@ import torch
 
 from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch.capabilities import capabilities
-from ds4_torch.decode import GraphDecoder, make_decoder, prefill
+from ds4_torch.decode import GraphDecoder, choose_mode, make_decoder, prefill
 
 CHUNK = 8  # prefill chunk: smaller than the prompts, so chunk boundaries are crossed
 from ds4_torch.faults import InjectedDeviceError, parse_faults, reset_fault_counts
@@ -182,7 +182,10 @@ def test_modes_and_capabilities(model, monkeypatch):
     caps = capabilities("cpu")
     assert not caps.cuda_graphs and caps.cuda_graphs.reason and caps.compile
     assert make_decoder(model, cache, "auto").mode == "eager"  # no CUDA graphs on CPU
+    mode, why = choose_mode("cpu")
+    assert mode == "eager" and "CUDA graphs" in why and "compile" in why  # auto says why
     assert isinstance(make_decoder(model, cache, "graph"), GraphDecoder)
+    assert make_decoder(model, cache, "compile").mode == "compile"  # compiles at its first step
     monkeypatch.setenv("DS4_TORCH_DECODE_MODE", "graph")
     assert make_decoder(model, cache, "eager").mode == "graph"
     monkeypatch.setenv("DS4_TORCH_DECODE_MODE", "turbo")

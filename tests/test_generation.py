@@ -44,8 +44,9 @@ class CountingModel(torch.nn.Module):
     def new_cache(self, batch_size, max_context):
         return FakeCache(max_context)
 
-    def forward(self, ids, cache):
-        return self._forward(ids, cache)
+    def forward(self, ids, cache, logits_to_keep=0):
+        logits = self._forward(ids, cache)
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def _forward(self, ids, cache):  # what the decoder calls (checks done by the caller)
         t = ids.shape[1]

@@ -5,7 +5,10 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 
 - `model`      (`model.py`): our model vs transformers' `DeepseekV4ForCausalLM.generate`.
 - `attention`  (`attention.py`): one decode step of attention at V4-Flash sizes vs transformers/SDPA.
-- `decode`     (`decode.py`): eager, graph and torch.compile decode paths.
+- `layer`      (`layer.py`): one decode step of a whole V4-Flash CSA/HCA attention layer at long
+  context, fp32 and bf16, vs transformers' DeepseekV4Attention.
+- `decode`     (`decode.py`): eager, graph and torch.compile decode paths, and which one `auto` picks.
+- `kernels`    (`kernels.py`): the Triton kernels on a CUDA GPU, achieved GB/s against the peak.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "decode", "serve", "moe")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe")
 
 
 def _threads(args) -> None:
@@ -34,9 +37,28 @@ def _run_attention(args) -> int:
     return 0
 
 
+def _run_layer(args) -> int:
+    _threads(args)
+    import torch
+
+    dtypes = tuple(getattr(torch, name) for name in args.dtypes)
+    importlib.import_module(".layer", __name__).run(tuple(args.contexts), tuple(args.layers), dtypes,
+                                                    repeats=args.repeats, transformers=not args.no_transformers,
+                                                    csv_path=args.csv)
+    return 0
+
+
 def _run_decode(args) -> int:
     _threads(args)
     importlib.import_module(".decode", __name__).run(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv)
+    return 0
+
+
+def _run_kernels(args) -> int:
+    import torch
+
+    dtypes = tuple(getattr(torch, name) for name in args.dtypes)
+    importlib.import_module(".kernels", __name__).run(tuple(args.contexts), dtypes, csv_path=args.csv)
     return 0
 
 
@@ -71,6 +93,8 @@ def add_parser(sub) -> None:
     m.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens (default 256)")
     m.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
     add_tp_argument(m)
+    m.add_argument("--repeats", type=positive_int, default=3,
+                   help="runs per implementation, interleaved; the best of each is shown (default 3)")
     common(m)
 
     a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)
@@ -78,11 +102,24 @@ def add_parser(sub) -> None:
     a.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
     common(a)
 
+    y = target("layer", "one decode step of a V4-Flash CSA/HCA attention layer vs transformers", _run_layer)
+    y.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 65536, 262144])
+    y.add_argument("--layers", nargs="+", choices=("CSA", "HCA"), default=["CSA", "HCA"])
+    y.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
+    y.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the best is shown")
+    y.add_argument("--no-transformers", action="store_true", help="time ours only")
+    common(y)
+
     d = target("decode", "per-token latency of eager, graph and torch.compile decode", _run_decode)
     d.add_argument("--prompt-len", type=positive_int, default=200)
     d.add_argument("--steps", type=positive_int, default=32)
     d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
     common(d)
+
+    k = target("kernels", "the Triton kernels on a CUDA GPU: achieved GB/s against the device's peak", _run_kernels)
+    k.add_argument("--contexts", type=positive_int, nargs="+", default=[65536, 262144])
+    k.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16", "float32"), default=["bfloat16"])
+    k.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
     s = target("serve", "HTTP streaming through a local server vs direct decode", _run_serve)
     from .serve import add_arguments as add_serve_arguments  # argparse only; the server loads on run

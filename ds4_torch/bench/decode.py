@@ -1,11 +1,14 @@
-"""`ds4-torch bench decode`: per-token decode latency of the eager, graph and torch.compile paths.
+"""`ds4-torch bench decode`: decode latency of the eager, graph and torch.compile paths, and which
+one `auto` picks on this machine, and why.
 
 Two models: the embedded default model, and one V4-Flash-sized CSA layer (hidden 4096, 64 heads x
 512, q rank 1024, 8 output groups x 1024, indexer 64 x 128, window 128; its MoE cut to 8 experts and
 its vocabulary to 1024 so it fits a laptop). Each path decodes the same tokens after the same
 prefill; the table gives ms per token (median), the aten ops one step launches (the captured
 graph's op count: on a GPU, each is a kernel launch in eager mode, and the whole graph is one
-replay in graph mode), and the largest logit difference from eager.
+replay in graph mode), the time of the whole run (first step, where graph captures and compile
+compiles, plus the others), after how many tokens a mode's faster steps repay its first step
+against eager, and the largest logit difference from eager.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import time
 
 import torch
 
-from .report import write_csv
-from ..decode import make_decoder, prefill
+from .report import machine, write_csv
+from ..decode import choose_mode, make_decoder, prefill
 
 FLASH_LAYER = {
     "vocab_size": 1024, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 1,
@@ -42,18 +45,6 @@ def _default():
     return build_default_model()
 
 
-class _CompiledDecoder:
-    """Decode steps through `torch.compile(model, fullgraph=True)` (inductor)."""
-
-    mode = "compile"
-
-    def __init__(self, model, cache):
-        self.compiled, self.cache = torch.compile(model, fullgraph=True), cache
-
-    def step(self, ids):
-        return self.compiled(ids[:, None], cache=self.cache)[:, 0]
-
-
 def _ops_per_step(model, cache) -> int:
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -75,7 +66,7 @@ def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compil
         for mode in modes:
             cache = model.new_cache(1, prompt_len + steps + 1)
             prefill(model, cache, ids[:, :prompt_len], chunk=256)
-            decoder = _CompiledDecoder(model, cache) if mode == "compile" else make_decoder(model, cache, mode)
+            decoder = make_decoder(model, cache, mode)
             t = time.perf_counter()
             outs, times = [decoder.step(ids[:, prompt_len])], []  # the first step captures / compiles
             first = time.perf_counter() - t
@@ -88,19 +79,38 @@ def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compil
             ops_cache = model.new_cache(1, prompt_len + steps + 1)
             rows.append({
                 "model": name, "mode": decoder.mode, "ms_per_token": 1e3 * statistics.median(times),
-                "first_step_s": first, "aten_ops_per_step": _ops_per_step(model, ops_cache),
+                "first_step_s": first, "total_s": first + sum(times), "aten_ops_per_step": _ops_per_step(model, ops_cache),
                 "launches_per_step": 1 if decoder.mode == "graph" and torch.cuda.is_available() else None,
                 "max_diff_vs_eager": (outs - reference).abs().max().item(),
             })
         del model
-    print(f"decode, batch 1, prompt {prompt_len}, {steps} steps; CPU, {torch.get_num_threads()} thread(s); "
+    eager = {r["model"]: r for r in rows if r["mode"] == "eager"}
+    for r in rows:  # tokens after which this mode's faster steps have repaid its slower first step
+        e = eager.get(r["model"])
+        gain = (e["ms_per_token"] - r["ms_per_token"]) / 1e3 if e else 0.0
+        r["break_even_tokens"] = None if e is None or r is e or gain <= 0 else \
+            max(0, round((r["first_step_s"] - e["first_step_s"]) / gain))
+    device = torch.device("cpu")
+    auto, why = choose_mode(device)
+    print(f"decode, batch 1, prompt {prompt_len}, {steps} steps; {machine()}, {torch.get_num_threads()} thread(s); "
           f"graph mode off CUDA is the capture emulator (an FX replay), not a CUDA graph")
-    head = f"{'model':<20} {'mode':<8} {'ms/token':>9} {'1st step s':>11} {'aten ops/step':>14} {'max |diff|':>11}"
+    head = (f"{'model':<20} {'mode':<8} {'ms/token':>9} {'1st step s':>11} {'run s':>7} {'break-even':>11} "
+            f"{'aten ops/step':>14} {'max |diff|':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
+        even = "-" if r["break_even_tokens"] is None else f"{r['break_even_tokens']:,} tok"
         print(f"{r['model']:<20} {r['mode']:<8} {r['ms_per_token']:>9.2f} {r['first_step_s']:>11.2f} "
-              f"{r['aten_ops_per_step']:>14} {r['max_diff_vs_eager']:>11.2e}")
+              f"{r['total_s']:>7.2f} {even:>11} {r['aten_ops_per_step']:>14} {r['max_diff_vs_eager']:>11.2e}")
+    print(f"auto picks {auto} on this machine ({device.type}): {why}")
+    for model_name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model_name]
+        run_best = min(mine, key=lambda r: r["total_s"])
+        step_best = min(mine, key=lambda r: r["ms_per_token"])
+        print(f"{model_name}: fastest over this run ({steps} tokens, first step included): {run_best['mode']}"
+              f"{' = auto' if run_best['mode'] == auto else f' (auto: {auto})'}; fastest per token once warm: "
+              f"{step_best['mode']}" + ("" if step_best["break_even_tokens"] is None else
+                                       f", ahead of eager after {step_best['break_even_tokens']:,} tokens"))
     if csv_path:
         write_csv(rows, csv_path)
     return rows

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import platform
 
 
 def write_csv(rows: list[dict], path) -> None:
@@ -10,3 +11,22 @@ def write_csv(rows: list[dict], path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def machine() -> str:
+    """The CPU a table was measured on: model name, core count and torch's SIMD level, e.g.
+    "AMD EPYC, 2 cores, AVX512"."""
+    import os
+
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"

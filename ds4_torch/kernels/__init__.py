@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Callable
 
-from . import ops
+import torch
+
+from . import ops, reference
 from .ops import BACKENDS, ENV_VAR, backend_name, kernel_for, triton_available
 
 __all__ = ["AttentionOps", "BACKENDS", "ENV_VAR", "attention_ops", "backend_name", "kernel_for", "ops",
@@ -29,16 +31,32 @@ class AttentionOps:
     indexer_topk: Callable
 
 
+def _eager_reference(backend: str, x: torch.Tensor) -> bool:
+    """Whether a call may run the reference directly instead of through its custom op: in eager
+    mode (torch.compile keeps the op, one graph node) on a device whose kernel for `backend` is the
+    reference anyway. The op's dispatch costs ~25 us a call on a CPU, about what the reference
+    itself costs at decode sizes."""
+    if torch.compiler.is_compiling():
+        return False
+    return backend == "torch" or (backend == "auto" and x.device.type != "cuda")
+
+
 def _attention(backend, q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale):
     # int()/float() keep the schema's scalar types when a caller hands numpy or tensor scalars.
+    if _eager_reference(backend, q):
+        return reference.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale))
     return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale), backend)
 
 
 def _compress_rows(backend, kv, gate, norm_weight, eps, cos, sin):
+    if _eager_reference(backend, kv):
+        return reference.compress_rows(kv, gate, norm_weight, float(eps), cos, sin)
     return ops.compress_rows(kv, gate, norm_weight, float(eps), cos, sin, backend)
 
 
 def _indexer_topk(backend, q, head_weights, rows, start, rate, k):
+    if _eager_reference(backend, q):
+        return reference.indexer_topk(q, head_weights, rows, start, int(rate), int(k))
     return ops.indexer_topk(q, head_weights, rows, start, int(rate), int(k), backend)
 
 

@@ -25,6 +25,13 @@ Shapes (B batch, T queries, H heads, D head dim, W window, C compressed rows, K 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def cast(x, dtype):
+    """`x` in `dtype`, with no call when it already is: a no-op `.to()` still costs a dispatch
+    (~1.5 us on a CPU), and a decode step would make hundreds."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def query_positions(start, T: int):
@@ -32,14 +39,15 @@ def query_positions(start, T: int):
 
 
 def window_mask(start, T: int, W: int):
-    """[B, T, W+T] bool: which ring slots and chunk rows each query sees."""
-    steps = torch.arange(T, device=start.device)
+    """[B, T, W+T] bool: which ring slots and chunk rows each query sees: the key positions p with
+    0 <= p and t-W < p <= t (ring slot r holds p = last - ((last - r) mod W), last = start-1;
+    chunk row j holds start + j)."""
     query_pos = query_positions(start, T)
     last = start[:, None] - 1
-    ring_pos = last - (last - torch.arange(W, device=start.device)) % W  # position held by each slot
-    ring = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > query_pos[..., None] - W)
-    chunk = (steps[None, :] <= steps[:, None]) & (steps[:, None] - steps[None, :] < W)
-    return torch.cat([ring, chunk.expand(start.shape[0], T, T)], dim=2)
+    ring_pos = last - (last - torch.arange(W, device=start.device)) % W
+    key_pos = torch.cat([ring_pos, query_pos], dim=1)[:, None, :]  # [B, 1, W+T]
+    age = query_pos[..., None] - key_pos
+    return (key_pos >= 0) & (age >= 0) & (age < W)
 
 
 def visible_rows(start, T: int, C: int, rate: int):
@@ -67,73 +75,154 @@ def attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, 
     return torch.softmax(combined, dim=-1), keys
 
 
+def additive_mask(mask, dtype):
+    """0 where `mask` holds, -inf elsewhere: added to logits it masks them (faster than a masked
+    fill with a broadcast boolean mask, and exact: x + 0 = x, x + -inf = -inf)."""
+    return cast(torch.where(mask, 0.0, float("-inf")), dtype)
+
+
 def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
-    T, C = q.shape[1], comp.shape[1]
-    if comp_sel is not None and T * comp_sel.shape[-1] < C:
-        return _attention_picked(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
-    probs, keys = attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
-    return torch.einsum("bhts,bsd->bthd", probs[..., :-1].to(keys.dtype), keys)
-
-
-def _attention_picked(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
-    """The same softmax when the indexer's picks are few next to the compressed rows (decode at long
-    context): gather the K picked rows per query instead of masking all C, so the cost grows with
-    the window and top-k, not with the context."""
+    """The softmax of `attention_probs`, computed by parts. Window: query t's keys are positions
+    t-W+1 .. t, a sliding window over the ring (in position order) followed by the chunk, so each
+    query scores W keys, not W+T. Compressed rows: with few indexer picks next to the rows (decode
+    at long context) each query gathers its K picked rows instead of masking all C, so the cost
+    grows with the window and top-k, not with the context; otherwise the rows are read in place,
+    never copied. The parts meet only in the softmax. Logits are [B*T, H, keys]: every matmul is a
+    plain bmm, and masks are added (-inf) by the matmul itself where the layout allows."""
     B, T, H, D = q.shape
-    K = comp_sel.shape[-1]
-    window_keys = torch.cat([ring, chunk_kv.to(ring.dtype)], dim=1).to(q.dtype)  # [B, W+T, D]
-    window_logits = torch.einsum("bthd,bsd->bhts", q, window_keys) * scale
-    window_logits = window_logits.masked_fill(~window_mask(start, T, ring.shape[1])[:, None], float("-inf"))
-    rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D)).view(B, T, K, D)
-    rows = rows.to(q.dtype)
-    visible = (comp_sel >= 0) & (comp_sel < ((query_positions(start, T) + 1) // rate)[..., None])
-    picked_logits = torch.einsum("bthd,btkd->bhtk", q, rows) * scale
-    picked_logits = picked_logits.masked_fill(~visible[:, None], float("-inf"))
-    sink = sinks.to(q.dtype).view(1, -1, 1, 1).expand(B, -1, T, 1)
-    combined = torch.cat([window_logits, picked_logits, sink], dim=-1)
+    W, C = ring.shape[1], comp.shape[1]
+    dtype = q.dtype
+    queries = q.reshape(B * T, H, D)
+    query_pos = query_positions(start, T)
+    steps = torch.arange(W, device=q.device)
+    ring_order = ((start[:, None] + steps) % W)[..., None].expand(-1, -1, D)  # slots of start-W .. start-1
+    ordered = cast(torch.cat([ring.gather(1, ring_order), cast(chunk_kv, ring.dtype)], dim=1), dtype)  # [B, W+T, D]
+    window = ordered.unfold(1, W, 1)[:, 1:].transpose(-1, -2).reshape(B * T, W, D)  # query i: rows i+1 .. i+W
+    window_bias = additive_mask(query_pos[..., None] - (W - 1) + steps >= 0, dtype).view(B * T, 1, W)
+    window_logits = torch.baddbmm(window_bias, queries, window.transpose(1, 2), alpha=scale)
+
+    picked = comp_sel is not None and C and T * comp_sel.shape[-1] < C
+    n_visible = ((query_pos + 1) // rate)[..., None] if C else None  # [B, T, 1]
+    if picked:
+        K = comp_sel.shape[-1]
+        rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
+        rows = cast(cast(rows, ring.dtype), dtype).view(B * T, K, D)
+        bias = additive_mask((comp_sel >= 0) & (comp_sel < n_visible), dtype).view(B * T, 1, K)
+        comp_logits = torch.baddbmm(bias, queries, rows.transpose(1, 2), alpha=scale)
+    else:
+        rows = cast(cast(comp, ring.dtype), dtype)  # [B, C, D]
+        visible = torch.arange(C, device=q.device) < n_visible if C else q.new_zeros(B, T, 0, dtype=torch.bool)
+        if comp_sel is not None and C:
+            chosen = torch.zeros(B, T, C + 1, dtype=torch.bool, device=q.device)
+            chosen.scatter_(-1, torch.where(comp_sel >= 0, comp_sel, C), True)  # -1 -> a dropped column
+            visible = visible & chosen[..., :C]
+        comp_logits = torch.bmm(q.reshape(B, T * H, D), rows.transpose(1, 2)).view(B, T, H, C) * scale
+        comp_logits = (comp_logits + additive_mask(visible, dtype)[:, :, None]).view(B * T, H, C)
+    L = comp_logits.shape[-1]
+    sink = cast(sinks, dtype).view(1, H, 1).expand(B * T, H, 1)
+    combined = torch.cat([window_logits, comp_logits, sink], dim=-1)
     probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)
-    S = window_keys.shape[1]
-    return (torch.einsum("bhts,bsd->bthd", probs[..., :S], window_keys)
-            + torch.einsum("bhtk,btkd->bthd", probs[..., S:S + K], rows))
+    out = torch.bmm(probs[..., :W], window)
+    if picked:
+        out = out + torch.bmm(probs[..., W:W + L], rows)
+    else:
+        out = out + torch.bmm(probs[..., W:W + L].reshape(B, T * H, L), rows).view(B * T, H, D)
+    return out.view(B, T, H, D)
 
 
 def rms_norm(x, weight, eps: float):
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
+    """RMSNorm computed in fp32 with an fp32 weight, cast back to x's dtype (transformers' order:
+    x * rsqrt(mean(x^2) + eps), then the weight)."""
+    return cast(F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps), x.dtype)
+
+
+def rope_tables(cos, sin):
+    """What `rotate` multiplies by, from the angles' cos/sin [..., R/2] (one per channel pair):
+    cos [..., R/2, 1] and (-sin, +sin) [..., R/2, 2]. Built once, they serve every rotation at
+    those positions (a forward's queries, keys and outputs)."""
+    return cos.unsqueeze(-1), torch.stack((-sin, sin), dim=-1)
+
+
+def rotate(x, tables):
+    """Interleaved RoPE on the trailing R channels of x [..., S, (H,) D] with `rope_tables` of
+    the S positions: pair (e, o) -> (e cos - o sin, o cos + e sin), in fp32; the first D - R
+    channels pass through."""
+    c, s = tables
+    R = 2 * c.shape[-2]
+    pairs = x[..., -R:].float().unflatten(-1, (-1, 2))
+    if pairs.dim() == c.dim() + 1:  # a heads axis sits between positions and channels
+        c, s = c.unsqueeze(-3), s.unsqueeze(-3)
+    rotated = torch.addcmul(pairs * c, pairs.flip(-1), s).flatten(-2)
+    return torch.cat([x[..., :-R], cast(rotated, x.dtype)], dim=-1)
 
 
 def apply_rope(x, cos, sin):
     """Rotate interleaved pairs of the trailing channels of x [..., S, (H,) D]; cos/sin
     [..., S, R/2] give the angle of each pair; the first D - R channels pass through."""
-    if x.dim() == cos.dim() + 1:  # a heads axis sits between positions and channels
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    cos = cos.repeat_interleave(2, dim=-1)
-    sin = sin.repeat_interleave(2, dim=-1)
-    rope_dim = cos.shape[-1]
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
+    return rotate(x, rope_tables(cos, sin))
 
 
 def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
-    weights = torch.softmax(gate, dim=-2, dtype=torch.float32).to(kv.dtype)
+    weights = cast(torch.softmax(gate, dim=-2, dtype=torch.float32), kv.dtype)
     pooled = (kv * weights).sum(dim=-2)
     return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
 
 
+# Rows of compressed keys scored per block: the block's [rows, queries x heads] fp32 scores (1 MiB)
+# stay in cache between the matmul, the relu and the head-weighted sum.
+SCORE_BLOCK_BYTES = 1 << 20
+# oneDNN's fp32 matmul (what inductor's CPU fusions call): 1.2-1.5x the BLAS sgemm for the
+# indexer's [rows, 128] x [128, 64] blocks on an AVX-512 CPU. None where torch lacks oneDNN.
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def _relu_dots(rows, queries):
+    """relu(rows . queries) in fp32: [B, c, dI] x [B, Q, dI] -> [B, c, Q]; big blocks through
+    oneDNN with the relu fused (small ones: its call costs more than the BLAS one)."""
+    if (_ONEDNN_LINEAR is not None and rows.device.type == "cpu" and not torch.is_grad_enabled()
+            and rows.shape[1] * queries.shape[1] >= 1 << 16):
+        dots = [_ONEDNN_LINEAR(r, qb, None, "relu", [], "") for r, qb in zip(rows, queries)]
+        return dots[0][None] if len(dots) == 1 else torch.stack(dots)
+    return torch.bmm(rows, queries.transpose(1, 2)).relu_()
+
+
 def indexer_scores(q, head_weights, rows):
-    scores = torch.einsum("bthd,bcd->bthc", q.float(), rows.float())
-    scores = torch.relu(scores) * q.shape[-1] ** -0.5
-    return (scores * head_weights.float().unsqueeze(-1)).sum(dim=2)  # [B, T, C]
+    """[B, T, C] fp32: sum_h head_weights_h * relu(q_h . row) * dI^-1/2, over blocks of rows.
+    Each block of rows is read once in its own dtype (bf16 rows: converted a block at a time,
+    never all at once) and computed in fp32."""
+    B, T, Hi, dI = q.shape
+    C = rows.shape[1]
+    fp32 = torch.float32
+    queries = cast(q, fp32).reshape(B, T * Hi, dI)
+    weights = cast(head_weights, fp32)  # [B, T, Hi]
+    block = max(64, SCORE_BLOCK_BYTES // (4 * T * Hi))
+    parts = []
+    for c0 in range(0, C, block):
+        block_rows = rows if C <= block else rows[:, c0:c0 + block]
+        dots = _relu_dots(cast(block_rows, fp32), queries)  # [B, c, T*Hi]
+        parts.append(torch.einsum("bcth,bth->btc", dots.view(B, -1, T, Hi), weights))
+    if not parts:
+        return q.new_zeros(B, T, 0, dtype=fp32)
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return scores * dI ** -0.5
+
+
+def topk_lower_index_wins(scores, k: int):
+    """Indices of the k largest fp32 scores along the last dim, best first; among equal scores
+    the lower index wins (the rule every backend shares). Each score becomes a unique int64 key,
+    order-preserving score bits above (2^31-1 - index), so one partial selection (`topk`), not a
+    sort of every score, decides, and decides the same on every run."""
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 and +0.0 tie
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    keys = ordered * (1 << 32) + (0x7FFFFFFF - index)
+    return keys.topk(k, dim=-1, sorted=True).indices
 
 
 def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
     T, C = q.shape[1], rows.shape[1]
-    visible = visible_rows(start, T, C, rate)
-    scores = indexer_scores(q, head_weights, rows).masked_fill(~visible, float("-inf"))
-    k = min(k, C)
-    # A stable descending sort keeps equal scores in index order: the lower index wins a tie.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.where(visible.gather(-1, order), order, -1)
+    n_visible = ((query_positions(start, T) + 1) // rate)[..., None]  # [B, T, 1]
+    visible = torch.arange(C, device=q.device) < n_visible
+    scores = torch.where(visible, indexer_scores(q, head_weights, rows), float("-inf"))
+    picks = topk_lower_index_wins(scores, min(k, C))
+    return torch.where(picks < n_visible, picks, -1)  # rows 0 .. n_visible-1 are the visible ones
