@@ -17,8 +17,9 @@ compiles (a minute or more on a CPU), later ones run the fused code.
 
 `auto` (`choose_mode`) picks, per device, the mode that decodes a request fastest counting its
 first step: graph on CUDA; eager elsewhere, because the emulator only replays the same ops and
-a compile pays for itself only over long runs (`ds4-torch bench decode` measures all three and
-the break-even point; ask for `compile` explicitly where a process decodes that long).
+a compile (seconds to minutes at the first step) pays for itself only over long runs, if at all
+(`ds4-torch bench decode` measures all three and the break-even point; ask for `compile`
+explicitly where a process decodes that long).
 
 A failure during a step (a device error, an OOM, or one injected with `DS4_TORCH_FAULT`)
 drops every captured graph, marks the batch's sequences invalid in the cache (they must be reset
@@ -52,8 +53,9 @@ def choose_mode(device) -> tuple[str, str]:
     caps = capabilities(device)
     if caps.cuda_graphs:
         return "graph", "CUDA graphs: each decode step is one graph replay instead of a kernel launch per op"
-    compile_note = ("torch.compile works here but its first step compiles for a minute or more, repaid only "
-                    "over thousands of tokens (ask for mode 'compile' in a long-lived process)" if caps.compile
+    compile_note = ("torch.compile works here, but its first step compiles (seconds to minutes), repaid only "
+                    "if its steps are faster, over enough tokens (`ds4-torch bench decode` measures both; ask for "
+                    "mode 'compile' in a long-lived process)" if caps.compile
                     else f"torch.compile is unavailable ({caps.compile.reason})")
     return "eager", (f"no CUDA graphs ({caps.cuda_graphs.reason}); the capture emulator replays the same ops, "
                      f"no faster than eager; {compile_note}")
