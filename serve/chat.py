@@ -316,6 +316,8 @@ class Generation:
             if self._ended:
                 break
             if kind == "token":
+                if len(self.requests) == 1:  # known once the prefill began
+                    self.usage.cached_tokens = min(self.request.cached_tokens, self.usage.prompt_tokens)
                 out.append(Token(value))
                 if self.parser is not None and self.parser.in_reasoning:
                     self.usage.reasoning_tokens += 1
