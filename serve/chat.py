@@ -296,10 +296,16 @@ class Generation:
         self._submit(ids, max_tokens, stop)
 
     def _append_opener(self, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        self.opener_ids = self.tokenizer.encode(self.opener, add_special_tokens=False)
-        self.reply_ids += self.opener_ids
+        opener_ids = self.tokenizer.encode(self.opener, add_special_tokens=False)
+        if max_tokens <= len(opener_ids):  # no room for a call after the opener: do not force one
+            log.warning("tool_choice %s not enforced: max tokens %d leave no room for a call",
+                        self.tool_choice.mode, max_tokens)
+            self.opener = ""
+            return ids, max_tokens
+        self.opener_ids = opener_ids
+        self.reply_ids += opener_ids
         self._feed(self.opener, [])
-        return ids + self.opener_ids, max(1, max_tokens - len(self.opener_ids))
+        return ids + opener_ids, max_tokens - len(opener_ids)
 
     def cancel(self) -> None:
         if self.request is not None and not self.request.finished():

@@ -64,7 +64,7 @@ def _key(text: str) -> str:
 
 class ReplayStore:
     def __init__(self, directory: str | None = None, *, max_records: int = 4096, max_tokens: int = 2_000_000,
-                 max_disk_records: int = 100_000):
+                 max_disk_records: int = 20_000):
         self.max_records, self.max_tokens, self.max_disk_records = max_records, max_tokens, max_disk_records
         self._turns: collections.OrderedDict[str, Turn] = collections.OrderedDict()
         self._calls: collections.OrderedDict[str, str] = collections.OrderedDict()
