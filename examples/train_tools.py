@@ -1,9 +1,13 @@
 """Teach the embedded tiny model DeepSeek-V4's agent protocol, keeping its Shakespeare.
 
-Stage 2 after `train_tiny.py`; the shipped asset is stage 1 followed by this, reproducibly:
+Stage 2 after `train_tiny.py`. The shipped asset is stage 1 followed by two runs of this script
+(the first learned the format and the tool choice but copied no argument; the second, from the
+first's weights, added cheap "drills" and learned to copy), reproducibly:
 
     python examples/train_tiny.py --out /tmp/tiny-stage1
-    python examples/train_tools.py --base /tmp/tiny-stage1 --out ds4_torch/assets/tiny-shakespeare
+    python examples/train_tools.py --base /tmp/tiny-stage1 --out /tmp/tiny-run1 \
+        --steps 600 --tool-batch 2 --text-batch 4 --rounds 1 3 --drills 0 --lr 1.5e-3
+    python examples/train_tools.py --base /tmp/tiny-run1 --out ds4_torch/assets/tiny-shakespeare
 
 What it does:
 
@@ -16,8 +20,13 @@ What it does:
    the official encoding (``ds4_torch.chat_encoding``).
 2. The embedding, the LM head and the hash-routing table grow by those rows: an embedding and an
    LM-head row start as the mean of the rows of the pieces the string used to split into.
-3. Training continues from the stage-1 weights on batches of two kinds per step: tool chats from
-   ``tool_corpus.py`` (loss on the assistant turns only) and Shakespeare windows (as in stage 1).
+3. Training continues from the base weights (a base that already has the tokens is continued
+   as is) on batches of three kinds per step: tool chats from ``tool_corpus.py`` with several
+   rounds each (loss on the assistant turns only); "drills", the same chats rendered without the
+   tools section (8x shorter, so 8x cheaper: they teach copying the argument from the request and
+   the values from the result, which carries over to prompts with tools); and Shakespeare windows
+   (as in stage 1). The drills also teach the model to call tools nobody offered it; the server
+   returns such a call as text.
 4. Evaluation: held-out Shakespeare loss (stage 1's split), and on held-out cities, symbols and
    phrasings: does greedy decoding call the right tool with exactly the requested argument, and,
    given the tool result, answer in text that carries the result. Written to training.json.
@@ -115,10 +124,17 @@ def encode_chat(tok, conv: dict) -> tuple[list[int], list[int]]:
     return enc.ids, labels
 
 
-def tool_batches(tok, batch: int, seed: int, pad_id: int):
+def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int] = (1, 3), drill: bool = False):
+    """Batches of tool chats; `drill`: one-round chats in chat mode without the tools section."""
     rng = random.Random(seed)
+
+    def chat():
+        if drill:
+            return {**tool_corpus.conversation(rng, "train", rounds=1, thinking=False), "tools": []}
+        return tool_corpus.conversation(rng, "train", rounds=rng.randint(*rounds))
+
     while True:
-        rows = [encode_chat(tok, tool_corpus.conversation(rng, "train")) for _ in range(batch)]
+        rows = [encode_chat(tok, chat()) for _ in range(batch)]
         width = max(len(ids) for ids, _ in rows)
         x = torch.full((batch, width), pad_id)
         y = torch.full((batch, width), IGNORE)
@@ -193,11 +209,14 @@ def main(argv=None):
                    help="the stage-1 model directory (train_tiny.py's output)")
     p.add_argument("--out", type=Path, default=REPO / "ds4_torch" / "assets" / "tiny-shakespeare")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--tool-batch", type=int, default=2)
-    p.add_argument("--text-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--tool-batch", type=int, default=1)
+    p.add_argument("--rounds", type=int, nargs=2, default=(3, 6), metavar=("MIN", "MAX"),
+                   help="rounds (request, call, result, answer) per tool chat")
+    p.add_argument("--drills", type=int, default=12, help="tool chats without the tools section per step")
+    p.add_argument("--text-batch", type=int, default=2)
     p.add_argument("--length", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=4321)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-cases", type=int, default=60)
@@ -212,6 +231,8 @@ def main(argv=None):
         return
 
     base_record = json.loads((args.base / "training.json").read_text())
+    runs = base_record.get("stage2", [])
+    runs = runs if isinstance(runs, list) else [runs]
     base_record = base_record.get("stage1", base_record)
     from tokenizers import Tokenizer
 
@@ -219,13 +240,21 @@ def main(argv=None):
     base_tok = Tokenizer.from_file(str(args.base / "tokenizer.json"))
     train_old, held_old = shakespeare_splits(base_tok, args.data)
     held_loss_before = evaluate(base_model.train(), held_old, 256)
-    print(f"stage-1 held-out Shakespeare loss {held_loss_before:.4f}", flush=True)
+    print(f"base held-out Shakespeare loss {held_loss_before:.4f}", flush=True)
 
-    old_tok, tok = extend_tokenizer(args.base, args.out)
+    if all(base_tok.token_to_id(t) is not None for t in PROTOCOL_TOKENS):  # a stage-2 base: continue it
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if args.base.resolve() != args.out.resolve():
+                (args.out / name).write_bytes((args.base / name).read_bytes())
+        old_tok = tok = base_tok
+        model = base_model
+    else:
+        old_tok, tok = extend_tokenizer(args.base, args.out)
+        model = extend_model(base_model, old_tok, tok, args.seed)
+    del base_model
     train, held_out = shakespeare_splits(tok, args.data)
     assert torch.equal(train, train_old) and torch.equal(held_out, held_old), "Shakespeare must tokenize as before"
-    model = extend_model(base_model, old_tok, tok, args.seed)
-    del base_model
     model.ops = AttentionOps("reference", reference.attention, reference.compress_rows, reference.indexer_topk)
     cfg = model.config
     print(f"vocabulary {old_tok.get_vocab_size()} -> {tok.get_vocab_size()}; {model.num_parameters():,} parameters")
@@ -246,18 +275,26 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     text_data = batches(train, args.text_batch, args.length, torch.Generator().manual_seed(args.seed))
-    tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0])
+    tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds))
+    drill_data = tool_batches(tok, args.drills, args.seed + 1, cfg.eos_token_ids[0], drill=True) \
+        if args.drills else None
     model.train()
     t0 = time.time()
-    tool_tokens = 0
+    tool_tokens = drill_tokens = 0
     for step in range(1, args.steps + 1):
         tx, ty = next(tool_data)
         sx, sy = next(text_data)
         tool_loss = F.cross_entropy(model(tx).flatten(0, 1), ty.flatten(), ignore_index=IGNORE)
         text_loss = F.cross_entropy(model(sx).flatten(0, 1), sy.flatten())
         tool_tokens += tx.numel()
+        loss = tool_loss + text_loss
+        if drill_data is not None:
+            dx, dy = next(drill_data)
+            drill_loss = F.cross_entropy(model(dx).flatten(0, 1), dy.flatten(), ignore_index=IGNORE)
+            drill_tokens += dx.numel()
+            loss = loss + drill_loss
         opt.zero_grad(set_to_none=True)
-        (tool_loss + text_loss).backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -266,7 +303,8 @@ def main(argv=None):
                 load = loads.pop(r).float()
                 r.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
         if step % 25 == 0 or step == 1:
-            print(f"step {step:5d}  tool loss {tool_loss.item():.3f}  text loss {text_loss.item():.3f}  "
+            print(f"step {step:5d}  tool loss {tool_loss.item():.3f}  "
+                  f"drill loss {drill_loss.item() if drill_data is not None else 0:.3f}  text loss {text_loss.item():.3f}  "
                   f"{time.time() - t0:7.1f} s", flush=True)
     train_time = time.time() - t0
     held_loss = evaluate(model, held_out, 256)
@@ -281,15 +319,17 @@ def main(argv=None):
     (args.out / "training.json").write_text(json.dumps({
         "parameters": model.num_parameters(), "held_out_loss": round(held_loss, 4),
         "stage1": base_record,
-        "stage2": {
+        "stage2": runs + [{
             "script": "examples/train_tools.py", "steps": args.steps, "tool_batch": args.tool_batch,
+            "rounds": list(args.rounds), "drills": args.drills,
             "text_batch": args.text_batch, "length": args.length, "lr": args.lr, "seed": args.seed,
-            "tool_chat_tokens": tool_tokens, "text_tokens": args.steps * args.text_batch * args.length,
+            "tool_chat_tokens": tool_tokens, "drill_tokens": drill_tokens,
+            "text_tokens": args.steps * args.text_batch * args.length,
             "vocab_size": cfg.vocab_size, "added_tokens": PROTOCOL_TOKENS,
             "held_out_loss_before": round(held_loss_before, 4), "held_out_loss_after": round(held_loss, 4),
             "train_minutes": round(train_time / 60, 1), "torch": torch.__version__, "threads": args.threads,
             "tool_eval": evals,
-        },
+        }],
     }, indent=2, ensure_ascii=False))
 
 
