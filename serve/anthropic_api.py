@@ -3,12 +3,13 @@
 Request: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``,
 ``tool_result`` and ``thinking`` blocks, ``tools`` (custom tools: name, description,
 input_schema), ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled / disabled),
-``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens``, ``stream``. Consecutive
+``output_config.effort``, ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
+``top_k`` (which Anthropic's SDK now sends through ``extra_body``). Consecutive
 messages of one role are merged, as Anthropic does. Images, documents, server tools and a final
 assistant message (prefill) are answered 400.
 
-Reply: ``thinking`` (with a signature: a digest of the text, which this server does not need
-back), ``text`` and ``tool_use`` blocks in the order they were generated; ``stop_reason``
+Reply: ``thinking`` (its signature carries the text, so a block sent back with ``display:
+"omitted"`` still replays exactly), ``text`` and ``tool_use`` blocks in the order they were generated; ``stop_reason``
 end_turn, max_tokens, stop_sequence or tool_use; ``usage`` with ``input_tokens`` (not read from
 the cache), ``cache_read_input_tokens`` and ``output_tokens``. Streamed: message_start, then per
 block content_block_start / content_block_delta (text_delta, thinking_delta + signature_delta,
@@ -19,7 +20,7 @@ Errors: ``{"type": "error", "error": {"type": ..., "message": ...}}``; the messa
 """
 from __future__ import annotations
 
-import hashlib
+import base64
 import json
 import uuid
 from typing import Any
@@ -30,13 +31,17 @@ from starlette.responses import JSONResponse, Response
 from ds4_torch.sampling import SamplingParams
 
 from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt
+from .openai_api import parse_effort
 from .protocol import (APIError, bad, check_unknown, get_bool, get_list, get_number, get_object, get_str, parse_stop,
                        type_name)
 
 FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "stop_sequences",
-          "temperature", "top_p", "top_k", "stream"}
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
-IGNORED = {"metadata", "service_tier", "container", "context_management", "cache_control"}
+          "temperature", "top_p", "top_k", "stream", "output_config"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
+# Bookkeeping and placement hints: they do not change what is generated.
+IGNORED = {"metadata", "service_tier", "container", "context_management", "cache_control", "diagnostics",
+           "inference_geo", "speed", "user_profile_id", "workspace_id"}
+SIGNATURE_PREFIX = "ds4-thinking:"  # our thinking-block signature: the thinking text, base64
 
 STOP_REASON = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -116,7 +121,15 @@ def _assistant(blocks: list[tuple[str, dict]]) -> dict:
         if kind == "text":
             content.append(_text_of(b, where))
         elif kind == "thinking":
-            reasoning.append(_text_of(b, where, "thinking"))
+            # With display "omitted" the client holds only the signature, which carries the text.
+            text = _text_of(b, where, "thinking")
+            sig = b.get("signature")
+            if not text and isinstance(sig, str) and sig.startswith(SIGNATURE_PREFIX):
+                try:
+                    text = base64.b64decode(sig[len(SIGNATURE_PREFIX):], validate=True).decode("utf-8")
+                except ValueError:
+                    raise bad(f"{where}.signature is damaged", f"{where}.signature") from None
+            reasoning.append(text)
         elif kind == "redacted_thinking":
             continue  # never produced here; there is nothing to render
         elif kind == "tool_use":
@@ -217,18 +230,29 @@ def _tool_choice(body: dict) -> ToolChoice:
     return ToolChoice({"any": "required", None: "auto"}.get(kind, kind))
 
 
-def _thinking(body: dict) -> bool:
+def _thinking(body: dict) -> tuple[bool, bool]:
+    """(thinking on, thinking text shown in the reply)."""
     th = get_object(body, "thinking")
     if th is None:
-        return False
-    kind = get_str(th, "type", where="thinking.", choices=("enabled", "disabled", "adaptive"))
+        return False, True
+    kind = get_str(th, "type", where="thinking.", choices=("enabled", "disabled", "adaptive", "between_tools"))
     if kind == "enabled":
         get_number(th, "budget_tokens", None, lo=1, integer=True, where="thinking.")
-    return kind in ("enabled", "adaptive")
+    shown = get_str(th, "display", "summarized", where="thinking.", choices=("summarized", "omitted")) != "omitted"
+    return kind != "disabled", shown
 
 
-def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str | None, bool]:
-    """(internal request, model, stream)."""
+def _effort(body: dict) -> str | None:
+    oc = get_object(body, "output_config") or {}
+    check_unknown(oc, {"effort", "format"}, where="output_config.")
+    if oc.get("format") is not None:
+        raise bad("'output_config.format' (structured output) is not supported", "output_config.format",
+                  "unsupported_parameter")
+    return parse_effort(get_str(oc, "effort", where="output_config."), "output_config.effort")
+
+
+def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str | None, bool, bool]:
+    """(internal request, model, stream, thinking text shown)."""
     check_unknown(body, COUNT_FIELDS if counting else FIELDS, IGNORED)
     model = get_str(body, "model")
     if model is None:
@@ -243,26 +267,30 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
         top_p=float(get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
         top_k=int(get_number(body, "top_k", 0, lo=0, integer=True)),
     )
+    thinking, shown = _thinking(body)
+    effort = _effort(body)
     creq = ChatRequest(messages=_messages(body), tools=_tools(body), tool_choice=_tool_choice(body),
-                       thinking=_thinking(body), sampling=sampling, max_tokens=max_tokens,
-                       stop=parse_stop(body, "stop_sequences", limit=None))
-    return creq, model, get_bool(body, "stream", False)
+                       thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
+                       max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences", limit=None))
+    return creq, model, get_bool(body, "stream", False), shown
 
 
 # --------------------------------------------------------------------------- reply
 def _signature(thinking: str) -> str:
-    return hashlib.sha256(thinking.encode("utf-8")).hexdigest()
+    return SIGNATURE_PREFIX + base64.b64encode(thinking.encode("utf-8")).decode()
 
 
 class MessageView:
-    """Anthropic's message object and event stream, built from one generation's events."""
+    """Anthropic's message object and event stream, built from one generation's events.
+    `shown` False (thinking display "omitted"): thinking blocks carry only their signature."""
 
-    def __init__(self, state, gen: Generation, model: str):
-        self.gen = gen
+    def __init__(self, state, gen: Generation, model: str, shown: bool = True):
+        self.gen, self.shown = gen, shown
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model
         self.blocks: list[dict] = []
         self._open: str | None = None  # kind of the last block while it is open
+        self._thinking = ""  # the open thinking block's text (also when it is not shown)
 
     def _usage(self) -> dict:
         u = self.gen.usage
@@ -281,7 +309,8 @@ class MessageView:
         index = len(self.blocks) - 1
         if self._open == "thinking":
             block = self.blocks[index]
-            block["signature"] = _signature(block["thinking"])
+            block["signature"] = _signature(self._thinking)
+            self._thinking = ""
             data += _event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                    "delta": {"type": "signature_delta",
                                                              "signature": block["signature"]}})
@@ -305,6 +334,10 @@ class MessageView:
                 if self._open != kind:
                     out.append(self._begin({"type": kind, key: ""} if kind == "text" else
                                            {"type": kind, key: "", "signature": ""}))
+                if kind == "thinking":
+                    self._thinking += ev.text
+                    if not self.shown:
+                        continue
                 self.blocks[-1][key] += ev.text
                 out.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
                                                           "delta": {"type": delta, key: ev.text}}))
@@ -337,14 +370,14 @@ class MessageView:
 # --------------------------------------------------------------------------- endpoints
 async def messages(state, request: Request) -> Response:
     body = await state.read_json(request)
-    creq, model, stream = parse_request(body)
+    creq, model, stream, shown = parse_request(body)
     state.check_model(model)
     gen = Generation.chat(state, creq, call_id_prefix="toolu_")
-    return await state.respond(request, gen, lambda: MessageView(state, gen, model), stream)
+    return await state.respond(request, gen, lambda: MessageView(state, gen, model, shown), stream)
 
 
 async def count_tokens(state, request: Request) -> Response:
     body = await state.read_json(request)
-    creq, model, _ = parse_request(body, counting=True)
+    creq, model, _, _ = parse_request(body, counting=True)
     state.check_model(model)
     return JSONResponse({"input_tokens": len(chat_prompt(state, creq))})
