@@ -6,6 +6,9 @@ tool result comes back, the assistant answers in text. Some rounds ask for nothi
 and get a plain answer. About a third of the conversations are in thinking mode, with a short
 reasoning before each reply.
 
+``drill`` gives short chats without the tools section (cheap copying practice, with made-up
+names when asked: see ``novel_name``) and ``repeat_drill`` chats that repeat the request.
+
 Held-out material (``split="held_out"``) uses cities, stock symbols and phrasings that the
 training split never shows, so an evaluation on it measures whether the model copies the
 argument from the request and follows a new phrasing, not whether it memorised a pair.
@@ -112,11 +115,31 @@ def tool_schema(name: str, with_description: bool = True) -> dict:
     return {"type": "function", "function": fn}
 
 
-def request(rng: random.Random, tool: str, split: str) -> tuple[str, dict, dict, str]:
-    """A user request that ``tool`` answers: (text, call arguments, tool result, subject)."""
+SYLLABLES = ["ba", "ko", "ri", "mel", "dor", "sa", "vin", "ta", "lu", "gra", "pe", "nor", "zi", "han", "os",
+             "ful", "ca", "tre", "mo", "qui", "bel", "ar", "den", "ly", "sto", "wen", "ix", "ro", "ga", "um"]
+
+
+def novel_name(rng: random.Random) -> str:
+    """A made-up place name ("Melvinta", "Port Koba"): thousands of them, so a model that gets
+    them right copies from the request instead of recalling a list."""
+    while True:
+        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        name = f"{rng.choice(['Port', 'San', 'New', 'Lake'])} {name}" if rng.random() < 0.2 else name
+        if name not in CITIES:  # never a held-out city ("Ri" + "ga")
+            return name
+
+
+def novel_symbol(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 4)))
+
+
+def request(rng: random.Random, tool: str, split: str, novel: float = 0.0) -> tuple[str, dict, dict, str]:
+    """A user request that ``tool`` answers: (text, call arguments, tool result, subject).
+    `novel`: the chance (training split only) of a made-up city or symbol instead of a listed one."""
     template = rng.choice(PHRASINGS[tool][split])
+    made_up = split == "train" and novel > 0 and rng.random() < novel
     if tool in ("get_weather", "get_time"):
-        city = rng.choice(TRAIN_CITIES if split == "train" else HELD_OUT_CITIES)
+        city = novel_name(rng) if made_up else rng.choice(TRAIN_CITIES if split == "train" else HELD_OUT_CITIES)
         args = {"city": city}
         if tool == "get_weather":
             result = {"city": city, "temperature": rng.randint(-5, 35), "condition": rng.choice(CONDITIONS)}
@@ -129,7 +152,7 @@ def request(rng: random.Random, tool: str, split: str) -> tuple[str, dict, dict,
         result = {"result": args["a"] + args["b"]}
         subject = f"the sum of {args['a']} and {args['b']}"
     else:
-        symbol = rng.choice(TRAIN_SYMBOLS if split == "train" else HELD_OUT_SYMBOLS)
+        symbol = novel_symbol(rng) if made_up else rng.choice(TRAIN_SYMBOLS if split == "train" else HELD_OUT_SYMBOLS)
         args = {"symbol": symbol}
         result = {"symbol": symbol, "price": round(rng.uniform(5, 500), 2)}
         subject = f"the price of {symbol}"
@@ -140,23 +163,24 @@ def answer(rng: random.Random, tool: str, args: dict, result: dict) -> str:
     return rng.choice(ANSWERS[tool]).format(**{**args, **result})
 
 
-def conversation(rng: random.Random, split: str = "train", rounds: int | None = None,
-                 thinking: bool | None = None) -> dict:
-    """One chat: {"messages": [...], "tools": [...], "thinking": bool}, ending in an assistant turn."""
+def conversation(rng: random.Random, split: str = "train", rounds: int | tuple[int, int] = (1, 3),
+                 thinking: bool | None = None, novel: float = 0.0) -> dict:
+    """One chat: {"messages": [...], "tools": [...], "thinking": bool}, ending in an assistant turn.
+    `rounds`: a number, or a (min, max) range to draw it from."""
     names = list(TOOLS)
     offered = rng.sample(names, rng.randint(1, len(names)))
     described = rng.random() < 0.8
     tools = [tool_schema(n, described) for n in offered]
     thinking = rng.random() < 0.3 if thinking is None else thinking
     messages: list[dict] = []
-    for r in range(rounds or rng.randint(1, 3)):
+    for r in range(rng.randint(*rounds) if isinstance(rounds, tuple) else rounds):
         if rng.random() < 0.15:
             said, reply = rng.choice(SMALL_TALK)
             messages.append({"role": "user", "content": said})
             messages.append(_assistant(reply, REASONING_TALK if thinking else None))
             continue
         tool = rng.choice(offered)
-        text, args, result, subject = request(rng, tool, split)
+        text, args, result, subject = request(rng, tool, split, novel)
         call_id = f"call_{r}"
         messages.append({"role": "user", "content": text})
         call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}
@@ -172,3 +196,25 @@ def _assistant(content: str, reasoning: str | None) -> dict:
     if reasoning is not None:
         m["reasoning_content"] = reasoning
     return m
+
+
+REPEAT = ["Repeat after me: {words}", "Say: {words}", "Echo this: {words}"]
+
+
+def repeat_drill(rng: random.Random) -> dict:
+    """A chat whose reply repeats words from the request: the densest copying signal there is."""
+    words = " ".join(novel_name(rng) if rng.random() < 0.5 else rng.choice(TRAIN_CITIES)
+                     for _ in range(rng.randint(1, 4)))
+    return {"messages": [{"role": "user", "content": rng.choice(REPEAT).format(words=words)},
+                         {"role": "assistant", "content": words}], "tools": [], "thinking": False}
+
+
+def drill(rng: random.Random, novel: float = 0.5, repeat: float = 0.25) -> dict:
+    """A short chat without the tools section: a repeat drill, a request and its call, or a
+    whole round (request, call, result, answer). Chat mode."""
+    if rng.random() < repeat:
+        return repeat_drill(rng)
+    conv = conversation(rng, "train", rounds=1, thinking=False, novel=novel)
+    if len(conv["messages"]) == 4 and rng.random() < 0.5:
+        conv["messages"] = conv["messages"][:2]  # the call only
+    return {**conv, "tools": []}

@@ -5,8 +5,8 @@ Stage 2 after `train_tiny.py`. The shipped asset is stage 1 followed by two runs
 first's weights, added cheap "drills" and learned to copy), reproducibly:
 
     python examples/train_tiny.py --out /tmp/tiny-stage1
-    python examples/train_tools.py --base /tmp/tiny-stage1 --out /tmp/tiny-run1 \
-        --steps 600 --tool-batch 2 --text-batch 4 --rounds 1 3 --drills 0 --lr 1.5e-3
+    python examples/train_tools.py --base /tmp/tiny-stage1 --out /tmp/tiny-run1 --steps 600 --tool-batch 2 \
+        --rounds 1 3 --novel 0 --drill-rows 0 --text-batch 4 --lr 1.5e-3 --weight-decay 0.1
     python examples/train_tools.py --base /tmp/tiny-run1 --out ds4_torch/assets/tiny-shakespeare
 
 What it does:
@@ -124,17 +124,28 @@ def encode_chat(tok, conv: dict) -> tuple[list[int], list[int]]:
     return enc.ids, labels
 
 
-def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int] = (1, 3), drill: bool = False):
-    """Batches of tool chats; `drill`: one-round chats in chat mode without the tools section."""
+def drill_batches(tok, rows: int, length: int, seed: int, novel: float, repeat: float):
+    """Rows of `length` tokens packed with drills (``tool_corpus.drill``) back to back: several
+    per row, so a row also holds other names to not copy from."""
     rng = random.Random(seed)
-
-    def chat():
-        if drill:
-            return {**tool_corpus.conversation(rng, "train", rounds=1, thinking=False), "tools": []}
-        return tool_corpus.conversation(rng, "train", rounds=rng.randint(*rounds))
-
     while True:
-        rows = [encode_chat(tok, chat()) for _ in range(batch)]
+        xs, ys = [], []
+        for _ in range(rows):
+            ids, labels = [], []
+            while len(ids) < length + 1:
+                i, lab = encode_chat(tok, tool_corpus.drill(rng, novel, repeat))
+                ids, labels = ids + i, labels + lab
+            xs.append(ids[:length])
+            ys.append(labels[1:length + 1])
+        yield torch.tensor(xs), torch.tensor(ys)
+
+
+def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int] = (1, 3), novel: float = 0.0):
+    """Batches of whole tool chats (tools section, several rounds), padded."""
+    rng = random.Random(seed)
+    while True:
+        rows = [encode_chat(tok, tool_corpus.conversation(rng, "train", rounds=rounds, novel=novel))
+                for _ in range(batch)]
         width = max(len(ids) for ids, _ in rows)
         x = torch.full((batch, width), pad_id)
         y = torch.full((batch, width), IGNORE)
@@ -211,12 +222,16 @@ def main(argv=None):
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--tool-batch", type=int, default=1)
-    p.add_argument("--rounds", type=int, nargs=2, default=(3, 6), metavar=("MIN", "MAX"),
+    p.add_argument("--rounds", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"),
                    help="rounds (request, call, result, answer) per tool chat")
-    p.add_argument("--drills", type=int, default=12, help="tool chats without the tools section per step")
-    p.add_argument("--text-batch", type=int, default=2)
+    p.add_argument("--novel", type=float, default=0.5, help="chance of a made-up city or symbol in a request")
+    p.add_argument("--drill-rows", type=int, default=6, help="rows of packed drills per step")
+    p.add_argument("--drill-length", type=int, default=512)
+    p.add_argument("--repeat", type=float, default=0.25, help="share of repeat drills among the drills")
+    p.add_argument("--text-batch", type=int, default=4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--length", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=4321)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-cases", type=int, default=60)
@@ -269,15 +284,16 @@ def main(argv=None):
         r.register_forward_hook(count_load)
     decay = [q for q in model.parameters() if q.dim() >= 2]
     no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     text_data = batches(train, args.text_batch, args.length, torch.Generator().manual_seed(args.seed))
-    tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds))
-    drill_data = tool_batches(tok, args.drills, args.seed + 1, cfg.eos_token_ids[0], drill=True) \
-        if args.drills else None
+    tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds), args.novel)
+    drill_data = drill_batches(tok, args.drill_rows, args.drill_length, args.seed + 1, args.novel, args.repeat) \
+        if args.drill_rows else None
     model.train()
     t0 = time.time()
     tool_tokens = drill_tokens = 0
@@ -321,7 +337,8 @@ def main(argv=None):
         "stage1": base_record,
         "stage2": runs + [{
             "script": "examples/train_tools.py", "steps": args.steps, "tool_batch": args.tool_batch,
-            "rounds": list(args.rounds), "drills": args.drills,
+            "rounds": list(args.rounds), "novel": args.novel, "drill_rows": args.drill_rows,
+            "drill_length": args.drill_length, "repeat": args.repeat, "weight_decay": args.weight_decay,
             "text_batch": args.text_batch, "length": args.length, "lr": args.lr, "seed": args.seed,
             "tool_chat_tokens": tool_tokens, "drill_tokens": drill_tokens,
             "text_tokens": args.steps * args.text_batch * args.length,
