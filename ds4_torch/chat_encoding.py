@@ -395,6 +395,17 @@ def _order_tool_results(blocks: list, call_order: Mapping[str, int]) -> None:
         blocks[k] = b
 
 
+@dataclass(frozen=True)
+class PromptPart:
+    """A piece of a rendered prompt. ``message`` is set on the body of an assistant turn (what the
+    model sampled after its generation prompt, without the EOS that follows): the text a server
+    may swap for the token ids it recorded when it generated that turn (exact replay)."""
+
+    text: str
+    message: Message | None = None
+    with_reasoning: bool = False
+
+
 def render_prompt(
     messages: Sequence[Mapping],
     *,
@@ -415,6 +426,24 @@ def render_prompt(
     conversation ending in a user/tool turn would otherwise end with. A conversation ending in
     an assistant turn renders that turn complete, with its EOS.
     """
+    return "".join(part.text for part in render_prompt_parts(
+        messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
+        add_generation_prompt=add_generation_prompt, drop_thinking=drop_thinking, response_format=response_format,
+        effort_profile=effort_profile))
+
+
+def render_prompt_parts(
+    messages: Sequence[Mapping],
+    *,
+    tools: Sequence[Mapping] | None = None,
+    thinking: bool = False,
+    reasoning_effort: str | None = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+    response_format: Mapping | None = None,
+    effort_profile: str = DEFAULT_EFFORT_PROFILE,
+) -> list[PromptPart]:
+    """``render_prompt`` as parts whose texts join to it, each assistant turn's body apart."""
     msgs = normalize_messages(messages)
     functions = normalize_tools(tools)
     effort = reasoning_effort_prompt(reasoning_effort, effort_profile)
@@ -431,12 +460,17 @@ def render_prompt(
         out += ["\n\n", _tools_section(functions)]
     if response_format is not None:
         out += ["\n\n", _RESPONSE_FORMAT_SECTION.format(schema=to_json(response_format))]
+    parts: list[PromptPart] = []
     for i, turn in enumerate(turns):
         if turn.role == "assistant":
-            out += [_assistant_body(turn.message, thinking and (not drop or i > last_user)), EOS]
+            with_reasoning = thinking and (not drop or i > last_user)
+            parts += [PromptPart("".join(out)),
+                      PromptPart(_assistant_body(turn.message, with_reasoning), turn.message, with_reasoning)]
+            out = [EOS]
             continue
         out += [USER, USER_BLOCK_SEPARATOR.join(b[1] for b in turn.blocks)]
         if i + 1 < len(turns) or add_generation_prompt:
             # Thinking opens only where reasoning will be kept: the latest turn, or all if none drop.
             out += [ASSISTANT, THINK_START if thinking and (not drop or i >= last_user) else THINK_END]
-    return "".join(out)
+    parts.append(PromptPart("".join(out)))
+    return [p for p in parts if p.text or p.message is not None]

@@ -269,6 +269,11 @@ class StreamingOutputParser:
         self._ignoring = False  # text after EOS was seen
         self.result = ParsedOutput()
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether text fed now would be reasoning (counts reasoning tokens)."""
+        return self._state == "reasoning"
+
     # -- events
     def _text(self, channel: str, text: str, out: list[Event]) -> None:
         if not text:

@@ -368,3 +368,28 @@ def test_invalid_messages_name_the_field(messages, message):
 def test_invalid_options_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         render_prompt([{"role": "user", "content": "q"}], **kwargs)
+
+
+# --------------------------------------------------------------------------- parts (for exact replay)
+def test_prompt_parts_join_to_the_prompt_and_set_each_assistant_body_apart():
+    from ds4_torch.chat_encoding import render_prompt_parts
+
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Call it.",
+             "tool_calls": [call("get_weather", {"location": "Oslo"}, "c1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+            {"role": "assistant", "content": "It is cold.", "reasoning_content": "Answer."},
+            {"role": "user", "content": "Thanks"}]
+    for thinking, tools in ((False, None), (True, [WEATHER]), (True, None)):
+        parts = render_prompt_parts(conv, tools=tools, thinking=thinking)
+        assert "".join(p.text for p in parts) == render_prompt(conv, tools=tools, thinking=thinking)
+        bodies = [p for p in parts if p.message is not None]
+        assert [p.message.content for p in bodies] == ["", "It is cold."]
+        for p, m in zip(bodies, (conv[2], conv[4])):
+            # A kept body is exactly what the model generated for that message.
+            if p.with_reasoning:
+                assert p.text == render_assistant_completion(m, thinking=True)
+        # Reasoning is kept with tools, dropped before the last user turn without them.
+        assert [p.with_reasoning for p in bodies] == [thinking and tools is not None] * 2
+        # Every body is followed by EOS (it starts the next part).
+        assert all(parts[parts.index(p) + 1].text.startswith(EOS) for p in bodies)

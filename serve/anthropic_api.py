@@ -1,0 +1,383 @@
+"""Anthropic Messages: POST /v1/messages and /v1/messages/count_tokens.
+
+Request: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``,
+``tool_result`` and ``thinking`` blocks, ``tools`` (custom tools: name, description,
+input_schema), ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled / disabled),
+``output_config.effort``, ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
+``top_k`` (which Anthropic's SDK now sends through ``extra_body``). Consecutive
+messages of one role are merged, as Anthropic does. Images, documents, server tools and a final
+assistant message (prefill) are answered 400.
+
+Reply: ``thinking`` (its signature carries the text, so a block sent back with ``display:
+"omitted"`` still replays exactly), ``text`` and ``tool_use`` blocks in the order they were generated; ``stop_reason``
+end_turn, max_tokens, stop_sequence or tool_use; ``usage`` with ``input_tokens`` (not read from
+the cache), ``cache_read_input_tokens`` and ``output_tokens``. Streamed: message_start, then per
+block content_block_start / content_block_delta (text_delta, thinking_delta + signature_delta,
+input_json_delta with the whole arguments) / content_block_stop, then message_delta and
+message_stop.
+
+Errors: ``{"type": "error", "error": {"type": ..., "message": ...}}``; the message names the field.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ds4_torch.sampling import SamplingParams
+
+from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt
+from .openai_api import parse_effort
+from .protocol import (APIError, bad, check_unknown, get_bool, get_list, get_number, get_object, get_str, parse_stop,
+                       type_name)
+
+FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "stop_sequences",
+          "temperature", "top_p", "top_k", "stream", "output_config"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
+# Bookkeeping and placement hints: they do not change what is generated.
+IGNORED = {"metadata", "service_tier", "container", "context_management", "cache_control", "diagnostics",
+           "inference_geo", "speed", "user_profile_id", "workspace_id"}
+SIGNATURE_PREFIX = "ds4-thinking:"  # our thinking-block signature: the thinking text, base64
+
+STOP_REASON = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+
+
+# --------------------------------------------------------------------------- errors
+def error_body(e: APIError) -> dict:
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: APIError) -> Response:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+
+
+def _event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+# --------------------------------------------------------------------------- request
+def _blocks(content: Any, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or an array of content blocks, got {type_name(content)}", where,
+                  "invalid_type")
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise bad(f"{where}[{j}] must be a content block with a 'type'", f"{where}[{j}]", "invalid_type")
+    return content
+
+
+def _text_of(block: dict, where: str, key: str = "text") -> str:
+    if not isinstance(block.get(key), str):
+        raise bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_type")
+    return block[key]
+
+
+def _tool_result_text(block: dict, where: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or an array of text blocks", f"{where}.content", "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad(f"{where}.content[{j}]: only text blocks are supported in a tool result", f"{where}.content[{j}]",
+                      "unsupported_parameter")
+        texts.append(_text_of(part, f"{where}.content[{j}]"))
+    return "\n\n".join(texts)  # several parts stay apart, as the encoding keeps tool-result parts
+
+
+def _user(blocks: list[tuple[str, dict]]) -> list[dict]:
+    out = []
+    for where, b in blocks:
+        kind = b["type"]
+        if kind == "text":
+            out.append({"role": "user", "content": _text_of(b, where)})
+        elif kind == "tool_result":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise bad(f"{where}.tool_use_id must be a string", f"{where}.tool_use_id", "invalid_type")
+            out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b, where)})
+        else:
+            raise bad(f"{where}: content blocks of type {kind!r} are not supported in user messages "
+                      f"(text and tool_result are)", where, "unsupported_parameter")
+    return out
+
+
+def _assistant(blocks: list[tuple[str, dict]]) -> dict:
+    content, reasoning, calls = [], [], []
+    for where, b in blocks:
+        kind = b["type"]
+        if kind == "text":
+            content.append(_text_of(b, where))
+        elif kind == "thinking":
+            # With display "omitted" the client holds only the signature, which carries the text.
+            text = _text_of(b, where, "thinking")
+            sig = b.get("signature")
+            if not text and isinstance(sig, str) and sig.startswith(SIGNATURE_PREFIX):
+                try:
+                    text = base64.b64decode(sig[len(SIGNATURE_PREFIX):], validate=True).decode("utf-8")
+                except ValueError:
+                    raise bad(f"{where}.signature is damaged", f"{where}.signature") from None
+            reasoning.append(text)
+        elif kind == "redacted_thinking":
+            continue  # never produced here; there is nothing to render
+        elif kind == "tool_use":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not b["name"]:
+                raise bad(f"{where}: a tool_use block needs a string 'id' and 'name'", where)
+            if not isinstance(b.get("input"), dict):
+                raise bad(f"{where}.input must be an object", f"{where}.input", "invalid_type")
+            calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b["input"]}})
+        else:
+            raise bad(f"{where}: content blocks of type {kind!r} are not supported in assistant messages", where,
+                      "unsupported_parameter")
+    m: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if reasoning:
+        m["reasoning_content"] = "".join(reasoning)
+    if calls:
+        m["tool_calls"] = calls
+    return m
+
+
+def _messages(body: dict) -> list[dict]:
+    out: list[dict] = []
+    system = body.get("system")
+    if isinstance(system, str):
+        if system:
+            out.append({"role": "system", "content": system})
+    elif isinstance(system, list):
+        for j, b in enumerate(system):
+            if not isinstance(b, dict) or b.get("type") != "text":
+                raise bad(f"system[{j}] must be a text block", f"system[{j}]", "invalid_type")
+            out.append({"role": "system", "content": _text_of(b, f"system[{j}]")})
+    elif system is not None:
+        raise bad(f"'system' must be a string or an array of text blocks, got {type_name(system)}", "system",
+                  "invalid_type")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty array of {role, content} objects", "messages",
+                  "invalid_type" if not isinstance(messages, list) else "invalid_value")
+    # Consecutive messages of one role form one turn (Anthropic merges them too).
+    runs: list[tuple[str, list[tuple[str, dict]]]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object, got {type_name(m)}", where, "invalid_type")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise bad(f"{where}.role must be 'user' or 'assistant'; got {role!r}", f"{where}.role")
+        blocks = [(f"{where}.content[{j}]" if isinstance(m.get("content"), list) else f"{where}.content", b)
+                  for j, b in enumerate(_blocks(m.get("content"), f"{where}.content"))]
+        if runs and runs[-1][0] == role:
+            runs[-1][1].extend(blocks)
+        else:
+            runs.append((role, blocks))
+    if runs[0][0] != "user":
+        raise bad("messages[0] must be a user message", "messages[0].role")
+    if runs[-1][0] == "assistant":
+        raise bad("the last message must be a user message (continuing an assistant message is not supported)",
+                  f"messages[{len(messages) - 1}].role", "unsupported_parameter")
+    for role, blocks in runs:
+        if role == "user":
+            out += _user(blocks)
+        else:
+            out.append(_assistant(blocks))
+    return out
+
+
+def _tools(body: dict) -> list[dict]:
+    tools = get_list(body, "tools") or []
+    out = []
+    for k, t in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(t, dict):
+            raise bad(f"{where} must be an object", where, "invalid_type")
+        if t.get("type", "custom") != "custom":
+            raise bad(f"{where}.type {t['type']!r}: only custom tools (name, description, input_schema) are supported",
+                      f"{where}.type", "unsupported_parameter")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+        if not isinstance(t.get("input_schema"), dict):
+            raise bad(f"{where}.input_schema must be an object", f"{where}.input_schema", "invalid_type")
+        fn = {"name": t["name"]}
+        if t.get("description") is not None:
+            fn["description"] = get_str(t, "description", where=f"{where}.")
+        fn["parameters"] = t["input_schema"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(body: dict) -> ToolChoice:
+    tc = get_object(body, "tool_choice")
+    if tc is None:
+        return ToolChoice()
+    kind = get_str(tc, "type", where="tool_choice.", choices=("auto", "any", "tool", "none"))
+    if kind == "tool":
+        name = get_str(tc, "name", where="tool_choice.")
+        if not name:
+            raise bad("'tool_choice.name' is required when tool_choice.type is \"tool\"", "tool_choice.name")
+        return ToolChoice("function", name)
+    return ToolChoice({"any": "required", None: "auto"}.get(kind, kind))
+
+
+def _thinking(body: dict) -> tuple[bool, bool]:
+    """(thinking on, thinking text shown in the reply)."""
+    th = get_object(body, "thinking")
+    if th is None:
+        return False, True
+    kind = get_str(th, "type", where="thinking.", choices=("enabled", "disabled", "adaptive", "between_tools"))
+    if kind == "enabled":
+        get_number(th, "budget_tokens", None, lo=1, integer=True, where="thinking.")
+    shown = get_str(th, "display", "summarized", where="thinking.", choices=("summarized", "omitted")) != "omitted"
+    return kind != "disabled", shown
+
+
+def _effort(body: dict) -> str | None:
+    oc = get_object(body, "output_config") or {}
+    check_unknown(oc, {"effort", "format"}, where="output_config.")
+    if oc.get("format") is not None:
+        raise bad("'output_config.format' (structured output) is not supported", "output_config.format",
+                  "unsupported_parameter")
+    return parse_effort(get_str(oc, "effort", where="output_config."), "output_config.effort")
+
+
+def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str | None, bool, bool]:
+    """(internal request, model, stream, thinking text shown)."""
+    check_unknown(body, COUNT_FIELDS if counting else FIELDS, IGNORED)
+    model = get_str(body, "model")
+    if model is None:
+        raise bad("'model' is required", "model", "missing_required_parameter")
+    max_tokens = None
+    if not counting:
+        if body.get("max_tokens") is None:
+            raise bad("'max_tokens' is required", "max_tokens", "missing_required_parameter")
+        max_tokens = get_number(body, "max_tokens", None, lo=1, integer=True)
+    sampling = SamplingParams(
+        temperature=float(get_number(body, "temperature", 1.0, lo=0.0, hi=1.0)),
+        top_p=float(get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
+        top_k=int(get_number(body, "top_k", 0, lo=0, integer=True)),
+    )
+    thinking, shown = _thinking(body)
+    effort = _effort(body)
+    creq = ChatRequest(messages=_messages(body), tools=_tools(body), tool_choice=_tool_choice(body),
+                       thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
+                       max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences", limit=None))
+    return creq, model, get_bool(body, "stream", False), shown
+
+
+# --------------------------------------------------------------------------- reply
+def _signature(thinking: str) -> str:
+    return SIGNATURE_PREFIX + base64.b64encode(thinking.encode("utf-8")).decode()
+
+
+class MessageView:
+    """Anthropic's message object and event stream, built from one generation's events.
+    `shown` False (thinking display "omitted"): thinking blocks carry only their signature."""
+
+    def __init__(self, state, gen: Generation, model: str, shown: bool = True):
+        self.gen, self.shown = gen, shown
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.model = model
+        self.blocks: list[dict] = []
+        self._open: str | None = None  # kind of the last block while it is open
+        self._thinking = ""  # the open thinking block's text (also when it is not shown)
+
+    def _usage(self) -> dict:
+        u = self.gen.usage
+        return {"input_tokens": u.prompt_tokens - u.cached_tokens, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": u.cached_tokens, "output_tokens": u.completion_tokens}
+
+    def start(self) -> bytes:
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": {**self._usage(), "output_tokens": 0}}
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        data = b""
+        index = len(self.blocks) - 1
+        if self._open == "thinking":
+            block = self.blocks[index]
+            block["signature"] = _signature(self._thinking)
+            self._thinking = ""
+            data += _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                   "delta": {"type": "signature_delta",
+                                                             "signature": block["signature"]}})
+        self._open = None
+        return data + _event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+    def _begin(self, block: dict) -> bytes:
+        data = self._close()
+        self.blocks.append(block)
+        self._open = block["type"]
+        start = dict(block, input={}) if block["type"] == "tool_use" else block
+        return data + _event("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
+                                                     "content_block": dict(start)})
+
+    def feed(self, events: list) -> bytes:
+        out = []
+        for ev in events:
+            if isinstance(ev, Text):
+                kind, key, delta = ("thinking", "thinking", "thinking_delta") if ev.channel == "reasoning" \
+                    else ("text", "text", "text_delta")
+                if self._open != kind:
+                    out.append(self._begin({"type": kind, key: ""} if kind == "text" else
+                                           {"type": kind, key: "", "signature": ""}))
+                if kind == "thinking":
+                    self._thinking += ev.text
+                    if not self.shown:
+                        continue
+                self.blocks[-1][key] += ev.text
+                out.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                                          "delta": {"type": delta, key: ev.text}}))
+            elif isinstance(ev, Call):
+                out.append(self._begin({"type": "tool_use", "id": ev.id, "name": ev.name,
+                                        "input": json.loads(ev.arguments)}))
+                out.append(_event("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                                          "delta": {"type": "input_json_delta",
+                                                                    "partial_json": ev.arguments}}))
+                out.append(self._close())
+            elif isinstance(ev, Done):
+                out.append(self._close())
+                out.append(_event("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": STOP_REASON[ev.finish], "stop_sequence": ev.stop_sequence},
+                    "usage": self._usage()}))
+                out.append(_event("message_stop", {"type": "message_stop"}))
+        return b"".join(out)
+
+    def error(self, e: APIError) -> bytes:
+        return _event("error", error_body(e))
+
+    def body(self) -> dict:
+        self._close()
+        done = self.gen.done
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
+                "stop_reason": STOP_REASON[done.finish], "stop_sequence": done.stop_sequence, "usage": self._usage()}
+
+
+# --------------------------------------------------------------------------- endpoints
+async def messages(state, request: Request) -> Response:
+    body = await state.read_json(request)
+    creq, model, stream, shown = parse_request(body)
+    state.check_model(model)
+    gen = Generation.chat(state, creq, call_id_prefix="toolu_")
+    return await state.respond(request, gen, lambda: MessageView(state, gen, model, shown), stream)
+
+
+async def count_tokens(state, request: Request) -> Response:
+    body = await state.read_json(request)
+    creq, model, _, _ = parse_request(body, counting=True)
+    state.check_model(model)
+    return JSONResponse({"input_tokens": len(chat_prompt(state, creq))})

@@ -1,0 +1,463 @@
+"""The API-agnostic core of one generation: an internal request in, an internal event stream out.
+
+Every API module translates its JSON into a `ChatRequest` (OpenAI-style messages and tools, the
+tool choice, thinking, sampling) or, for plain completions, prompt ids; `Generation` does the
+rest, the same for all of them:
+
+* the prompt: rendered with the DeepSeek-V4 encoding part by part, each assistant turn the
+  server generated replaced by the token ids it sampled (`serve.replay`), so a conversation
+  sent back reuses the engine's cache to its last token;
+* the engine request(s), through `GenRequest` and its emitted events;
+* the output parser: reasoning, content and whole tool calls, never a markup fragment; a call
+  to an unknown tool or with arguments its schema rejects comes back as text, with a warning;
+* `tool_choice`: "none" renders no tools; "required" and a named function make the reply
+  start with the DSML opener (and the function's name): in chat mode right after the
+  generation prompt; in thinking mode once the reasoning ends (the engine stops at
+  ``</think>`` and a second request continues with the opener appended);
+* the finish: "end" (EOS), "stop_sequence", "length" or "tool_calls", and the usage.
+
+Events: `Token` (one sampled token: logprobs, id), `Text` (reasoning or content), `Call`,
+then one of `Done`, `Failed` (an `APIError`), `Cancelled`.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ds4_torch.chat_encoding import (
+    INVOKE_OPEN, THINK_END, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR, render_prompt_parts,
+)
+from ds4_torch.json_schema import validate_json_schema
+from ds4_torch.output_parser import ContentDelta, ReasoningDelta, StreamingOutputParser, ToolCall
+from ds4_torch.sampling import SamplingParams
+
+from .engine import EngineStopped, GenRequest, QueueFull, TokenOut
+from .protocol import APIError, bad, fit_context
+from .replay import ReplayStore, signature
+
+log = logging.getLogger("ds4.serve")
+
+
+# --------------------------------------------------------------------------- the internal request
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"            # auto | none | required | function
+    name: str | None = None       # the function, for mode "function"
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]                          # OpenAI-style chat messages (chat_encoding's input)
+    tools: list[dict] = field(default_factory=list)   # [{"type": "function", "function": {...}}]
+    tool_choice: ToolChoice = ToolChoice()
+    thinking: bool = False
+    reasoning_effort: str | None = None           # chat_encoding's levels: low, high, max
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None                 # None: what the context leaves
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    # Field names of the API, for error messages.
+    messages_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
+    tool_choice_param: str = "tool_choice"
+
+
+# --------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Token:
+    out: TokenOut
+
+
+@dataclass(frozen=True)
+class Text:
+    channel: str          # "reasoning" | "content"
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    index: int
+    id: str
+    name: str
+    arguments: str        # a JSON object
+
+
+@dataclass(frozen=True)
+class Done:
+    finish: str                       # end | stop_sequence | length | tool_calls
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: APIError
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    stage: str
+
+
+Event = Union[Token, Text, Call, Done, Failed, Cancelled]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- the prompt
+def encode_conversation(tokenizer, replay: ReplayStore | None, messages, *, tools=None, thinking: bool = False,
+                        reasoning_effort: str | None = None) -> list[int]:
+    """Prompt ids of a conversation ending in a generation prompt. Assistant turns this server
+    generated contribute the ids it sampled (see `serve.replay`); the rest is encoded as text. A
+    tokenizer with its own chat template renders with it (no replay). ValueError on bad input."""
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return tokenizer.encode_chat(messages, thinking=thinking, tools=tools or None,
+                                     reasoning_effort=reasoning_effort)
+    parts = render_prompt_parts(messages, tools=tools or None, thinking=thinking, reasoning_effort=reasoning_effort,
+                                effort_profile=tokenizer.effort_profile)
+    ids: list[int] = []
+    text: list[str] = []
+    for part in parts:
+        turn = None
+        if part.message is not None and replay is not None:
+            m = part.message
+            sig = signature(m.reasoning, m.content, [(c.name, c.arguments) for c in m.tool_calls], part.with_reasoning)
+            call_ids = [c.id for c in m.tool_calls if c.id]
+            if call_ids and len(call_ids) == len(m.tool_calls):
+                turn = replay.by_calls(call_ids, sig)
+            if turn is None:
+                turn = replay.by_text(part.text)
+        if turn is None:
+            text.append(part.text)
+            continue
+        # Parts meet at special tokens (</think>, <think>, EOS), so encoding runs apart is encoding the whole.
+        if text:
+            ids += tokenizer.encode("".join(text), add_special_tokens=False)
+            text = []
+        ids += turn.ids
+    if text:
+        ids += tokenizer.encode("".join(text), add_special_tokens=False)
+    return ids
+
+
+def _forced_opener(choice: ToolChoice) -> str:
+    """What a reply must start with (after any reasoning) to call a tool."""
+    if choice.mode not in ("required", "function"):
+        return ""
+    opener = f'{TOOL_CALLS_SEPARATOR}{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
+    return opener + (f'{choice.name}">' if choice.mode == "function" else "")
+
+
+def _check_tool_choice(creq: ChatRequest) -> dict[str, Any]:
+    """The offered tools by name (their parameter schemas); 400 for a choice they cannot meet."""
+    schemas = {}
+    for t in creq.tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            schemas[fn["name"]] = fn.get("parameters") or {}
+    choice = creq.tool_choice
+    if choice.mode in ("required", "function") and not creq.tools:
+        raise bad(f"'{creq.tool_choice_param}' asks for a tool call but no tools are given", creq.tool_choice_param)
+    if choice.mode == "function" and choice.name not in schemas:
+        raise bad(f"'{creq.tool_choice_param}' names the function {choice.name!r}, which is not among the tools",
+                  creq.tool_choice_param)
+    return schemas
+
+
+def _offered(creq: ChatRequest) -> list[dict]:
+    return [] if creq.tool_choice.mode == "none" else creq.tools  # "none": the model is offered no tools
+
+
+def chat_prompt(state, creq: ChatRequest) -> list[int]:
+    """The prompt ids of a chat request; 400 naming the messages when they cannot be rendered."""
+    try:
+        return encode_conversation(state.tokenizer, state.replay, creq.messages, tools=_offered(creq),
+                                   thinking=creq.thinking, reasoning_effort=creq.reasoning_effort)
+    except ValueError as e:
+        raise bad(str(e), creq.messages_param) from None
+
+
+# --------------------------------------------------------------------------- one generation
+class Channel:
+    """Events from the engine thread to the request's handler on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.event = asyncio.Event()
+
+    def push(self, event: tuple) -> None:  # engine thread
+        self.items.append(event)
+        self.loop.call_soon_threadsafe(self.event.set)
+
+    async def get(self, timeout: float) -> list[tuple]:
+        if not self.items:
+            try:
+                await asyncio.wait_for(self.event.wait(), timeout)
+            except asyncio.TimeoutError:  # a distinct class before Python 3.11, an alias after
+                pass
+        self.event.clear()  # before draining: a push racing with us leaves the event set
+        out = []
+        while self.items:
+            out.append(self.items.popleft())
+        return out
+
+
+class Generation:
+    """One request through the engine: build with `chat(...)` or `completion(...)`, `submit()`,
+    then `await next_events(timeout)` until a final event; `cancel()` when the client left."""
+
+    def __init__(self, state, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams, stop: list[str],
+                 logprobs: int | None, ignore_eos: bool, parse: bool, thinking: bool = False,
+                 schemas: dict | None = None, tool_choice: ToolChoice = ToolChoice(), call_id_prefix: str = "call_"):
+        self.state = state
+        self.tokenizer = state.tokenizer
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.sampling, self.stop, self.logprobs, self.ignore_eos = sampling, stop, logprobs, ignore_eos
+        self.thinking, self.schemas, self.tool_choice = thinking, schemas, tool_choice
+        self.call_id_prefix = call_id_prefix
+        self.parser = StreamingOutputParser(thinking=thinking) if parse else None
+        self.opener = _forced_opener(tool_choice) if parse else ""
+        self.opener_ids: list[int] = []
+        self.channel: Channel | None = None
+        self.requests: list[GenRequest] = []
+        self.reply_text: list[str] = []      # every character fed to the parser
+        self.reply_ids: list[int] = []       # the reply's tokens: forced ones and sampled ones
+        self.calls: list[Call] = []
+        self.returned_content: list[str] = []
+        self.returned_reasoning: list[str] = []
+        self.usage = Usage()
+        self.done: Done | None = None
+        self._ended = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def chat(cls, state, creq: ChatRequest, call_id_prefix: str = "call_") -> "Generation":
+        """Render and encode the conversation, check that it fits; APIError (400) on bad input."""
+        schemas = _check_tool_choice(creq)
+        ids = chat_prompt(state, creq)
+        tools = _offered(creq)
+        max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param,
+                                 max_param=creq.max_tokens_param)
+        gen = cls(state, ids, max_tokens, sampling=creq.sampling, stop=creq.stop, logprobs=creq.logprobs,
+                  ignore_eos=creq.ignore_eos, parse=True, thinking=creq.thinking,
+                  schemas=schemas if tools else None, tool_choice=creq.tool_choice, call_id_prefix=call_id_prefix)
+        gen.usage.prompt_tokens = len(ids)
+        return gen
+
+    @classmethod
+    def completion(cls, state, prompt_ids: list[int], max_tokens: int, **options) -> "Generation":
+        """Raw text out, no parsing (the prompt is used as given)."""
+        gen = cls(state, prompt_ids, max_tokens, parse=False, **options)
+        gen.usage.prompt_tokens = len(prompt_ids)
+        return gen
+
+    # ------------------------------------------------------------------ engine
+    @property
+    def request(self) -> GenRequest | None:
+        return self.requests[-1] if self.requests else None
+
+    @property
+    def queued(self) -> bool:
+        return self.request is not None and self.request.state == "queued"
+
+    def _submit(self, prompt_ids: list[int], max_tokens: int, stop: list[str]) -> None:
+        req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=stop, logprobs=self.logprobs,
+                         ignore_eos=self.ignore_eos, emit=self.channel.push)
+        self.requests.append(req)
+        try:
+            self.state.engine.submit(req)
+        except QueueFull as e:
+            raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"}) from None
+
+    def submit(self) -> None:
+        """Queue the request in the engine; APIError 429 (queue full) or 503 (stopped)."""
+        self.channel = Channel(asyncio.get_running_loop())
+        ids, max_tokens, stop = self.prompt_ids, self.max_tokens, self.stop
+        if self.opener and self.thinking:
+            stop = stop + [THINK_END]  # phase 1: the reasoning; the opener follows it
+        elif self.opener:
+            ids, max_tokens = self._append_opener(ids, max_tokens)
+        self._submit(ids, max_tokens, stop)
+
+    def _append_opener(self, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        opener_ids = self.tokenizer.encode(self.opener, add_special_tokens=False)
+        if max_tokens <= len(opener_ids):  # no room for a call after the opener: do not force one
+            log.warning("tool_choice %s not enforced: max tokens %d leave no room for a call",
+                        self.tool_choice.mode, max_tokens)
+            self.opener = ""
+            return ids, max_tokens
+        self.opener_ids = opener_ids
+        self.reply_ids += opener_ids
+        self._feed(self.opener, [])
+        return ids + opener_ids, max_tokens - len(opener_ids)
+
+    def cancel(self) -> None:
+        if self.request is not None and not self.request.finished():
+            self.state.engine.cancel(self.request)
+
+    def finished(self) -> bool:
+        return self._ended
+
+    # ------------------------------------------------------------------ events
+    async def next_events(self, timeout: float) -> list[Event]:
+        """The events that arrived within `timeout` ([] if none)."""
+        out: list[Event] = []
+        for kind, value in await self.channel.get(timeout):
+            if self._ended:
+                break
+            if kind == "token":
+                if len(self.requests) == 1:  # known once the prefill began
+                    self.usage.cached_tokens = min(self.request.cached_tokens, self.usage.prompt_tokens)
+                out.append(Token(value))
+                if self.parser is not None and self.parser.in_reasoning:
+                    self.usage.reasoning_tokens += 1
+                self._feed(value.text, out)
+            elif kind == "done":
+                self._phase_done(out)
+            elif kind == "error":
+                self._ended = True
+                out.append(Failed(value))
+            elif kind == "cancelled":
+                self._ended = True
+                out.append(Cancelled(value))
+        return out
+
+    def _feed(self, text: str, out: list[Event]) -> None:
+        if not text:
+            return
+        self.reply_text.append(text)
+        if self.parser is None:
+            self.returned_content.append(text)
+            out.append(Text("content", text))
+            return
+        for ev in self.parser.feed(text):
+            self._translate(ev, out)
+
+    def _translate(self, ev, out: list[Event]) -> None:
+        if isinstance(ev, ReasoningDelta):
+            self.returned_reasoning.append(ev.text)
+            out.append(Text("reasoning", ev.text))
+        elif isinstance(ev, ContentDelta):
+            self.returned_content.append(ev.text)
+            out.append(Text("content", ev.text))
+        elif isinstance(ev, ToolCall):
+            problem = self._call_problem(ev)
+            if problem:
+                log.warning("tool call returned as text: %s: %s", problem, ev.raw[:200])
+                self.returned_content.append(ev.raw)
+                out.append(Text("content", ev.raw))
+                return
+            call = Call(len(self.calls), f"{self.call_id_prefix}{uuid.uuid4().hex[:24]}", ev.name, ev.arguments)
+            self.calls.append(call)
+            out.append(call)
+
+    def _call_problem(self, call: ToolCall) -> str | None:
+        if self.schemas is None:
+            return "no tools are offered (tool_choice none or no tools)"
+        if call.name not in self.schemas:
+            return f"unknown tool {call.name!r}"
+        problems = validate_json_schema(json.loads(call.arguments), self.schemas[call.name], "arguments")
+        return "; ".join(problems) if problems else None
+
+    def _phase_done(self, out: list[Event]) -> None:
+        req = self.request
+        if len(self.requests) == 1:
+            self.usage.cached_tokens = min(req.cached_tokens, self.usage.prompt_tokens)
+        eos = self.state.eos_ids
+        ended_by_eos = req.finish_reason == "stop" and bool(req.generated) and req.generated[-1] in eos \
+            and not self.ignore_eos
+        sampled = req.generated[:-1] if ended_by_eos else list(req.generated)
+        self.reply_ids += sampled
+        stop_hit = None
+        if req.finish_reason == "stop" and not ended_by_eos:
+            rest = self.tokenizer.decode(req.generated)[len(req.text):]
+            stop_hit = next((s for s in req.stop if rest.startswith(s)), None)
+        if stop_hit == THINK_END and self.opener and len(self.requests) == 1 and THINK_END not in self.stop:
+            self._continue_after_reasoning(req, rest, out)
+            return
+        self._ended = True
+        finish = "end" if ended_by_eos else "length" if req.finish_reason == "length" else \
+            "stop_sequence" if stop_hit is not None else "end"
+        if self.parser is not None:
+            for ev in self.parser.finish():
+                self._translate(ev, out)
+            if self.calls and finish != "length":
+                finish = "tool_calls"
+            if self.opener and not self.calls:
+                log.warning("tool_choice %s: the reply holds no valid tool call", self.tool_choice.mode)
+            self._record()
+        self.usage.completion_tokens = len(self.reply_ids) + (1 if ended_by_eos else 0)
+        self.done = Done(finish, stop_hit if finish == "stop_sequence" else None)
+        out.append(self.done)
+
+    def _continue_after_reasoning(self, req: GenRequest, rest: str, out: list[Event]) -> None:
+        """Phase 2 of a forced tool call in thinking mode: the reasoning ended; append the opener."""
+        if rest != THINK_END:
+            # The token that finished </think> carried more text: the opener cannot follow cleanly.
+            log.warning("tool_choice %s not enforced: the reasoning ended inside a token", self.tool_choice.mode)
+            extra, opener = rest, ""
+        else:
+            extra, opener = THINK_END, self.opener
+        self._feed(extra, out)
+        self.opener = opener
+        ids = self.prompt_ids + req.generated
+        left = self.max_tokens - len(req.generated)
+        if left <= 0:
+            self._ended = True
+            self.usage.completion_tokens = len(self.reply_ids)
+            self.done = Done("length")
+            out.append(self.done)
+            return
+        if opener:
+            ids, left = self._append_opener(ids, left)
+        try:
+            self._submit(ids, left, self.stop)
+        except APIError as e:
+            self._ended = True
+            out.append(Failed(e))
+
+    def _record(self) -> None:
+        """Remember the reply's sampled ids for exact replay (see serve.replay)."""
+        replay = self.state.replay
+        text = "".join(self.reply_text)
+        if replay is None or not self.reply_ids or set(self.reply_ids) & self.state.eos_ids:
+            return
+        if self.tokenizer.decode(self.reply_ids) != text:
+            return  # e.g. cut at a stop string: what the client got is not what was sampled
+        sig = signature("".join(self.returned_reasoning), "".join(self.returned_content),
+                        [(c.name, json.loads(c.arguments)) for c in self.calls], self.thinking)
+        try:
+            replay.record(text, self.reply_ids, sig, [c.id for c in self.calls])
+        except Exception as e:  # noqa: BLE001 - replay is an optimisation: never fail the request
+            log.warning("replay: recording failed: %s: %s", type(e).__name__, e)
+
+    # ------------------------------------------------------------------ results
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.returned_reasoning)
+
+    @property
+    def content(self) -> str:
+        return "".join(self.returned_content)
+
+    @property
+    def generated(self) -> list[int]:
+        """Every sampled token id, in order (all phases)."""
+        return [t for r in self.requests for t in r.generated]
+
