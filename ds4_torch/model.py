@@ -150,12 +150,16 @@ class ForwardPlan:
         device = start.device
         self.start, self.T = start, T
         positions = start[:, None] + torch.arange(T, device=device)
-        main = rope_tables(*model.rotary_main(positions, dtype))
-        compress = rope_tables(*model.rotary_compress(positions, dtype))
-        self.rope = {SLIDING: main, CSA: compress, HCA: compress}  # `rotate` tables by layer kind
-        # Angle -t (sin negated): undoes the rotation the values carried into the outputs.
-        main_inverse, compress_inverse = (main[0], -main[1]), (compress[0], -compress[1])
-        self.rope_inverse = {SLIDING: main_inverse, CSA: compress_inverse, HCA: compress_inverse}
+        # `rotate` tables by layer kind (sliding layers: the main rotary, CSA/HCA: the compress one),
+        # for the kinds this model has; the inverse (sin negated, angle -t) undoes on the outputs
+        # the rotation the values carried.
+        self.rope, self.rope_inverse = {}, {}
+        for kinds, rotary in (((SLIDING,), model.rotary_main), ((CSA, HCA), model.rotary_compress)):
+            if any(layer.kind in kinds for layer in cache.layers):
+                tables = rope_tables(*rotary(positions, dtype))
+                inverse = (tables[0], -tables[1])
+                for kind in kinds:
+                    self.rope[kind], self.rope_inverse[kind] = tables, inverse
         W, B = cache.config.sliding_window, start.shape[0]
         if T == 1:
             self.ring_index = torch.arange(B, device=device) * W + start % W  # row of ring.view(B*W, D)
