@@ -378,6 +378,11 @@ class Engine:
         """Nothing waiting, prefilling or decoding."""
         return not self._queue and self.prefilling is None and not self.running
 
+    def flush_snapshots(self) -> None:
+        """Wait until every disk snapshot handed to the background writer is written."""
+        if self._writer is not None:
+            self._writer.flush()
+
     def resident_tokens(self) -> list[list[int]]:
         """The token ids each non-empty resident session holds (for tests and tools)."""
         return [list(s.tokens) for s in self.sessions if s.tokens]

@@ -170,7 +170,7 @@ def test_lru_eviction_snapshots_to_disk_and_restores(model, tmp_path):
         assert complete(s, c, 6).status_code == 200  # two slots: a, the least recently used, goes
         assert metric(s, "ds4_session_evictions_total") >= 1
         assert not any(t[:len(a)] == a for t in s.app.state.engine.resident_tokens())
-        wait_for(lambda: s.app.state.engine._writer.queue.unfinished_tasks == 0, what="the snapshot writer")
+        s.app.state.engine.flush_snapshots()
         follow_up = a + reply_a + [9]
         r = complete(s, follow_up, 4).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(a) + len(reply_a) - 1  # from disk

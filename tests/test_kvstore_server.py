@@ -171,10 +171,12 @@ def prompt(seed, n=80):
 
 
 def wait_idle(srv):
+    """No request in the engine and every snapshot it handed to its background writer written."""
     deadline = time.monotonic() + 10
     while not srv.app.state.engine.idle():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    srv.app.state.engine.flush_snapshots()
 
 
 def test_damaged_snapshot_served_by_clean_prefill(tmp_path, model, tok):
