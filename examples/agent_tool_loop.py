@@ -43,8 +43,9 @@ def run_tool(name: str, arguments: dict) -> str:
     return json.dumps(get_weather(**arguments))
 
 
-def chat_completions_loop(url: str, question: str, rounds: int = 3) -> list[dict]:
-    """Chat completions with `tools`; returns one record per turn."""
+def chat_completions_loop(url: str, question: str, rounds: int = 3, thinking: bool = False) -> list[dict]:
+    """Chat completions with `tools`; returns one record per turn. `thinking`: DeepSeek's
+    thinking mode; the reasoning goes back in `reasoning_content` with the rest of the message."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -53,7 +54,8 @@ def chat_completions_loop(url: str, question: str, rounds: int = 3) -> list[dict
     for _ in range(rounds):
         r = client.chat.completions.create(model=MODEL, messages=messages, tools=[{"type": "function",
                                                                                   "function": WEATHER}],
-                                           temperature=0, max_tokens=128)
+                                           temperature=0, max_tokens=128,
+                                           extra_body={"thinking": {"type": "enabled" if thinking else "disabled"}})
         m = r.choices[0].message
         turns.append({"prompt": r.usage.prompt_tokens, "completion": r.usage.completion_tokens,
                       "cached": r.usage.prompt_tokens_details.cached_tokens, "finish": r.choices[0].finish_reason,
@@ -68,8 +70,8 @@ def chat_completions_loop(url: str, question: str, rounds: int = 3) -> list[dict
     return turns
 
 
-def responses_loop(url: str, question: str, rounds: int = 3) -> list[dict]:
-    """The Responses API, stateless: the whole item list goes back each turn."""
+def responses_loop(url: str, question: str, rounds: int = 3, thinking: bool = False) -> list[dict]:
+    """The Responses API, stateless: the whole item list goes back each turn (reasoning items too)."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -77,7 +79,8 @@ def responses_loop(url: str, question: str, rounds: int = 3) -> list[dict]:
     turns = []
     for _ in range(rounds):
         r = client.responses.create(model=MODEL, input=items, tools=[{"type": "function", **WEATHER}],
-                                    temperature=0, max_output_tokens=128, store=False)
+                                    temperature=0, max_output_tokens=128, store=False,
+                                    **({"reasoning": {"effort": "high"}} if thinking else {}))
         calls = [o for o in r.output if o.type == "function_call"]
         turns.append({"prompt": r.usage.input_tokens, "completion": r.usage.output_tokens,
                       "cached": r.usage.input_tokens_details.cached_tokens, "finish": r.status,
@@ -91,8 +94,9 @@ def responses_loop(url: str, question: str, rounds: int = 3) -> list[dict]:
     return turns
 
 
-def anthropic_loop(url: str, question: str, rounds: int = 3) -> list[dict]:
-    """Anthropic Messages with tools: tool_use blocks out, tool_result blocks back."""
+def anthropic_loop(url: str, question: str, rounds: int = 3, thinking: bool = False) -> list[dict]:
+    """Anthropic Messages with tools: tool_use blocks out, tool_result blocks back (and thinking
+    blocks, which go back with the rest of the assistant message)."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
@@ -100,7 +104,9 @@ def anthropic_loop(url: str, question: str, rounds: int = 3) -> list[dict]:
     messages: list = [{"role": "user", "content": question}]
     turns = []
     for _ in range(rounds):
-        r = client.messages.create(model=MODEL, max_tokens=128, messages=messages, tools=tools, temperature=0)
+        r = client.messages.create(model=MODEL, max_tokens=1200 if thinking else 128, messages=messages, tools=tools,
+                                   extra_body={"temperature": 0},  # the SDK no longer has a parameter for it
+                                   **({"thinking": {"type": "enabled", "budget_tokens": 1024}} if thinking else {}))
         uses = [b for b in r.content if b.type == "tool_use"]
         turns.append({"prompt": r.usage.input_tokens + r.usage.cache_read_input_tokens,
                       "completion": r.usage.output_tokens, "cached": r.usage.cache_read_input_tokens,
@@ -151,11 +157,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (default: start one)")
     p.add_argument("--question", default="What is the weather in Paris?")
+    p.add_argument("--thinking", action="store_true", help="thinking mode (the model reasons before it replies)")
     args = p.parse_args(argv)
     with (contextlib.nullcontext(args.url) if args.url else local_server()) as url:
-        report("chat completions (openai)", chat_completions_loop(url, args.question))
-        report("responses (openai)", responses_loop(url, args.question))
-        report("messages (anthropic)", anthropic_loop(url, args.question))
+        report("chat completions (openai)", chat_completions_loop(url, args.question, thinking=args.thinking))
+        report("responses (openai)", responses_loop(url, args.question, thinking=args.thinking))
+        report("messages (anthropic)", anthropic_loop(url, args.question, thinking=args.thinking))
 
 
 if __name__ == "__main__":

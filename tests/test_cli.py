@@ -68,7 +68,7 @@ def test_generate_chat_uses_the_chat_format(capsys, default_model):
     rc, out, _ = run_cli(capsys, "generate", "--chat", "-p", "Hi", "-n", "5")
     assert rc == 0
     tok = default_tokenizer()
-    chat = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>")
+    chat = tok.encode("<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>")  # DeepSeek-V4, chat mode
     assert chat == tok.encode_chat([{"role": "user", "content": "Hi"}])
     assert out == tok.decode(until_eos(greedy_stateless(default_model, chat, 5), tok.eos_token_id)) + "\n"
 
