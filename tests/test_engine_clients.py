@@ -255,15 +255,15 @@ def test_max_tokens_0_without_prompt_logprobs_samples_nothing(engine):
     assert run(engine, req)[0] == [("done", "length")] and req.generated == []
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(sampling=SamplingParams(logit_bias={1024: 5.0})), "logit_bias"),
-    (dict(sampling=SamplingParams(stop_token_ids=[99999])), "stop_token_ids"),
-    (dict(sampling=SamplingParams(min_tokens=9)), "min_tokens"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(max_tokens=-1), "max_tokens"),
+@pytest.mark.parametrize("bad, field", [  # V: the model's vocabulary size, the first id outside it
+    (lambda V: dict(sampling=SamplingParams(logit_bias={V: 5.0})), "logit_bias"),
+    (lambda V: dict(sampling=SamplingParams(stop_token_ids=[V])), "stop_token_ids"),
+    (lambda V: dict(sampling=SamplingParams(min_tokens=9)), "min_tokens"),
+    (lambda V: dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (lambda V: dict(max_tokens=-1), "max_tokens"),
 ])
 def test_requests_the_model_cannot_serve_are_refused_naming_the_field(engine, bad, field):
-    args = dict(max_tokens=8) | bad
+    args = dict(max_tokens=8) | bad(engine.model.config.vocab_size)
     depth = engine.queue_depth()
     with pytest.raises(ValueError, match=field):
         engine.submit(GenRequest(ids_of(5, 9), **args))
