@@ -45,7 +45,7 @@ from . import anthropic_api, openai_api, responses_api
 from .chat import Cancelled, Failed, Generation, encode_conversation
 from .engine import Engine
 from .metrics import Metrics
-from .protocol import APIError, bad, parse_json_object
+from .protocol import APIError, bad, parse_json_object, type_name
 from .replay import ReplayStore
 
 log = logging.getLogger("ds4.serve")
@@ -114,6 +114,8 @@ class AppState:
                            code="invalid_api_key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise bad(f"'model' must be a string, got {type_name(name)}", "model", "invalid_type")
         if name is not None and name not in self.names:
             raise bad(f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
                       "model", "model_not_found")

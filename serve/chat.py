@@ -277,6 +277,7 @@ class Generation:
         self.opener_ids: list[int] = []
         # In thinking mode a forced call or a grammar starts once the reasoning ends: a second phase.
         self.two_phase = thinking and bool(self.opener or grammar)
+        self.reserved = 0                    # tokens phase 1 left for the content (see _reserve)
         self.channel: Channel | None = None
         self.requests: list[GenRequest] = []
         self.reply_text: list[str] = []      # every character fed to the parser
@@ -341,11 +342,23 @@ class Generation:
         """The first engine request (not queued yet); its events go to `channel`."""
         self.channel = channel
         ids, max_tokens, stop = self.prompt_ids, self.max_tokens, self.stop
-        if self.two_phase:
-            return self._request(ids, max_tokens, stop + [THINK_END])  # phase 1: the reasoning
+        if self.two_phase:  # phase 1: the reasoning, leaving room for the shortest valid content
+            self.reserved = self._reserve(max_tokens)
+            return self._request(ids, max(1, max_tokens - self.reserved), stop + [THINK_END])
         if self.opener:
             ids, max_tokens = self._append_opener(ids, max_tokens)
         return self._request(ids, max_tokens, stop, self.grammar, self.prompt_logprobs)
+
+    def _reserve(self, max_tokens: int) -> int:
+        """Tokens phase 1 leaves for what must follow the reasoning with a grammar: `</think>`, the
+        opener, the grammar's shortest completion (its closing path); 0 without a grammar."""
+        if self.grammar is None:
+            return 0
+        path = self.grammar.constraint().closing_path(max_tokens)
+        if path is None:
+            return 0
+        opener = self.tokenizer.encode(self.opener, add_special_tokens=False) if self.opener else []
+        return 1 + len(opener) + len(path)
 
     def submit(self) -> None:
         """Queue the request in the engine; APIError 429 (queue full), 503 (stopped), 400."""
@@ -452,8 +465,10 @@ class Generation:
         if req.finish_reason == "stop" and not ended_by_eos:
             rest = self.tokenizer.decode(req.generated)[len(req.text):]
             stop_hit = next((s for s in req.stop if rest.startswith(s)), None)
-        if stop_hit == THINK_END and self.two_phase and len(self.requests) == 1 and THINK_END not in self.stop:
-            self._continue_after_reasoning(req, rest, out)
+        out_of_room = req.finish_reason == "length" and self.reserved > 0  # only phase 1's budget is spent
+        if self.two_phase and len(self.requests) == 1 and (ended_by_eos or out_of_room or (
+                stop_hit == THINK_END and THINK_END not in self.stop)):
+            self._continue_after_reasoning(req, ended_by_eos or out_of_room, rest if stop_hit else "", out)
             return
         self._ended = True
         finish = "end" if ended_by_eos else "length" if req.finish_reason == "length" else \
@@ -470,10 +485,18 @@ class Generation:
         self.done = Done(finish, stop_hit if finish == "stop_sequence" else None)
         out.append(self.done)
 
-    def _continue_after_reasoning(self, req: GenRequest, rest: str, out: list[Event]) -> None:
+    def _continue_after_reasoning(self, req: GenRequest, close: bool, rest: str, out: list[Event]) -> None:
         """Phase 2 of a forced tool call or a grammar in thinking mode: the reasoning ended; append
-        the opener (a forced call), constrain the rest (a grammar)."""
-        if rest != THINK_END:
+        the opener (a forced call), constrain the rest (a grammar). `close`: the reasoning did not
+        end by itself (the model sent EOS in it, or it used the tokens phase 1 had): `</think>` is
+        appended (in place of the EOS), so what was asked for (a call, the format) still follows."""
+        ids = self.prompt_ids + req.generated
+        if close:
+            end_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+            self.reply_ids += end_ids
+            ids = self.prompt_ids + self.reply_ids
+            extra, opener = THINK_END, self.opener
+        elif rest != THINK_END:
             # The token that finished </think> carried more text: the opener cannot follow cleanly.
             log.warning("tool_choice %s not enforced: the reasoning ended inside a token", self.tool_choice.mode)
             self.grammar = None  # the content already began: a grammar from its start cannot hold
@@ -482,8 +505,7 @@ class Generation:
             extra, opener = THINK_END, self.opener
         self._feed(extra, out)
         self.opener = opener
-        ids = self.prompt_ids + req.generated
-        left = self.max_tokens - len(req.generated)
+        left = self.max_tokens - (len(ids) - len(self.prompt_ids))
         if left <= 0:
             self._ended = True
             self.usage.completion_tokens = len(self.reply_ids)
