@@ -1,7 +1,7 @@
 """Structured outputs: decoding constrained to a JSON schema, and finished within the token budget.
 
     so = StructuredOutputs(tokenizer, vocab_size)     # once per tokenizer
-    grammar = so.json_schema(schema)                  # or so.json_object(); ValueError names what is unsupported
+    grammar = so.json_schema(schema)                  # or so.json_object(), so.lark(text); ValueError names what is unsupported
     c = grammar.constraint()                          # per request (and per choice)
     token = c.step(lambda allowed: sample(logits, params, gen, allowed=allowed), remaining)
     c.done                                            # nothing can follow: the output is complete
@@ -24,7 +24,8 @@ here with our tokenizer (1,024 tokens) on a 3-property object schema and on sche
 Finishing within the budget. A model can write inside a JSON string until `max_tokens` runs out,
 and an output cut there does not parse. So each constraint keeps a *closing path*: tokens that,
 from the current state, reach a complete value (the grammar accepting), found by a deterministic
-policy on a copy of the matcher (forced tokens first; then, inside a string, its closing quote;
+policy on a copy of the matcher (forced tokens first; then a tag token (a grammar around JSON, e.g. a tool call, closes its text
+with one); then, inside a string, its closing quote;
 else the container's closer, a comma, the shortest value: `0`, `""`, `null` ...; else the
 shortest token the grammar allows). Invariant: the path fits the tokens left. Each step the
 model samples under the grammar's mask; the token is taken when a closing path from after it
@@ -61,6 +62,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos = int(eos)
         self.lltok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=self.eos)
+        self._hf = hf
         self._closer = _Closer(self.lltok, vocab_size, self.eos)
 
     def json_schema(self, schema) -> "Grammar":
@@ -78,19 +80,36 @@ class StructuredOutputs:
             schema = {}
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return self._compile(json.dumps(schema))  # key order kept: it is the order properties are written in
+        return self._compile("json", json.dumps(schema))  # key order kept: the order properties are written in
 
     def json_object(self) -> "Grammar":
         """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
-        return self._compile(json.dumps({"type": "object"}))
+        return self._compile("json", json.dumps({"type": "object"}))
+
+    def lark(self, text: str) -> "Grammar":
+        """A grammar in llguidance's Lark dialect (`%json {schema}` embeds a JSON schema; text
+        literals match whatever tokens spell them). Raises ValueError like `json_schema`."""
+        return self._compile("lark", text)
+
+    def literal(self, text: str) -> str:
+        """A Lark expression matching exactly `text`. A text that is one added token which
+        llguidance keeps apart from text (a tag like `</｜DSML｜invoke>`: such tokens never match a
+        string literal) is named by its id, `<[id]>`; anything else is a string literal."""
+        ids = self._hf.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] in self._closer.tags:
+            return f"<[{ids[0]}]>"
+        return json.dumps(text, ensure_ascii=False)
 
     @functools.lru_cache(maxsize=256)
-    def _compile(self, schema_text: str) -> "Grammar":
+    def _compile(self, kind: str, text: str) -> "Grammar":
         llg = self._llg
         try:
-            spec = llg.LLMatcher.grammar_from_json_schema(json.loads(schema_text), defaults=_DEFAULTS)
+            if kind == "json":
+                spec = llg.LLMatcher.grammar_from_json_schema(json.loads(text), defaults=_DEFAULTS)
+            else:
+                spec = llg.LLMatcher.grammar_from_lark(text)
         except Exception as e:  # noqa: BLE001 - the library's own exception types vary
-            raise ValueError(f"unsupported JSON schema: {e}") from None
+            raise ValueError(f"unsupported {'JSON schema' if kind == 'json' else 'grammar'}: {e}") from None
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(spec, self.lltok)
         # A warning (e.g. an unknown `format`) means a constraint the output would not respect.
         if failed or messages:
@@ -167,7 +186,7 @@ class Constraint:
         # A token the grammar rejects (a bug: the mask allowed it) leaves the matcher in error,
         # which `done` reports: the request ends there rather than failing its batch.
         if self.matcher.consume_token(token):
-            self.lexer.push(self._closer.token_bytes[token])
+            self._closer.advance(self.lexer, token)
 
 
 class _Lexer:
@@ -218,6 +237,11 @@ class _Closer:
         self.comma = ids(",")
         # Shortest values first: 0, "" (a quote, then the string's own closing), null, false, ...
         self.values = ids('0"nft[{-123456789')
+        # Tokens llguidance keeps apart from text: tags such as `</｜DSML｜parameter>`. A grammar
+        # allowing one is outside JSON (a tool call's text value), and the tag is what closes it,
+        # so the policy tries them first, and after one the lexer starts afresh.
+        self.tags = {i for i in range(min(n, vocab_size)) if lltok.is_special_token(i) and i != eos}
+        self.tag_order = sorted(self.tags)
         # Fallback: the shortest tokens first (fewest bytes, then lowest id), never EOS or empty ones.
         order = sorted((len(b), i) for i, b in enumerate(self.token_bytes) if b and i != eos)
         self.by_length = torch.tensor([i for _, i in order], dtype=torch.long)
@@ -230,7 +254,16 @@ class _Closer:
         bits = (words.unsqueeze(1) >> self._shifts) & 1
         return bits.reshape(-1)[:self.vocab_size].bool()
 
+    def advance(self, lexer: _Lexer, token: int) -> None:
+        if token in self.tags:
+            lexer.in_string, lexer.escape, lexer.stack = False, False, ""
+        else:
+            lexer.push(self.token_bytes[token])
+
     def _next(self, m, lexer: _Lexer) -> int | None:
+        for t in self.tag_order:
+            if m.validate_tokens([t]) == 1:
+                return t
         if lexer.in_string:
             candidates = [] if lexer.escape else self.quote
         else:
@@ -263,7 +296,7 @@ class _Closer:
         if first is not None:
             if not m.consume_token(first):
                 return None
-            lx.push(self.token_bytes[first])
+            self.advance(lx, first)
         path: list[int] = []
         while not m.is_accepting():
             forced = m.compute_ff_tokens()
@@ -271,6 +304,6 @@ class _Closer:
             for t in steps:
                 if t is None or len(path) >= limit or not m.consume_token(t):
                     return None
-                lx.push(self.token_bytes[t])
+                self.advance(lx, t)
                 path.append(t)
         return path

@@ -42,10 +42,10 @@ from starlette.routing import Route
 from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api, openai_api, responses_api
-from .chat import Cancelled, Done, Failed, Generation, encode_conversation
+from .chat import Cancelled, Failed, Generation, encode_conversation
 from .engine import Engine
 from .metrics import Metrics
-from .protocol import APIError, bad, parse_json_object
+from .protocol import APIError, bad, parse_json_object, type_name
 from .replay import ReplayStore
 
 log = logging.getLogger("ds4.serve")
@@ -114,6 +114,8 @@ class AppState:
                            code="invalid_api_key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise bad(f"'model' must be a string, got {type_name(name)}", "model", "invalid_type")
         if name is not None and name not in self.names:
             raise bad(f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
                       "model", "model_not_found")
@@ -195,14 +197,14 @@ class AppState:
                     return Response(status_code=CLIENT_CLOSED)
                 view.feed(events)
                 for ev in events:
-                    if isinstance(ev, Done):
-                        status = 200
-                        return JSONResponse(view.body())
                     if isinstance(ev, Failed):
                         status = ev.error.status
                         raise ev.error
                     if isinstance(ev, Cancelled):
                         return Response(status_code=CLIENT_CLOSED)
+                if gen.finished():  # every choice is done
+                    status = 200
+                    return JSONResponse(view.body())
         finally:
             gen.cancel()
             self.log_request(endpoint, status, gen)
@@ -254,13 +256,13 @@ class AppState:
                     data += view.feed(pending)
                     done = False
                     for ev in pending:
-                        if isinstance(ev, Done):
-                            outcome, done = 200, True
-                        elif isinstance(ev, Failed):
+                        if isinstance(ev, Failed):
                             data += view.error(ev.error)
                             outcome, done = ev.error.status, True
                         elif isinstance(ev, Cancelled):
                             done = True
+                    if not done and gen.finished():  # every choice is done
+                        outcome, done = 200, True
                     pending = []
                     now = time.monotonic()
                     if data:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import uuid
@@ -30,14 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ds4_torch.chat_encoding import (
-    INVOKE_OPEN, THINK_END, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR, render_prompt_parts,
+    INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN,
+    TOOL_CALLS_SEPARATOR, render_prompt_parts,
 )
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.output_parser import ContentDelta, ReasoningDelta, StreamingOutputParser, ToolCall
 from ds4_torch.sampling import SamplingParams
 
 from .engine import EngineStopped, GenRequest, QueueFull, TokenOut
-from .protocol import APIError, bad, fit_context
+from .protocol import APIError, bad, fit_context, value_error
 from .replay import ReplayStore, signature
 
 log = logging.getLogger("ds4.serve")
@@ -62,22 +64,33 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
     ignore_eos: bool = False
+    grammar: Any = None                           # a ds4_torch.structured.Grammar the content follows
     # Field names of the API, for error messages.
     messages_param: str = "messages"
     max_tokens_param: str = "max_tokens"
     tool_choice_param: str = "tool_choice"
+    tools_param: str = "tools"
 
 
 # --------------------------------------------------------------------------- events
+# `choice`: which generation of a `Choices` the event belongs to (0 for a single one).
 @dataclass(frozen=True)
 class Token:
     out: TokenOut
+    choice: int = 0
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    outs: list            # [TokenOut] of every prompt token (the first has no logprob)
+    choice: int = 0
 
 
 @dataclass(frozen=True)
 class Text:
     channel: str          # "reasoning" | "content"
     text: str
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,12 +99,14 @@ class Call:
     id: str
     name: str
     arguments: str        # a JSON object
+    choice: int = 0
 
 
 @dataclass(frozen=True)
 class Done:
     finish: str                       # end | stop_sequence | length | tool_calls
     stop_sequence: str | None = None
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +119,7 @@ class Cancelled:
     stage: str
 
 
-Event = Union[Token, Text, Call, Done, Failed, Cancelled]
+Event = Union[Token, PromptLogprobs, Text, Call, Done, Failed, Cancelled]
 
 
 @dataclass
@@ -190,28 +205,53 @@ def chat_prompt(state, creq: ChatRequest) -> list[int]:
 
 # --------------------------------------------------------------------------- one generation
 class Channel:
-    """Events from the engine thread to the request's handler on the event loop."""
+    """Events from the engine thread to the request's handler on the event loop. Channels may
+    share their wake-up `event` (the choices of one response)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event | None = None):
         self.loop = loop
         self.items: collections.deque = collections.deque()
-        self.event = asyncio.Event()
+        self.event = event or asyncio.Event()
 
     def push(self, event: tuple) -> None:  # engine thread
         self.items.append(event)
         self.loop.call_soon_threadsafe(self.event.set)
 
-    async def get(self, timeout: float) -> list[tuple]:
-        if not self.items:
-            try:
-                await asyncio.wait_for(self.event.wait(), timeout)
-            except asyncio.TimeoutError:  # a distinct class before Python 3.11, an alias after
-                pass
-        self.event.clear()  # before draining: a push racing with us leaves the event set
+    async def wait(self, timeout: float) -> None:
+        """Until something was pushed (to any channel sharing the event) or `timeout`; then the
+        event is cleared, so drain after this: a push racing with us leaves the event set."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout)
+        except asyncio.TimeoutError:  # a distinct class before Python 3.11, an alias after
+            pass
+        self.event.clear()
+
+    def drain(self) -> list[tuple]:
         out = []
         while self.items:
             out.append(self.items.popleft())
         return out
+
+    async def get(self, timeout: float) -> list[tuple]:
+        if not self.items:
+            await self.wait(timeout)
+        else:
+            self.event.clear()
+        return self.drain()
+
+
+def queue_requests(engine, reqs: list[GenRequest]) -> None:
+    """Queue `reqs` in the engine together (or none); APIError 429 (queue full), 503 (stopped) or
+    400 (a setting the model cannot serve, named)."""
+    try:
+        engine.submit_all(reqs)
+    except QueueFull as e:
+        raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except EngineStopped as e:
+        raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"}) from None
+    except ValueError as e:
+        raise value_error(e) from None
 
 
 class Generation:
@@ -220,8 +260,12 @@ class Generation:
 
     def __init__(self, state, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams, stop: list[str],
                  logprobs: int | None, ignore_eos: bool, parse: bool, thinking: bool = False,
-                 schemas: dict | None = None, tool_choice: ToolChoice = ToolChoice(), call_id_prefix: str = "call_"):
+                 schemas: dict | None = None, tool_choice: ToolChoice = ToolChoice(), call_id_prefix: str = "call_",
+                 grammar=None, prompt_logprobs: int | None = None):
         self.state = state
+        self.choice = 0                      # its index among the choices of a response
+        self.grammar = grammar               # what the content (after any reasoning) follows
+        self.prompt_logprobs = prompt_logprobs
         self.tokenizer = state.tokenizer
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
@@ -231,6 +275,9 @@ class Generation:
         self.parser = StreamingOutputParser(thinking=thinking) if parse else None
         self.opener = _forced_opener(tool_choice) if parse else ""
         self.opener_ids: list[int] = []
+        # In thinking mode a forced call or a grammar starts once the reasoning ends: a second phase.
+        self.two_phase = thinking and bool(self.opener or grammar)
+        self.reserved = 0                    # tokens phase 1 left for the content (see _reserve)
         self.channel: Channel | None = None
         self.requests: list[GenRequest] = []
         self.reply_text: list[str] = []      # every character fed to the parser
@@ -246,16 +293,26 @@ class Generation:
     @classmethod
     def chat(cls, state, creq: ChatRequest, call_id_prefix: str = "call_") -> "Generation":
         """Render and encode the conversation, check that it fits; APIError (400) on bad input."""
+        return cls.chats(state, creq, 1, call_id_prefix)[0]
+
+    @classmethod
+    def chats(cls, state, creq: ChatRequest, n: int, call_id_prefix: str = "call_") -> list["Generation"]:
+        """`n` choices of one chat request (the prompt encoded once; choice i samples with
+        `SamplingParams.for_choice(i)`)."""
         schemas = _check_tool_choice(creq)
         ids = chat_prompt(state, creq)
         tools = _offered(creq)
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param,
                                  max_param=creq.max_tokens_param)
-        gen = cls(state, ids, max_tokens, sampling=creq.sampling, stop=creq.stop, logprobs=creq.logprobs,
-                  ignore_eos=creq.ignore_eos, parse=True, thinking=creq.thinking,
-                  schemas=schemas if tools else None, tool_choice=creq.tool_choice, call_id_prefix=call_id_prefix)
-        gen.usage.prompt_tokens = len(ids)
-        return gen
+        gens = []
+        for i in range(n):
+            gen = cls(state, ids, max_tokens, sampling=creq.sampling.for_choice(i), stop=creq.stop,
+                      logprobs=creq.logprobs, ignore_eos=creq.ignore_eos, parse=True, thinking=creq.thinking,
+                      schemas=schemas if tools else None, tool_choice=creq.tool_choice,
+                      call_id_prefix=call_id_prefix, grammar=creq.grammar)
+            gen.usage.prompt_tokens = len(ids)
+            gens.append(gen)
+        return gens
 
     @classmethod
     def completion(cls, state, prompt_ids: list[int], max_tokens: int, **options) -> "Generation":
@@ -273,27 +330,39 @@ class Generation:
     def queued(self) -> bool:
         return self.request is not None and self.request.state == "queued"
 
-    def _submit(self, prompt_ids: list[int], max_tokens: int, stop: list[str]) -> None:
+    def _request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], grammar=None,
+                 prompt_logprobs: int | None = None) -> GenRequest:
         req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=stop, logprobs=self.logprobs,
-                         ignore_eos=self.ignore_eos, emit=self.channel.push)
+                         ignore_eos=self.ignore_eos, grammar=grammar, prompt_logprobs=prompt_logprobs,
+                         emit=self.channel.push)
         self.requests.append(req)
-        try:
-            self.state.engine.submit(req)
-        except QueueFull as e:
-            raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
-        except EngineStopped as e:
-            raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"}) from None
+        return req
+
+    def first_request(self, channel: Channel) -> GenRequest:
+        """The first engine request (not queued yet); its events go to `channel`."""
+        self.channel = channel
+        ids, max_tokens, stop = self.prompt_ids, self.max_tokens, self.stop
+        if self.two_phase:  # phase 1: the reasoning, leaving room for the shortest valid content
+            self.reserved = self._reserve(max_tokens)
+            return self._request(ids, max(1, max_tokens - self.reserved), stop + [THINK_END])
+        if self.opener:
+            ids, max_tokens = self._append_opener(ids, max_tokens)
+        return self._request(ids, max_tokens, stop, self.grammar, self.prompt_logprobs)
+
+    def _reserve(self, max_tokens: int) -> int:
+        """Tokens phase 1 leaves for what must follow the reasoning with a grammar: `</think>`, the
+        opener, the grammar's shortest completion (its closing path); 0 without a grammar."""
+        if self.grammar is None:
+            return 0
+        path = self.grammar.constraint().closing_path(max_tokens)
+        if path is None:
+            return 0
+        opener = self.tokenizer.encode(self.opener, add_special_tokens=False) if self.opener else []
+        return 1 + len(opener) + len(path)
 
     def submit(self) -> None:
-        """Queue the request in the engine; APIError 429 (queue full) or 503 (stopped)."""
-        self.channel = Channel(asyncio.get_running_loop())
-        ids, max_tokens, stop = self.prompt_ids, self.max_tokens, self.stop
-        if self.opener and self.thinking:
-            stop = stop + [THINK_END]  # phase 1: the reasoning; the opener follows it
-        elif self.opener:
-            ids, max_tokens = self._append_opener(ids, max_tokens)
-        self._submit(ids, max_tokens, stop)
+        """Queue the request in the engine; APIError 429 (queue full), 503 (stopped), 400."""
+        queue_requests(self.state.engine, [self.first_request(Channel(asyncio.get_running_loop()))])
 
     def _append_opener(self, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
         opener_ids = self.tokenizer.encode(self.opener, add_special_tokens=False)
@@ -317,11 +386,17 @@ class Generation:
     # ------------------------------------------------------------------ events
     async def next_events(self, timeout: float) -> list[Event]:
         """The events that arrived within `timeout` ([] if none)."""
+        return self.events(await self.channel.get(timeout))
+
+    def events(self, items: list[tuple]) -> list[Event]:
+        """The engine's `items` (drained from the channel) as events."""
         out: list[Event] = []
-        for kind, value in await self.channel.get(timeout):
+        for kind, value in items:
             if self._ended:
                 break
-            if kind == "token":
+            if kind == "prompt_logprobs":
+                out.append(PromptLogprobs(value))
+            elif kind == "token":
                 if len(self.requests) == 1:  # known once the prefill began
                     self.usage.cached_tokens = min(self.request.cached_tokens, self.usage.prompt_tokens)
                 out.append(Token(value))
@@ -336,6 +411,8 @@ class Generation:
             elif kind == "cancelled":
                 self._ended = True
                 out.append(Cancelled(value))
+        if self.choice:
+            out = [dataclasses.replace(e, choice=self.choice) if hasattr(e, "choice") else e for e in out]
         return out
 
     def _feed(self, text: str, out: list[Event]) -> None:
@@ -388,8 +465,10 @@ class Generation:
         if req.finish_reason == "stop" and not ended_by_eos:
             rest = self.tokenizer.decode(req.generated)[len(req.text):]
             stop_hit = next((s for s in req.stop if rest.startswith(s)), None)
-        if stop_hit == THINK_END and self.opener and len(self.requests) == 1 and THINK_END not in self.stop:
-            self._continue_after_reasoning(req, rest, out)
+        out_of_room = req.finish_reason == "length" and self.reserved > 0  # only phase 1's budget is spent
+        if self.two_phase and len(self.requests) == 1 and (ended_by_eos or out_of_room or (
+                stop_hit == THINK_END and THINK_END not in self.stop)):
+            self._continue_after_reasoning(req, ended_by_eos or out_of_room, rest if stop_hit else "", out)
             return
         self._ended = True
         finish = "end" if ended_by_eos else "length" if req.finish_reason == "length" else \
@@ -406,18 +485,27 @@ class Generation:
         self.done = Done(finish, stop_hit if finish == "stop_sequence" else None)
         out.append(self.done)
 
-    def _continue_after_reasoning(self, req: GenRequest, rest: str, out: list[Event]) -> None:
-        """Phase 2 of a forced tool call in thinking mode: the reasoning ended; append the opener."""
-        if rest != THINK_END:
+    def _continue_after_reasoning(self, req: GenRequest, close: bool, rest: str, out: list[Event]) -> None:
+        """Phase 2 of a forced tool call or a grammar in thinking mode: the reasoning ended; append
+        the opener (a forced call), constrain the rest (a grammar). `close`: the reasoning did not
+        end by itself (the model sent EOS in it, or it used the tokens phase 1 had): `</think>` is
+        appended (in place of the EOS), so what was asked for (a call, the format) still follows."""
+        ids = self.prompt_ids + req.generated
+        if close:
+            end_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+            self.reply_ids += end_ids
+            ids = self.prompt_ids + self.reply_ids
+            extra, opener = THINK_END, self.opener
+        elif rest != THINK_END:
             # The token that finished </think> carried more text: the opener cannot follow cleanly.
             log.warning("tool_choice %s not enforced: the reasoning ended inside a token", self.tool_choice.mode)
+            self.grammar = None  # the content already began: a grammar from its start cannot hold
             extra, opener = rest, ""
         else:
             extra, opener = THINK_END, self.opener
         self._feed(extra, out)
         self.opener = opener
-        ids = self.prompt_ids + req.generated
-        left = self.max_tokens - len(req.generated)
+        left = self.max_tokens - (len(ids) - len(self.prompt_ids))
         if left <= 0:
             self._ended = True
             self.usage.completion_tokens = len(self.reply_ids)
@@ -427,7 +515,7 @@ class Generation:
         if opener:
             ids, left = self._append_opener(ids, left)
         try:
-            self._submit(ids, left, self.stop)
+            queue_requests(self.state.engine, [self._request(ids, left, self.stop, self.grammar)])
         except APIError as e:
             self._ended = True
             out.append(Failed(e))
@@ -461,3 +549,166 @@ class Generation:
         """Every sampled token id, in order (all phases)."""
         return [t for r in self.requests for t in r.generated]
 
+
+
+class Choices:
+    """Several generations answered as one response: OpenAI's `n` and `best_of` choices, one
+    group per prompt (a completions request may send several). Queued together, back to back,
+    so the choices of a prompt share its prefill; their events carry their `choice` (the index
+    in `gens`). Offers what `serve.app` drives a `Generation` with."""
+
+    def __init__(self, groups: list[list[Generation]]):
+        self.groups = groups
+        self.gens = [g for group in groups for g in group]
+        for i, g in enumerate(self.gens):
+            g.choice = i
+
+    def submit(self) -> None:
+        wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        queue_requests(self.gens[0].state.engine, [g.first_request(Channel(loop, wake)) for g in self.gens])
+
+    async def next_events(self, timeout: float) -> list[Event]:
+        channels = [g.channel for g in self.gens]
+        if not any(c.items for c in channels):
+            await channels[0].wait(timeout)
+        else:
+            channels[0].event.clear()
+        return [ev for g in self.gens for ev in g.events(g.channel.drain())]
+
+    def cancel(self) -> None:
+        for g in self.gens:
+            g.cancel()
+
+    def finished(self) -> bool:
+        return all(g.finished() for g in self.gens)
+
+    # ------------------------------------------------------------------ for logs
+    @property
+    def queued(self) -> bool:
+        return any(g.queued for g in self.gens)
+
+    @property
+    def request(self) -> GenRequest | None:
+        return self.gens[0].request
+
+    @property
+    def requests(self) -> list[GenRequest]:
+        return self.gens[0].requests
+
+    @property
+    def done(self) -> Done | None:
+        return self.gens[0].done
+
+    @property
+    def generated(self) -> list[int]:
+        return [t for g in self.gens for t in g.generated]
+
+    @property
+    def calls(self) -> list[Call]:
+        return [c for g in self.gens for c in g.calls]
+
+    @property
+    def usage(self) -> Usage:
+        """Each prompt counted once, every choice's completion tokens."""
+        heads = [group[0].usage for group in self.groups]
+        return Usage(prompt_tokens=sum(u.prompt_tokens for u in heads),
+                     completion_tokens=sum(g.usage.completion_tokens for g in self.gens),
+                     cached_tokens=sum(u.cached_tokens for u in heads),
+                     reasoning_tokens=sum(g.usage.reasoning_tokens for g in self.gens))
+
+
+# --------------------------------------------------------------------------- structured outputs
+def json_grammar(state, schema: Any, param: str):
+    """The grammar of JSON values valid against `schema` (None: any JSON object); 400 naming
+    `param` and what the schema uses that cannot be enforced."""
+    try:
+        so = state.engine.structured_outputs()
+        return so.json_object() if schema is None else so.json_schema(schema)
+    except ValueError as e:
+        raise bad(f"'{param}': {e}", param) from None
+
+
+# Keywords of a strict tool's `parameters` the call grammar honours: it writes exactly the listed
+# properties (so `additionalProperties` holds whatever it says), required ones always.
+_OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "description", "title", "$defs",
+                    "definitions"}
+_ANNOTATIONS = {"description", "title", "examples", "default", "$comment"}
+# A string="true" value: any text that does not open or close a DSML tag.
+_RAW_TEXT = r"/([^<]|<[^\/｜]|<\/[^｜])*/"
+
+
+def _strict_tools(creq: ChatRequest) -> list[tuple[int, dict]]:
+    """(index in `tools`, function) of the tools a forced call may use, when all are `strict`."""
+    choice = creq.tool_choice
+    fns = [(i, t["function"]) for i, t in enumerate(creq.tools)]
+    if choice.mode == "function":
+        fns = [(i, fn) for i, fn in fns if fn["name"] == choice.name]
+    return fns if fns and all(fn.get("strict") is True for _, fn in fns) else []
+
+
+def _arguments_rule(so, params: Any, where: str) -> str:
+    """Lark for the DSML parameters of a call whose arguments follow the JSON schema `params`, as
+    `chat_encoding.render_invoke` writes them: properties in the schema's order, a plain string
+    as text with string="true", any other value as JSON (`%json`, the property's schema) with
+    string="false"; each parameter on its own line."""
+    if params is None or params == {}:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise bad(f"'{where}' must be a JSON schema object", where)
+    extra = sorted(set(params) - _OBJECT_KEYWORDS)
+    if extra:
+        raise bad(f"'{where}' uses {extra[0]!r}, which a strict tool call cannot enforce (strict tools take "
+                  f"an object schema with properties and required)", where, "unsupported_parameter")
+    if params.get("type", "object") != "object":
+        raise bad(f"'{where}.type' must be \"object\" for a strict tool", f"{where}.type")
+    props = params.get("properties") or {}
+    required = params.get("required") or []
+    if not isinstance(props, dict) or not isinstance(required, list):
+        raise bad(f"'{where}': properties must be an object and required an array", where)
+    missing = [r for r in required if r not in props]
+    if missing:
+        raise bad(f"'{where}.required' names {missing[0]!r}, which is not among the properties", f"{where}.required")
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    parts = []
+    for name, sub in props.items():
+        if not isinstance(sub, dict):
+            raise bad(f"'{where}.properties.{name}' must be a JSON schema object", f"{where}.properties.{name}")
+        keys = set(sub) - _ANNOTATIONS
+        enum = sub.get("enum")
+        if keys == {"type"} and sub["type"] == "string":
+            flag, value = "true", _RAW_TEXT
+        elif keys <= {"type", "enum"} and sub.get("type", "string") == "string" and isinstance(enum, list) \
+                and enum and all(isinstance(v, str) for v in enum):
+            flag, value = "true", "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
+        else:
+            flag, value = "false", "%json " + json.dumps({**sub, **defs}, ensure_ascii=False)
+        tag = so.literal(PARAMETER_OPEN) + " " + json.dumps(f' name="{name}" string="{flag}">', ensure_ascii=False)
+        part = f'{tag} {value} {so.literal(PARAMETER_CLOSE)} "\\n"'
+        parts.append(f"({part})" if name in required else f"({part})?")
+    return " ".join(parts) if parts else '"\\n"'
+
+
+def strict_tool_grammar(state, creq: ChatRequest):
+    """For a forced call (tool_choice required or a named function) when every tool it may call
+    is declared `strict`: the grammar of the rest of the call after the opener (`_forced_opener`):
+    the name (required), the parameters following the tool's schema, the closing tags. None when
+    the call is not forced or a tool is not strict (its arguments are then validated, and a call
+    they fail comes back as text). 400 naming the schema a grammar cannot enforce."""
+    fns = _strict_tools(creq)
+    if not fns:
+        return None
+    so = state.engine.structured_outputs()
+    alternatives = []
+    for i, fn in fns:
+        where = f"{creq.tools_param}[{i}].function.parameters"
+        arguments = _arguments_rule(so, fn.get("parameters"), where)
+        name = "" if creq.tool_choice.mode == "function" else json.dumps(f'{fn["name"]}">', ensure_ascii=False)
+        alternatives.append(f'({name} "\\n" {arguments})')
+    text = (f"start: ({' | '.join(alternatives)}) {so.literal(INVOKE_CLOSE)} \"\\n\" "
+            f"{so.literal(TOOL_CALLS_CLOSE)}\n")
+    try:
+        return so.lark(text)
+    except ValueError as e:
+        param = f"{creq.tools_param}[{fns[0][0]}].function.parameters" if len(fns) == 1 else creq.tools_param
+        raise bad(f"'{param}': {e}", param) from None

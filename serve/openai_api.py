@@ -1,22 +1,33 @@
 """OpenAI chat completions and completions: JSON in, `serve.chat` request out; events back to JSON/SSE.
 
-Chat completions take ``tools`` (function tools), ``tool_choice`` (auto, none, required, a named
-function), DeepSeek's ``thinking: {"type": "enabled"|"disabled"}`` (or a boolean) and
-``reasoning_effort`` (which turns thinking on unless it says "none"). Replies carry reasoning in
-``reasoning_content`` (DeepSeek's field) and calls in ``tool_calls`` with JSON-string arguments
-(``finish_reason: "tool_calls"``); streamed, each call arrives whole in one delta.
+Chat completions take ``tools`` (function tools; ``strict: true`` constrains a forced call's
+arguments to the schema), ``tool_choice`` (auto, none, required, a named function), DeepSeek's
+``thinking: {"type": "enabled"|"disabled"}`` (or a boolean), ``reasoning_effort`` (which turns
+thinking on unless it says "none") and ``response_format`` (text, json_object, json_schema:
+the content is constrained to the schema, after the reasoning in thinking mode). Replies carry
+reasoning in ``reasoning_content`` (DeepSeek's field) and calls in ``tool_calls`` with
+JSON-string arguments (``finish_reason: "tool_calls"``); streamed, each call arrives whole in
+one delta.
+
+Both endpoints sample with `temperature`, `top_p`, `seed`, `stop`, `presence_penalty`,
+`frequency_penalty`, `logit_bias` and `n` choices (sharing the prompt's prefill; choice i is
+seeded `seed + i`). Completions also take `best_of` (the `n` of `best_of` choices with the
+highest cumulative logprob), `echo` (the prompt first, with its logprobs when `logprobs` is
+set; `max_tokens` 0 then scores the prompt alone) and a list of prompts (strings or token-id
+lists: `n` choices each, in order). Extensions (vLLM's spellings): `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos` (generate to `max_tokens`
+even past EOS), `return_token_ids` (token ids of the prompt and of the output in the response).
 
 Parsing is strict where a field changes the output: an unknown top-level field, or a known one
-this server does not implement (penalties, `n` > 1, `echo`, ...), is a 400 naming it, like
+this server does not implement (`suffix`, the legacy `functions`), is a 400 naming it, like
 OpenAI's "Unrecognized request argument supplied". Fields that only carry bookkeeping (`user`,
-`metadata`, `store`, ...) are accepted and ignored. Extensions (vLLM's spellings): `top_k`,
-`min_p`, `ignore_eos` (generate to `max_tokens` even past EOS), `return_token_ids` (token ids
-of the prompt and of the output in the response).
+`metadata`, `store`, ...) are accepted and ignored.
 
 Errors: ``{"error": {"message", "type", "param", "code"}}``, as OpenAI answers them.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -28,20 +39,25 @@ from starlette.responses import JSONResponse, Response
 from ds4_torch.chat_encoding import normalize_tools
 from ds4_torch.sampling import SamplingParams
 
-from .chat import Call, ChatRequest, Done, Generation, Text, Token, ToolChoice
-from .protocol import (APIError, bad, check_unknown, fit_context, get_bool, get_number, get_object, parse_stop,
-                       type_name)
+from .chat import (Call, ChatRequest, Choices, Done, Generation, PromptLogprobs, Text, Token, ToolChoice,
+                   json_grammar, strict_tool_grammar)
+from .protocol import (APIError, bad, check_unknown, fit_context, get_bool, get_list, get_number, get_object,
+                       get_str, parse_stop, type_name, value_error)
 
 # Fields accepted and ignored: they do not change what is generated.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier"})
-COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-                    "seed", "stop", "n", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                    "return_token_ids", "ignore_eos"})
+SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                             "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                             "stop_token_ids"})
+COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "max_tokens", "stop", "n", "logprobs",
+                            "return_token_ids", "ignore_eos"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                         "function_call", "response_format", "thinking", "reasoning_effort"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16            # n and best_of
+MAX_SEED = 2**63 - 1        # a signed 64-bit seed (what torch's generators take)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # OpenAI's effort names -> DeepSeek-V4's levels (chat_encoding.REASONING_EFFORT_PROMPTS).
@@ -63,15 +79,30 @@ def _sse(obj: dict) -> bytes:
 
 
 # --------------------------------------------------------------------------- shared fields
-def parse_sampling(body: dict) -> SamplingParams:
+def parse_sampling(body: dict, vocab_size: int | None = None) -> SamplingParams:
+    """The sampling settings of `body` (OpenAI's and vLLM's names), each checked and named when
+    wrong; `vocab_size`: token ids in `logit_bias` and `stop_token_ids` must be inside it."""
     top_k = int(get_number(body, "top_k", 0, lo=-1, integer=True))
-    return SamplingParams(
-        temperature=float(get_number(body, "temperature", 1.0, lo=0.0, hi=2.0)),
-        top_p=float(get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
-        top_k=0 if top_k == -1 else top_k,  # -1: vLLM's spelling of "no top-k"
-        min_p=float(get_number(body, "min_p", 0.0, lo=0.0, hi=1.0)),
-        seed=get_number(body, "seed", None, integer=True),
-    )
+    bias = get_object(body, "logit_bias")
+    stops = get_list(body, "stop_token_ids")
+    try:
+        params = SamplingParams(
+            temperature=float(get_number(body, "temperature", 1.0, lo=0.0, hi=2.0)),
+            top_p=float(get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
+            top_k=0 if top_k == -1 else top_k,  # -1: vLLM's spelling of "no top-k"
+            min_p=float(get_number(body, "min_p", 0.0, lo=0.0, hi=1.0)),
+            seed=get_number(body, "seed", None, lo=-MAX_SEED - 1, hi=MAX_SEED, integer=True),
+            presence_penalty=float(get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)),
+            frequency_penalty=float(get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
+            repetition_penalty=float(get_number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True)),
+            logit_bias=bias or (),
+            min_tokens=get_number(body, "min_tokens", 0, lo=0, integer=True),
+            stop_token_ids=stops or (),
+        )
+        params.check(vocab_size=vocab_size)
+    except ValueError as e:  # what only SamplingParams checks: logit_bias and stop_token_ids entries
+        raise value_error(e) from None
+    return params
 
 
 @dataclass
@@ -83,30 +114,18 @@ class Options:
     logprobs: int | None
     return_token_ids: bool
     ignore_eos: bool
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False
 
 
 def _check_unsupported(body: dict) -> None:
-    n = get_number(body, "n", 1, integer=True)
-    if n != 1:
-        raise bad(f"'n' must be 1 (this server generates one choice per request), got {n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_number(body, name, 0.0) != 0:
-            raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported", "logit_bias", "unsupported_parameter")
     for name in ("functions", "function_call"):
         if body.get(name) is not None:
             raise bad(f"'{name}' (the legacy function calling) is not supported; use 'tools'", name,
                       "unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' only supports {\"type\": \"text\"}", "response_format", "unsupported_parameter")
-    if body.get("echo"):
-        raise bad("'echo' is not supported", "echo", "unsupported_parameter")
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' is not supported", "suffix", "unsupported_parameter")
-    if get_number(body, "best_of", 1, integer=True) != 1:
-        raise bad("'best_of' must be 1", "best_of", "unsupported_parameter")
 
 
 def _parse_options(body: dict) -> Options:
@@ -125,9 +144,10 @@ def _parse_options(body: dict) -> Options:
                       "unknown_parameter")
         include_usage = get_bool(so, "include_usage", False, where="stream_options.")
     _check_unsupported(body)
+    n = get_number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     return Options(model=model, stream=stream, include_usage=include_usage, logprobs=None,
                    return_token_ids=get_bool(body, "return_token_ids", False),
-                   ignore_eos=get_bool(body, "ignore_eos", False))
+                   ignore_eos=get_bool(body, "ignore_eos", False), n=n, best_of=n)
 
 
 # --------------------------------------------------------------------------- chat: request
@@ -221,13 +241,44 @@ def _thinking(body: dict) -> bool | None:
               "invalid_type")
 
 
-def parse_chat(body: dict, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> tuple[ChatRequest, Options]:
+def parse_response_format(state, value: Any, param: str = "response_format"):
+    """Chat's `response_format` -> a grammar (None for text): {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad(f"'{param}' must be an object, got {type_name(value)}", param, "invalid_type")
+    kind = get_str(value, "type", where=f"{param}.", choices=("text", "json_object", "json_schema"))
+    if kind is None:
+        raise bad(f"'{param}.type' is required", f"{param}.type", "missing_required_parameter")
+    check_unknown(value, {"type"} | ({"json_schema"} if kind == "json_schema" else set()), where=f"{param}.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar(state, None, param)
+    where = f"{param}.json_schema"
+    spec = get_object(value, "json_schema", where=f"{param}.")
+    if spec is None:
+        raise bad(f"'{where}' is required with type json_schema", where, "missing_required_parameter")
+    check_unknown(spec, {"name", "schema", "strict", "description"}, where=f"{where}.")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad(f"'{where}.name' must be a non-empty string", f"{where}.name",
+                  "missing_required_parameter" if "name" not in spec else "invalid_value")
+    get_bool(spec, "strict", False, where=f"{where}.")
+    get_str(spec, "description", where=f"{where}.")
+    return json_grammar(state, spec.get("schema", {}), f"{where}.schema")
+
+
+def parse_chat(body: dict, max_top_logprobs: int = MAX_TOP_LOGPROBS, state=None) -> tuple[ChatRequest, Options]:
+    """The chat request of `body`; `state` (the server's) compiles grammars and checks token ids
+    against the vocabulary (without it, e.g. for /tokenize, only the messages matter)."""
     check_unknown(body, CHAT_FIELDS, IGNORED)
     opts = _parse_options(body)
-    sampling = parse_sampling(body)
+    sampling = parse_sampling(body, state.model.config.vocab_size if state is not None else None)
     messages = _messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"))
+    grammar = parse_response_format(state, body.get("response_format")) if state is not None else None
     effort = parse_effort(body.get("reasoning_effort"), "reasoning_effort")
     thinking = _thinking(body)
     if thinking is None:
@@ -241,44 +292,83 @@ def parse_chat(body: dict, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> tuple[Ch
     creq = ChatRequest(messages=messages, tools=tools, tool_choice=choice, thinking=thinking,
                        reasoning_effort=effort if thinking else None, sampling=sampling,
                        max_tokens=get_number(body, param, None, lo=1, integer=True), max_tokens_param=param,
-                       stop=parse_stop(body), logprobs=opts.logprobs, ignore_eos=opts.ignore_eos)
+                       stop=parse_stop(body), logprobs=opts.logprobs, ignore_eos=opts.ignore_eos, grammar=grammar)
+    if state is not None and creq.tool_choice.mode in ("required", "function"):
+        creq.grammar = strict_tool_grammar(state, creq)  # a forced call: the reply is the call, not the format
     return creq, opts
 
 
 # --------------------------------------------------------------------------- completions: request
-def parse_completion(body: dict, state) -> tuple[Generation, Options]:
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def parse_prompts(body: dict, state) -> list[tuple[list[int], str]]:
+    """The prompts of a completions request, each as (token ids, text): a string, a list of token
+    ids, or a list of either (OpenAI's batch: the choices of each, in order)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts, params = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
+    else:
+        raise bad("'prompt' must be a string, a non-empty array of token ids, or an array of either", "prompt",
+                  "invalid_type" if prompt is not None else "missing_required_parameter")
+    vocab_size = state.model.config.vocab_size
+    out = []
+    for p, param in zip(prompts, params):
+        if isinstance(p, str):
+            ids, text = state.tokenizer.encode(p), p
+        elif _is_ids(p):
+            bad_ids = [t for t in p if not 0 <= t < vocab_size]
+            if bad_ids:
+                raise bad(f"'{param}' token id {bad_ids[0]} is outside the vocabulary [0, {vocab_size})", param)
+            ids, text = list(p), state.tokenizer.decode(p)
+        else:
+            raise bad(f"'{param}' must be a string or a non-empty array of token ids", param, "invalid_type")
+        if not ids:
+            raise bad(f"'{param}' encodes to no tokens", param)
+        out.append((ids, text))
+    return out
+
+
+def parse_completion(body: dict, state) -> tuple[Choices, Options, list[str]]:
+    """The generations of a completions request, its options, and each prompt's text (for echo)."""
     check_unknown(body, COMPLETION_FIELDS, IGNORED)
     opts = _parse_options(body)
-    sampling = parse_sampling(body)
-    vocab_size = state.model.config.vocab_size
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = state.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad_ids = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad_ids:
-            raise bad(f"'prompt' token id {bad_ids[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("'prompt' must be one prompt: batches of prompts are not supported", "prompt",
-                  "unsupported_parameter")
-    else:
-        raise bad("'prompt' must be a string or a non-empty array of token ids", "prompt",
-                  "invalid_type" if prompt is not None else "missing_required_parameter")
-    if not ids:
-        raise bad("'prompt' encodes to no tokens", "prompt")
+    sampling = parse_sampling(body, state.model.config.vocab_size)
+    prompts = parse_prompts(body, state)
+    opts.echo = get_bool(body, "echo", False)
     opts.logprobs = get_number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
-    max_tokens = get_number(body, "max_tokens", 16, lo=1, integer=True)  # OpenAI's default for completions
-    max_tokens = fit_context(len(ids), max_tokens, state.config.ctx, prompt_param="prompt", max_param="max_tokens")
-    gen = Generation.completion(state, ids, max_tokens, sampling=sampling, stop=parse_stop(body),
-                                logprobs=opts.logprobs, ignore_eos=opts.ignore_eos)
-    return gen, opts
+    opts.best_of = get_number(body, "best_of", opts.n, lo=1, hi=MAX_CHOICES, integer=True)
+    if opts.best_of < opts.n:
+        raise bad(f"'best_of' ({opts.best_of}) must be >= 'n' ({opts.n})", "best_of")
+    if opts.best_of > opts.n and opts.stream:
+        raise bad("'best_of' cannot be used with 'stream' (the best choices are known at the end)", "best_of")
+    if len(prompts) * opts.best_of > state.config.max_queue:
+        raise bad(f"{len(prompts)} prompts x {opts.best_of} choices is more than this server's queue of "
+                  f"{state.config.max_queue} requests", "prompt")
+    max_tokens = get_number(body, "max_tokens", 16, lo=0, integer=True)  # OpenAI's default for completions
+    if max_tokens == 0 and not opts.echo:
+        raise bad("'max_tokens' must be >= 1 (0 only with 'echo': the prompt alone)", "max_tokens")
+    # best_of ranks by cumulative logprob: computed whenever it ranks, shown only when asked for.
+    logprobs = opts.logprobs if opts.logprobs is not None or opts.best_of == opts.n else 0
+    stop = parse_stop(body)
+    groups = []
+    for i, (ids, _) in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        budget = fit_context(len(ids), max_tokens, state.config.ctx, prompt_param=param, max_param="max_tokens")
+        groups.append([Generation.completion(
+            state, ids, budget, sampling=sampling.for_choice(j), stop=stop, logprobs=logprobs,
+            ignore_eos=opts.ignore_eos,
+            # The prompt's logprobs come once per prompt: its first choice computes them.
+            prompt_logprobs=opts.logprobs if opts.echo and j == 0 else None) for j in range(opts.best_of)])
+    return Choices(groups), opts, [text for _, text in prompts]
 
 
 # --------------------------------------------------------------------------- responses
-def usage(gen: Generation) -> dict:
+def usage(gen) -> dict:
     u = gen.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -286,15 +376,16 @@ def usage(gen: Generation) -> dict:
 
 
 class _View:
-    """Shared by chat and completions: ids, logprobs, the SSE framing."""
+    """Shared by chat and completions: ids, the SSE framing, per-choice sampled tokens."""
 
     object_name = ""
 
-    def __init__(self, state, opts: Options, gen: Generation, id_prefix: str):
+    def __init__(self, state, opts: Options, gen: Choices, id_prefix: str):
         self.s, self.o, self.gen = state, opts, gen
         self.id = id_prefix + gen.request.id if gen.request else id_prefix
         self.created = int(time.time())
-        self.tokens: list = []  # TokenOut of every sampled token
+        self.tokens: dict[int, list] = {g.choice: [] for g in gen.gens}  # TokenOut of every sampled token
+        self.closed = False
 
     def _object(self, choices: list[dict], chunk: bool) -> dict:
         return {"id": self.id, "object": self.object_name + (".chunk" if chunk and self.object_name.startswith("chat")
@@ -308,8 +399,12 @@ class _View:
             obj["usage"] = None
         return _sse(obj)
 
-    def _final(self, choice: dict) -> bytes:
-        data = self._chunk(choice)
+    def _close(self) -> bytes:
+        """Once every choice is done: the usage chunk (when asked for) and [DONE]."""
+        if self.closed or not all(g.done is not None for g in self.gen.gens):
+            return b""
+        self.closed = True
+        data = b""
         if self.o.include_usage:
             last = self._object([], chunk=True)
             last["usage"] = usage(self.gen)
@@ -323,11 +418,15 @@ class _View:
         if self.o.return_token_ids:
             choice["token_ids"] = [o.token_id for o in outs]
 
+    def _prompt_ids(self, obj: dict) -> None:
+        if self.o.return_token_ids:
+            obj["prompt_token_ids"] = self.gen.gens[0].prompt_ids
+
 
 class ChatView(_View):
     object_name = "chat.completion"
 
-    def __init__(self, state, opts: Options, gen: Generation):
+    def __init__(self, state, opts: Options, gen: Choices):
         super().__init__(state, opts, gen, "chatcmpl-")
 
     def _logprobs(self, outs: list) -> dict | None:
@@ -340,18 +439,22 @@ class ChatView(_View):
         } for o in outs]}
 
     def start(self) -> bytes:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        obj = self._object([choice], chunk=True)
-        if self.o.return_token_ids:
-            obj["prompt_token_ids"] = self.gen.prompt_ids
-        if self.o.include_usage:
-            obj["usage"] = None
-        return _sse(obj)
+        out = []
+        for g in self.gen.gens:
+            choice = {"index": g.choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}
+            obj = self._object([choice], chunk=True)
+            if g.choice == 0:
+                self._prompt_ids(obj)
+            if self.o.include_usage:
+                obj["usage"] = None
+            out.append(_sse(obj))
+        return b"".join(out)
 
     def feed(self, events: list) -> bytes:
-        """SSE for `events` (one chunk per sampled token and what it released)."""
+        """SSE for `events` (one chunk per sampled token and what it released, per choice)."""
         out: list[bytes] = []
-        group: dict | None = None  # {"outs": [...], "delta": {...}}
+        group: dict | None = None  # {"choice": i, "outs": [...], "delta": {...}}
 
         def flush():
             if group is None:
@@ -359,17 +462,20 @@ class ChatView(_View):
             delta, outs = group["delta"], group["outs"]
             if not delta and self.o.logprobs is None and not self.o.return_token_ids:
                 return
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(outs), "finish_reason": None}
+            choice = {"index": group["choice"], "delta": delta, "logprobs": self._logprobs(outs),
+                      "finish_reason": None}
             self._ids(choice, outs)
             out.append(self._chunk(choice))
 
         for ev in events:
             if isinstance(ev, Token):
-                self.tokens.append(ev.out)
+                self.tokens[ev.choice].append(ev.out)
                 flush()
-                group = {"outs": [ev.out], "delta": {}}
+                group = {"choice": ev.choice, "outs": [ev.out], "delta": {}}
             elif isinstance(ev, (Text, Call)):
-                group = group or {"outs": [], "delta": {}}
+                if group is None or group["choice"] != ev.choice:
+                    flush()
+                    group = {"choice": ev.choice, "outs": [], "delta": {}}
                 delta = group["delta"]
                 if isinstance(ev, Text):
                     key = "reasoning_content" if ev.channel == "reasoning" else "content"
@@ -381,13 +487,13 @@ class ChatView(_View):
             elif isinstance(ev, Done):
                 flush()
                 group = None
-                out.append(self._final({"index": 0, "delta": {}, "logprobs": None,
+                out.append(self._chunk({"index": ev.choice, "delta": {}, "logprobs": None,
                                         "finish_reason": FINISH[ev.finish]}))
         flush()
+        out.append(self._close())
         return b"".join(out)
 
-    def body(self) -> dict:
-        gen = self.gen
+    def _choice(self, gen: Generation) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": gen.content}
         if gen.reasoning:
             message["reasoning_content"] = gen.reasoning
@@ -395,81 +501,142 @@ class ChatView(_View):
             message["content"] = gen.content or None
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in gen.calls]
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(self.tokens),
+        tokens = self.tokens[gen.choice]
+        choice = {"index": gen.choice, "message": message, "logprobs": self._logprobs(tokens),
                   "finish_reason": FINISH[gen.done.finish]}
-        self._ids(choice, self.tokens)
-        obj = self._object([choice], chunk=False)
-        obj["usage"] = usage(gen)
-        if self.o.return_token_ids:
-            obj["prompt_token_ids"] = gen.prompt_ids
+        self._ids(choice, tokens)
+        return choice
+
+    def body(self) -> dict:
+        obj = self._object([self._choice(g) for g in self.gen.gens], chunk=False)
+        obj["usage"] = usage(self.gen)
+        self._prompt_ids(obj)
         return obj
 
 
+def _cumulative_logprob(gen: Generation) -> float:
+    return sum(r.cumulative_logprob for r in gen.requests)
+
+
 class CompletionView(_View):
+    """Legacy completions: per choice the text (after the prompt with `echo`) and OpenAI's
+    legacy logprobs (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`): with `echo`
+    the prompt's tokens first, the first of them with null logprobs (nothing predicts it)."""
+
     object_name = "text_completion"
 
-    def __init__(self, state, opts: Options, gen: Generation):
+    def __init__(self, state, opts: Options, gen: Choices, prompt_texts: list[str]):
         super().__init__(state, opts, gen, "cmpl-")
-        self.offset = 0
+        self.prompt_texts = prompt_texts
+        self.prompt_of = {g.choice: p for p, group in enumerate(gen.groups) for g in group}
+        self.prompt_outs: dict[int, list] = {}     # prompt -> [TokenOut], from its first choice
+        self.offset: dict[int, int] = {}           # choice -> text offset of its next token (once started)
 
-    def _logprobs(self, outs: list) -> dict | None:
+    def _top(self, o) -> dict | None:
+        if o.logprob is None:  # the prompt's first token
+            return None
+        tt = self.s.token_text
+        top = {tt.text(t): lp for t, lp in o.top or ()}
+        top.setdefault(tt.text(o.token_id), o.logprob)  # OpenAI: the chosen token always, so up to k + 1
+        return top
+
+    def _logprobs(self, outs: list, start: int) -> dict | None:
+        """Legacy logprobs of `outs`, the first at text offset `start`."""
         if self.o.logprobs is None or not outs:
             return None
         tt = self.s.token_text
-        offsets = []
-        for o in outs:
-            offsets.append(self.offset)
-            self.offset += len(o.text)
         return {"tokens": [tt.text(o.token_id) for o in outs], "token_logprobs": [o.logprob for o in outs],
-                "top_logprobs": [{tt.text(t): lp for t, lp in o.top or ()} for o in outs]
-                if self.o.logprobs > 0 else None,
-                "text_offset": offsets}
+                "top_logprobs": [self._top(o) for o in outs] if self.o.logprobs > 0 else None,
+                "text_offset": list(itertools.accumulate((len(o.text) for o in outs[:-1]), initial=start))}
+
+    @staticmethod
+    def _merge(a: dict | None, b: dict | None) -> dict | None:
+        if a is None or b is None:
+            return a or b
+        return {k: None if a[k] is None else a[k] + b[k] for k in a}
+
+    def _echo(self, choice: int) -> tuple[str, dict | None]:
+        """The prompt part of a choice: its text (with `echo`) and its logprobs."""
+        if not self.o.echo:
+            return "", None
+        p = self.prompt_of[choice]
+        return self.prompt_texts[p], self._logprobs(self.prompt_outs.get(p, []), 0)
+
+    def _begin(self, choice: int, out: list) -> None:
+        """A choice's first event: with echo, its prompt goes out first."""
+        if choice in self.offset:
+            return
+        text, lp = self._echo(choice)
+        self.offset[choice] = len(text)
+        if text:
+            out.append(self._chunk({"index": choice, "text": text, "logprobs": lp, "finish_reason": None}))
 
     def start(self) -> bytes:
         obj = self._object([{"index": 0, "text": "", "logprobs": None, "finish_reason": None}], chunk=True)
-        if self.o.return_token_ids:
-            obj["prompt_token_ids"] = self.gen.prompt_ids
+        self._prompt_ids(obj)
         if self.o.include_usage:
             obj["usage"] = None
         return _sse(obj)
 
     def feed(self, events: list) -> bytes:
-        out = []
+        out: list[bytes] = []
         for ev in events:
-            if isinstance(ev, Token):
-                self.tokens.append(ev.out)
+            if isinstance(ev, PromptLogprobs):
+                self.prompt_outs[self.prompt_of[ev.choice]] = ev.outs
+            elif isinstance(ev, Token):
+                self._begin(ev.choice, out)
                 o = ev.out
+                self.tokens[ev.choice].append(o)
                 if o.text or self.o.logprobs is not None or self.o.return_token_ids:
-                    choice = {"index": 0, "text": o.text, "logprobs": self._logprobs([o]), "finish_reason": None}
+                    choice = {"index": ev.choice, "text": o.text, "logprobs": self._logprobs([o], self.offset[ev.choice]),
+                              "finish_reason": None}
                     self._ids(choice, [o])
                     out.append(self._chunk(choice))
+                self.offset[ev.choice] += len(o.text)
             elif isinstance(ev, Done):
-                out.append(self._final({"index": 0, "text": "", "logprobs": None, "finish_reason": FINISH[ev.finish]}))
+                self._begin(ev.choice, out)
+                out.append(self._chunk({"index": ev.choice, "text": "", "logprobs": None,
+                                        "finish_reason": FINISH[ev.finish]}))
+        out.append(self._close())
         return b"".join(out)
 
+    def _choice(self, index: int, gen: Generation) -> dict:
+        prefix, prompt_lp = self._echo(gen.choice)
+        tokens = self.tokens[gen.choice]
+        choice = {"index": index, "text": prefix + gen.content,
+                  "logprobs": self._merge(prompt_lp, self._logprobs(tokens, len(prefix))),
+                  "finish_reason": FINISH[gen.done.finish]}
+        self._ids(choice, tokens)
+        if self.o.return_token_ids and len(self.gen.groups) > 1:
+            choice["prompt_token_ids"] = gen.prompt_ids
+        return choice
+
     def body(self) -> dict:
-        self.offset = 0
-        choice = {"index": 0, "text": self.gen.content, "logprobs": self._logprobs(self.tokens),
-                  "finish_reason": FINISH[self.gen.done.finish]}
-        self._ids(choice, self.tokens)
-        obj = self._object([choice], chunk=False)
+        choices = []
+        for group in self.gen.groups:
+            # best_of: the n choices with the highest cumulative logprob (stable: ties keep their order)
+            chosen = group if len(group) == self.o.n else \
+                sorted(group, key=_cumulative_logprob, reverse=True)[:self.o.n]
+            for g in chosen:
+                choices.append(self._choice(len(choices), g))
+        obj = self._object(choices, chunk=False)
         obj["usage"] = usage(self.gen)
-        if self.o.return_token_ids:
-            obj["prompt_token_ids"] = self.gen.prompt_ids
+        if len(self.gen.groups) == 1:
+            self._prompt_ids(obj)
         return obj
 
 
 # --------------------------------------------------------------------------- endpoints
 async def chat_completions(state, request: Request) -> Response:
     body = await state.read_json(request)
-    creq, opts = parse_chat(body)
+    creq, opts = parse_chat(body, state=state)
     state.check_model(opts.model)
-    gen = Generation.chat(state, creq, call_id_prefix="call_")
+    gen = Choices([Generation.chats(state, creq, opts.n, call_id_prefix="call_")])
     return await state.respond(request, gen, lambda: ChatView(state, opts, gen), opts.stream)
 
 
 async def completions(state, request: Request) -> Response:
     body = await state.read_json(request)
-    gen, opts = parse_completion(body, state)
+    gen, opts, texts = parse_completion(body, state)
     state.check_model(opts.model)
-    return await state.respond(request, gen, lambda: CompletionView(state, opts, gen), opts.stream)
+    return await state.respond(request, gen, lambda: CompletionView(state, opts, gen, texts), opts.stream)

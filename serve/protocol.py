@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Iterable
 
 
@@ -34,14 +35,63 @@ def bad(message: str, param: str | None = None, code: str | None = "invalid_valu
     return APIError(400, message, param=param, code=code)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 def parse_json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; 400 for anything else: malformed or truncated JSON,
+    NaN/Infinity or numbers beyond float range, nesting too deep to parse, a body that is not an
+    object, and text that is not valid Unicode (a lone surrogate such as "\\ud800" anywhere, named
+    by its path: no such string can reach a tokenizer)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("malformed JSON in the request body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        raise bad(f"the request body must be a JSON object, got {type_name(body)}", code="invalid_json")
+    where = unencodable_text(body)
+    if where is not None:
+        raise bad(f"'{where}' holds text that is not valid Unicode (a lone surrogate); it cannot be encoded as "
+                  f"UTF-8", where, "invalid_encoding")
     return body
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unencodable_text(value: Any) -> str | None:
+    """The path (`messages[0].content`) of the first string or key in `value` that cannot be
+    encoded as UTF-8, or None. Iterative: any nesting depth the JSON parser took."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if not _encodable(v):
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if not _encodable(k):
+                    return (path or "body") + ".<key>"
+                stack.append((item, sub))
+        elif isinstance(v, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(v))
+    return None
 
 
 def type_name(v: Any) -> str:
@@ -141,3 +191,12 @@ def fit_context(n_prompt: int, max_tokens: int | None, ctx: int, *, prompt_param
                   f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
                   f"Please reduce the prompt or '{max_param}'.", max_param, "context_length_exceeded")
     return max_tokens
+
+
+def value_error(e: ValueError) -> APIError:
+    """A ValueError of the library's checks (`ds4_torch.sampling`, the engine's, structured
+    outputs) as a 400. Their messages start with the field's name ("logit_bias holds ...",
+    "min_tokens (5) must be ..."), which becomes `param`."""
+    message = str(e)
+    match = re.match(r"[a-z_]+", message)
+    return bad(message, match.group(0) if match else None)

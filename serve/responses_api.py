@@ -3,7 +3,10 @@
 Request: ``input`` (a string, or items: messages with text parts, ``function_call``,
 ``function_call_output`` and ``reasoning`` items), ``instructions`` (the system prompt), function
 ``tools``, ``tool_choice``, ``reasoning.effort`` (turns thinking on unless "none"),
-``max_output_tokens``, ``temperature``, ``top_p``, ``stream``. Nothing is stored:
+``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``text.format`` (``json_object``,
+or ``json_schema`` with ``name`` and ``schema``: the message text is constrained to the schema,
+after the reasoning in thinking mode); a function tool with ``strict: true`` that a forced
+``tool_choice`` calls gets its arguments constrained to its schema. Nothing is stored:
 ``previous_response_id``, ``conversation`` and item references are answered 400; a client sends
 the whole conversation each time (as Codex does with ``store: false``). A system or developer
 message after the conversation started joins the conversation as a user message (the encoding
@@ -31,7 +34,7 @@ from starlette.responses import Response
 
 from ds4_torch.sampling import SamplingParams
 
-from .chat import Call, ChatRequest, Done, Generation, Text
+from .chat import Call, ChatRequest, Done, Generation, Text, json_grammar, strict_tool_grammar
 from .openai_api import parse_effort, parse_tool_choice
 from .protocol import (APIError, bad, check_unknown, get_bool, get_list, get_number, get_object, get_str, type_name)
 
@@ -155,6 +158,8 @@ def _tools(body: dict) -> list[dict]:
         params = get_object(t, "parameters", where=f"{where}.")
         if params is not None:
             fn["parameters"] = params
+        if get_bool(t, "strict", False, where=f"{where}."):
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
     return out
 
@@ -166,7 +171,32 @@ def _tool_choice(body: dict):
     return parse_tool_choice(tc)
 
 
-def parse_request(body: dict) -> tuple[ChatRequest, dict]:
+def parse_text_format(state, fmt: dict | None):
+    """`text.format` -> a grammar (None for text): {"type": "json_object"} or {"type":
+    "json_schema", "name", "schema", "strict", "description"}."""
+    if fmt is None:
+        return None
+    kind = get_str(fmt, "type", where="text.format.", choices=("text", "json_object", "json_schema"))
+    if kind is None:
+        raise bad("'text.format.type' is required", "text.format.type", "missing_required_parameter")
+    fields = {"type"} | ({"name", "schema", "strict", "description"} if kind == "json_schema" else set())
+    check_unknown(fmt, fields, where="text.format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar(state, None, "text.format")
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+        raise bad("'text.format.name' must be a non-empty string", "text.format.name",
+                  "missing_required_parameter" if "name" not in fmt else "invalid_value")
+    get_bool(fmt, "strict", False, where="text.format.")
+    get_str(fmt, "description", where="text.format.")
+    if "schema" not in fmt:
+        raise bad("'text.format.schema' is required with type json_schema", "text.format.schema",
+                  "missing_required_parameter")
+    return json_grammar(state, fmt["schema"], "text.format.schema")
+
+
+def parse_request(body: dict, state) -> tuple[ChatRequest, dict]:
     check_unknown(body, FIELDS, IGNORED)
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:
@@ -177,9 +207,9 @@ def parse_request(body: dict) -> tuple[ChatRequest, dict]:
     if get_number(body, "top_logprobs", 0, integer=True):
         raise bad("'top_logprobs' is not supported", "top_logprobs", "unsupported_parameter")
     text = get_object(body, "text") or {}
+    check_unknown(text, {"format", "verbosity"}, where="text.")
     fmt = get_object(text, "format", where="text.")
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad("'text.format' only supports {\"type\": \"text\"}", "text.format", "unsupported_parameter")
+    grammar = parse_text_format(state, fmt)
     reasoning = get_object(body, "reasoning") or {}
     effort = parse_effort(reasoning.get("effort"), "reasoning.effort")
     include = get_list(body, "include") or []
@@ -189,12 +219,15 @@ def parse_request(body: dict) -> tuple[ChatRequest, dict]:
     creq = ChatRequest(messages=_input(body), tools=_tools(body), tool_choice=_tool_choice(body),
                        thinking=effort is not None, reasoning_effort=effort, sampling=sampling,
                        max_tokens=get_number(body, "max_output_tokens", None, lo=1, integer=True),
-                       messages_param="input", max_tokens_param="max_output_tokens")
+                       messages_param="input", max_tokens_param="max_output_tokens", grammar=grammar)
+    if creq.tool_choice.mode in ("required", "function"):
+        creq.grammar = strict_tool_grammar(state, creq)  # a forced call: the reply is the call, not the format
     echo = {"model": model, "instructions": body.get("instructions"), "stream": get_bool(body, "stream", False),
             "encrypted": "reasoning.encrypted_content" in include, "reasoning": reasoning,
             "max_output_tokens": body.get("max_output_tokens"), "tools": get_list(body, "tools") or [],
             "tool_choice": body.get("tool_choice", "auto"), "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "metadata": body.get("metadata") or {}}
+            "top_p": sampling.top_p, "metadata": body.get("metadata") or {},
+            "text_format": fmt or {"type": "text"}}
     return creq, echo
 
 
@@ -231,7 +264,7 @@ class ResponseView:
                 "model": e["model"] or self.s.config.model_name,
                 "output": self.items if done else [], "parallel_tool_calls": True, "previous_response_id": None,
                 "reasoning": {"effort": e["reasoning"].get("effort"), "summary": None}, "store": False,
-                "temperature": e["temperature"], "text": {"format": {"type": "text"}}, "tool_choice": e["tool_choice"],
+                "temperature": e["temperature"], "text": {"format": e["text_format"]}, "tool_choice": e["tool_choice"],
                 "tools": e["tools"], "top_p": e["top_p"], "truncation": "disabled",
                 "usage": self._usage() if done else None, "metadata": e["metadata"]}
 
@@ -330,7 +363,7 @@ class ResponseView:
 
 async def responses(state, request: Request) -> Response:
     body = await state.read_json(request)
-    creq, echo = parse_request(body)
+    creq, echo = parse_request(body, state)
     state.check_model(echo["model"])
     gen = Generation.chat(state, creq, call_id_prefix="call_")
     return await state.respond(request, gen, lambda: ResponseView(state, gen, echo), echo["stream"])

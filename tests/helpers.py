@@ -27,3 +27,24 @@ def wait_for(cond, timeout=10.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def reference_logprobs(model, ids):
+    """log_softmax of a stateless forward over `ids` [T, V]: row i predicts token i + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+
+
+def penalised_greedy(model, ids, n, presence, frequency, repetition):
+    """Greedy decoding with OpenAI's presence/frequency and vLLM's repetition penalty, written from
+    their definitions over stateless forwards."""
+    gen = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + gen]))[0, -1].float()
+        for t in set(ids + gen):
+            logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+        for t in set(gen):
+            logits[t] -= gen.count(t) * frequency + presence
+        gen.append(int(torch.argmax(logits)))
+    return gen

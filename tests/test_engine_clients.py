@@ -16,6 +16,7 @@ from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.faults import reset_fault_counts
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.sampling import SamplingParams
+from helpers import penalised_greedy, reference_logprobs
 from serve.engine import Engine, GenRequest
 
 CTX = 256
@@ -62,12 +63,6 @@ def run(engine, *reqs, timeout=300.0):
 
 def chunks(engine):
     return engine.metrics.value("ds4_prefill_chunks_total")
-
-
-def reference_logprobs(model, ids):
-    """log_softmax of a stateless forward over `ids` [T, V]: row i predicts token i + 1."""
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
 
 
 # --------------------------------------------------------------------------- prompt logprobs
@@ -206,21 +201,6 @@ def test_logit_bias_minus_100_removes_the_greedy_token(engine, model):
     biased = GenRequest(ids, 1, sampling=SamplingParams(logit_bias={str(top2[0]): -100}))
     run(engine, biased)
     assert biased.generated == top2[1:]
-
-
-def penalised_greedy(model, ids, n, presence, frequency, repetition):
-    """Greedy decoding with OpenAI's presence/frequency and vLLM's repetition penalty, written from
-    their definitions over stateless forwards."""
-    gen = []
-    for _ in range(n):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + gen]))[0, -1].float()
-        for t in set(ids + gen):
-            logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
-        for t in set(gen):
-            logits[t] -= gen.count(t) * frequency + presence
-        gen.append(int(torch.argmax(logits)))
-    return gen
 
 
 def test_penalties_follow_their_formulas_in_the_engine(engine, model):
