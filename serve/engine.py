@@ -560,7 +560,8 @@ class Engine:
         if restored is not None:
             count, logits = restored
             if self.peers is not None:  # the other ranks' caches hold what this one read from disk
-                self.peers.send("import_sequence", (session.slot, self.resident.export_sequence(session.slot, "cpu")))
+                self.peers.send("import_sequence", (session.slot, self.resident.export_sequence(session.slot, "cpu")),
+                                model=False)
             session.tokens, session.last_logits = list(seq[:count]), logits
             session.saved_at = count
             session.restored = getattr(self.kv_store, "last_restored", None) or "restored"

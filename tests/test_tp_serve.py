@@ -16,6 +16,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+
+from ds4_torch import faults
 
 from test_serve import MODEL, running_server
 from test_tensor_parallel import free_port, rank_env
@@ -64,9 +67,9 @@ class Ranks:
             p.wait()
 
 
-def torchrun(tmp: Path, *args: str) -> Ranks:
+def torchrun(tmp: Path, *args: str, env: dict | None = None) -> Ranks:
     log = tmp / "torchrun.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent), **(env or {})}
     proc = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", str(free_port()), *SERVE, *args],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -107,7 +110,9 @@ def single():
 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
-    ranks = torchrun(tmp_path_factory.mktemp("tp_serve"))
+    # The third decode step fails on both ranks (torchrun gives every rank the environment): the
+    # engine's recovery (a batch reset, a retry) must keep the ranks in step.
+    ranks = torchrun(tmp_path_factory.mktemp("tp_serve"), env={faults.ENV: "decode:3"})
     try:
         yield ranks.wait_ready()
     finally:
@@ -121,6 +126,10 @@ def tp_server(tmp_path_factory):
 def test_answers_equal_the_single_process_server(tp_server, single):
     client = tp_server.client()
     assert chat(client, "Who are you?") == single["chat"]
+    # that request met the injected fault (both ranks), was reset and retried, and still matches
+    metrics = httpx.get(tp_server.url + "/metrics").text
+    assert "ds4_device_errors_total 1.0" in metrics and "ds4_engine_resets_total 1.0" in metrics
+    assert "rank 1: decode failed" in tp_server.text()
     streamed = ask(client, PROMPTS[0], stream=True)
     assert len(streamed) > 20 and streamed == single[PROMPTS[0]]
 
@@ -197,3 +206,95 @@ def test_graceful_shutdown_stops_every_rank(tmp_path):
         assert "Application shutdown complete" in ranks.text() and "rank 1: stopped by rank 0" in ranks.text()
     finally:
         ranks.kill()
+
+
+# --------------------------------------------------------------------------- lockstep, in one process
+class MirrorPeers:
+    """Stands in for serve.tp.Lead without a process group: every operation the engine sends runs
+    at once on a second replica of the same model, as a follower would run it. After any workload
+    the two replicas' caches must be equal, which only holds if the engine sent every operation
+    that touched its own caches, in order, with the data (a disk restore) they need."""
+
+    heartbeat_s = 0.05
+    broken = None
+
+    def __init__(self, model):
+        self.model, self.sent, self.follower = model, [], None
+
+    def open(self, shape):
+        from serve.replica import Replica
+
+        self.follower = Replica(self.model, **shape)
+
+    def send(self, operation, args, model):
+        self.sent.append(operation)
+        with torch.no_grad():
+            getattr(self.follower, operation)(*args)
+
+    def heartbeat(self):
+        self.sent.append("heartbeat")
+
+    def stop(self):
+        self.sent.append("stop")
+
+    def failed(self, reason):
+        raise AssertionError(f"the group never breaks here: {reason}")
+
+
+def assert_same_caches(lead, follower):
+    for name in ("resident", "batch"):
+        mine, theirs = getattr(lead, name).tensors(), getattr(follower, name).tensors()
+        assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), name
+
+
+def test_every_cache_operation_reaches_the_followers(tmp_path):
+    """Prefills, batched decodes, forks (n=2), a cancelled stream, evictions and a disk restore."""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from serve.app import ServerConfig, create_app
+    from serve.kvstore import KVStore
+    from serve.runner import BackgroundServer
+    from test_kvstore_server import CHUNK as KV_CHUNK, CTX as KV_CTX, complete, prompt, wait_idle
+
+    model, tok = build_default_model(), default_tokenizer()
+
+    def server(peers):
+        app = create_app(model, tok, ServerConfig(ctx=KV_CTX, prefill_chunk=KV_CHUNK, max_batch=2, max_sessions=2),
+                         peers=peers)
+        app.state.engine.kv_store = KVStore(tmp_path / "kv", 8.0, model, ctx=KV_CTX, min_tokens=8,
+                                            registry=app.state.metrics.registry)
+        return BackgroundServer(app)
+
+    a, b, c = prompt(1), prompt(2), prompt(3)
+    peers = MirrorPeers(model)
+    with server(peers) as srv:
+        engine = srv.app.state.engine
+        # two at once: batched decode steps; then the same prompt twice at once: the second forks
+        # the first one's session
+        for pair in ((a, b), (c, c)):
+            threads = [threading.Thread(target=complete, args=(srv, p)) for p in pair]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        engine.token_delay = 0.05
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": a + [9], "max_tokens": 200, "stream": True, "ignore_eos": True}) as s:
+            next(s.iter_lines())  # then the client leaves
+        deadline = time.monotonic() + 10
+        while srv.app.state.metrics.value("ds4_requests_aborted_total", stage="decode") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.token_delay = 0.0
+        wait_idle(srv)
+        assert srv.app.state.metrics.value("ds4_session_evictions_total") > 0
+        assert_same_caches(engine.replica, peers.follower)
+        time.sleep(0.2)
+    assert {"prefill", "decode", "copy", "reset", "heartbeat"} <= set(peers.sent) and peers.sent[-1] == "stop"
+
+    peers = MirrorPeers(model)
+    with server(peers) as srv:  # a restart: `a` comes back from disk
+        tokens, cached = complete(srv, a + [7])
+        assert cached == len(a)
+        wait_idle(srv)
+        assert "import_sequence" in peers.sent
+        assert_same_caches(srv.app.state.engine.replica, peers.follower)
