@@ -140,9 +140,6 @@ def run_tensor_parallel(args) -> int:
     else:
         lead = tensor_parallel.Lead(group)
         status = serve(args, *loaded, peers=lead)
-        lead.stop()  # the engine's worker already did, unless it never started
-        if lead.broken is not None:
-            status = 1
     if status == 0:
         dist.destroy_process_group()
     return status
@@ -175,6 +172,10 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
         server.run()  # after a graceful shutdown uvicorn raises the signal that asked for it again:
     except KeyboardInterrupt:  # SIGINT ends here (status 0), SIGTERM ends the process (as uvicorn.run does)
         pass
+    if peers is not None and not app.state.engine.alive:
+        # The engine's worker sends the stop as it ends; this covers a worker that never started
+        # (the server could not start). A worker still running may be mid-operation: no stop then.
+        peers.stop()
     if not server.started:
         return 3
     return 1 if peers is not None and peers.broken is not None else 0
