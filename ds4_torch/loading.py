@@ -475,18 +475,30 @@ def _apply_keep(model: nn.Module, tasks: list[_Task], device) -> list[_Task]:
             and len(lin) == 1
             and lin[0].fmt == "fp8"
             and lin[0].weight.dtype == "F8_E4M3"
-            and lin[0].logical_shape == tuple(module.weight.shape)
             and lin[0].scale_problem() is None
             and lin[0].extra["block"] is not None
+            and _sharded(lin[0].logical_shape, lin[0].extra.get("shard")) == tuple(module.weight.shape)
         ):
             t = lin[0]
+            shard = t.extra.get("shard")
+            scale_shard = _scale_shard(shard, t.extra["block"], t.scale.shape) if shard else None
+            if shard and scale_shard is None:  # this rank's slice cuts scale blocks: dequantize it
+                out.extend(mtasks)
+                continue
             new = Q.FP8BlockLinear.from_linear(
-                module, scale_shape=t.scale.shape, block_size=t.extra["block"], device=_alloc_device(module.weight, device)
+                module, scale_shape=_sharded(tuple(t.scale.shape), scale_shard), block_size=t.extra["block"],
+                device=_alloc_device(module.weight, device)
             )
+            # tensor parallelism hooks its collectives on the module (parallelize): they move with it
+            new._forward_pre_hooks.update(module._forward_pre_hooks)
+            new._forward_hooks.update(module._forward_hooks)
             _set_submodule(model, mod_name, new)
             out.extend(x for x in mtasks if x is not t)
-            out.append(_Task(t.target, None, t.weight, mode="raw"))
-            out.append(_Task(f"{mod_name}.weight_scale_inv", None, t.scale, mode="scale"))
+            raw = _Task(t.target, None, t.weight, mode="raw")
+            scale = _Task(f"{mod_name}.weight_scale_inv", None, t.scale, mode="scale")
+            if shard:
+                raw.extra["shard"], scale.extra["shard"] = shard, scale_shard
+            out += [raw, scale]
             continue
         # --- routed experts
         ex = [t for t in mtasks if t.target.rpartition(".")[2] in ("gate_up_proj", "down_proj")]
@@ -504,6 +516,24 @@ def _apply_keep(model: nn.Module, tasks: list[_Task], device) -> list[_Task]:
             continue
         out.extend(mtasks)
     return out
+
+
+def _sharded(shape: tuple, shard) -> tuple:
+    """`shape` of a whole tensor, narrowed to this rank's slice `shard` (dim, start, length, full)."""
+    if shard is None:
+        return tuple(shape)
+    dim, _, n, _ = shard
+    return (*shape[:dim], n, *shape[dim + 1:])
+
+
+def _scale_shard(shard, block, scale_shape) -> tuple | None:
+    """The slice of a block-scale grid that goes with weight slice `shard`, or None when the
+    slice does not start and end on block borders (a block would be shared by two ranks)."""
+    dim, start, n, full = shard
+    b = block[dim - (len(scale_shape) - 2)]
+    if start % b or (n % b and start + n != full):
+        return None
+    return dim, start // b, -(-n // b), scale_shape[dim]
 
 
 def _alloc_device(tensor: torch.Tensor, device):
@@ -532,7 +562,7 @@ def _fits_dense(t: _Task, dense: torch.Tensor) -> bool:
     if t.piece is not None and (dense.dim() != 3 or t.piece[0] >= dense.shape[0]):
         return False
     region_shape = tuple(dense[_region(dense, t.piece)].shape)
-    return t.logical_shape == region_shape and t.scale_problem() is None
+    return _sharded(t.logical_shape, t.extra.get("shard")) == region_shape and t.scale_problem() is None
 
 
 def _convert_experts(module, mod_name, ex: list[_Task], fmt: str, device) -> list[_Task]:
@@ -564,8 +594,11 @@ def _convert_experts(module, mod_name, ex: list[_Task], fmt: str, device) -> lis
         storage[name] = torch.empty(n, *w_shape, dtype=w_dtype, device=device)
         storage[name + "_scale_inv"] = torch.empty(n, *s_shape, dtype=s_dtype, device=device)
         for t in mine:
-            tasks.append(_Task(t.target, t.piece, t.weight, mode="raw"))
-            tasks.append(_Task(t.target + "_scale_inv", t.piece, t.scale, mode="scale"))
+            raw = _Task(t.target, t.piece, t.weight, mode="raw")
+            scale = _Task(t.target + "_scale_inv", t.piece, t.scale, mode="scale")
+            if "shard" in t.extra:  # a stacked tensor split along the expert axis: its scales alike
+                raw.extra["shard"] = scale.extra["shard"] = t.extra["shard"]
+            tasks += [raw, scale]
     cls.convert_(
         module,
         storage["gate_up_proj"],
@@ -714,6 +747,9 @@ def load_checkpoint_into(
     ``shards``: {model key: (dim, start, length, full length)} for parameters that hold only a
     slice of the checkpoint's tensor (tensor parallelism, :mod:`ds4_torch.parallel`): only that
     slice is read (FP8 blocks covering it; per-expert tensors of other ranks are not opened).
+    With ``"keep"`` each rank keeps its slices quantized: its experts (the expert axis splits
+    cleanly), and every FP8 linear whose slice starts and ends on scale-block borders; a slice
+    that cuts through a block (two ranks would share its scale) is dequantized instead.
     Raises :class:`CheckpointError` listing every missing / unexpected /
     mis-shaped / unreadable tensor.
     """
@@ -743,8 +779,6 @@ def load_checkpoint_into(
         tasks.append(_Task(hit[0], hit[1], srcs[name], scale, block=fp8_block))
 
     if shards:
-        if quantized == "keep":
-            raise ValueError("quantized='keep' is not supported with tensor parallelism; use 'dequantize'")
         tasks = _shard_tasks(tasks, shards)
     if quantized == "keep":
         tasks = _apply_keep(model, tasks, device)

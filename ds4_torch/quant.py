@@ -193,9 +193,11 @@ class FP8BlockLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scale_shape=None, block_size=FP8_BLOCK, device=None) -> "FP8BlockLinear":
+        # The weight's shape, not in/out_features: tensor parallelism narrows the weight in place.
+        out_features, in_features = linear.weight.shape
         new = cls(
-            linear.in_features,
-            linear.out_features,
+            in_features,
+            out_features,
             bias=False,
             block_size=block_size,
             scale_shape=scale_shape,

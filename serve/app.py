@@ -344,15 +344,16 @@ class AppState:
 
 
 def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=None,
-               replay: ReplayStore | None = None) -> Starlette:
+               replay: ReplayStore | None = None, peers=None) -> Starlette:
     """The server app for `model`; its engine thread starts and stops with the app's lifespan.
     `replay`: the exact-replay store (default: one in `config.kv_disk_dir`, else in memory).
+    `peers`: the other ranks of a tensor-parallel group (serve.tp.Lead), for the engine.
     `app.state.engine`, `.metrics`, `.config`, `.server` and `.replay` are there for tests and tools."""
     config = config or ServerConfig()
     metrics = Metrics()
     engine = Engine(model, tokenizer, ctx=config.ctx, prefill_chunk=config.prefill_chunk,
                     decode_mode=config.decode_mode, max_queue=config.max_queue, max_batch=config.max_batch,
-                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store)
+                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers)
     replay = replay if replay is not None else ReplayStore(config.kv_disk_dir)
     state = AppState(model, tokenizer, config, engine, metrics, replay)
 

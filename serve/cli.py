@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from ds4_torch.runtime import (UserError, add_model_arguments, load_model, load_model_tokenizer, non_negative_int,
-                               positive_float, positive_int)
+from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, load_model, load_model_tokenizer,
+                               non_negative_int, positive_float, positive_int, resolve_device)
 
 KV_DISK_DEFAULT_MB = 1024
 KV_DISK_DEFAULT_EVERY = 512
@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--keepalive-interval", type=positive_float, default=5.0, metavar="S",
                    help="seconds without output before a streaming response sends ': keep-alive' (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_tp_argument(p)
+    p.add_argument("--tp-timeout", type=positive_float, default=None, metavar="S",
+                   help="with --tp: seconds any collective may wait for the other ranks; a rank that dies or hangs "
+                        "ends the server (503s, exit status 1) within this (default 120; a dead process is "
+                        "usually noticed at once)")
     return p
 
 
@@ -62,7 +67,7 @@ def load(args):
     from .app import ServerConfig
 
     tokenizer = load_model_tokenizer(args.model)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     if args.max_sessions is not None and args.max_sessions < args.max_batch:
         raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
                         "decoding request holds a resident session")
@@ -106,21 +111,74 @@ def attach_kv_store(app, args):
 
 
 def run(args) -> int:
-    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
+    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.tp)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tp_timeout is not None and args.tp == 1:
+        raise UserError("--tp-timeout needs --tp N with N > 1")
+    if args.tp == 1:
+        return serve(args, *load(args))
+    return run_tensor_parallel(args)
+
+
+def run_tensor_parallel(args) -> int:
+    import torch.distributed as dist
+
+    from ds4_torch.parallel import init_tensor_parallel
+
+    from . import tp as tensor_parallel
+
+    timeout = args.tp_timeout or tensor_parallel.DEFAULT_TIMEOUT_S
+    try:  # the group first, with our timeout: loading joins it
+        tp = init_tensor_parallel(args.tp, resolve_device(args.device), timeout_s=timeout)
+    except ValueError as e:  # no launcher, or a world size other than --tp
+        raise UserError(str(e)) from e
+    group = tensor_parallel.control_group(timeout)
+    loaded = load(args)
+    if tp.rank != 0:
+        status = tensor_parallel.follow(loaded[0], group)
+    else:
+        lead = tensor_parallel.Lead(group)
+        status = serve(args, *loaded, peers=lead)
+    if status == 0:
+        dist.destroy_process_group()
+    return status
+
+
+def serve(args, model, tokenizer, config, peers=None) -> int:
+    """Serve `model` until interrupted; 0, or 3 when the server could not start (uvicorn's code).
+    `peers` (a serve.tp.Lead): the other ranks of a tensor-parallel group; when they fail the
+    server ends (status 1)."""
     import uvicorn
 
     from .app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model, tokenizer, config = load(args)
-    app = create_app(model, tokenizer, config)
+    app = create_app(model, tokenizer, config, peers=peers)
     attach_kv_store(app, args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
                                                args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                          access_log=False, timeout_graceful_shutdown=5))
+    if peers is not None:
+        from .tp import EXIT_GRACE_S, exit_soon
+
+        def end(reason: str) -> None:  # called by the engine's worker once every request has its 503
+            server.should_exit = True
+            exit_soon(EXIT_GRACE_S, 1)
+
+        peers.on_failure = end
+    try:
+        server.run()  # after a graceful shutdown uvicorn raises the signal that asked for it again:
+    except KeyboardInterrupt:  # SIGINT ends here (status 0), SIGTERM ends the process (as uvicorn.run does)
+        pass
+    if peers is not None and not app.state.engine.alive:
+        # The engine's worker sends the stop as it ends; this covers a worker that never started
+        # (the server could not start). A worker still running may be mid-operation: no stop then.
+        peers.stop()
+    if not server.started:
+        return 3
+    return 1 if peers is not None and peers.broken is not None else 0
 
 
 def main(argv: list[str] | None = None) -> int:

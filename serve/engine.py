@@ -38,6 +38,13 @@ Disk snapshots (with a store): after a prompt's prefill (once its first token is
 read out of the cache between steps (a host copy of what the sequence holds); encoding and
 writing run on a background writer thread, never between two decode steps.
 
+Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
+with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
+is first sent to the other ranks, which run the same operations on their replicas in the same
+order; sampling, sessions and the disk store stay here. While idle the worker sends a heartbeat
+every `peers.heartbeat_s`. A rank that dies or stops answering breaks the group: every request
+is answered 503 and the engine stops (`peers.failed` then ends the server).
+
 Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app):
 ``("prompt_logprobs", [TokenOut])`` (once, before the first token, when asked for),
 ``("token", TokenOut)``, ``("done", finish_reason)``, ``("error", APIError)``,
@@ -72,13 +79,13 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ds4_torch.decode import make_decoder, prefill
 from ds4_torch.faults import fault_point
 from ds4_torch.sampling import SamplingParams, sample, stop_token_ids
 from ds4_torch.tokenizer import StreamDecoder
 
 from .metrics import Metrics
 from .protocol import APIError
+from .replica import MODEL_OPERATIONS, Replica
 
 log = logging.getLogger("ds4.serve")
 
@@ -264,7 +271,7 @@ class _StepFailed(Exception):
 class Engine:
     def __init__(self, model, tokenizer, *, ctx: int = 4096, prefill_chunk: int = 256, decode_mode: str = "auto",
                  max_queue: int = 64, max_batch: int = DEFAULT_MAX_BATCH, max_sessions: int | None = None,
-                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None):
+                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         max_sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
@@ -284,10 +291,13 @@ class Engine:
         self.device = model.device
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
 
-        self.resident = model.new_cache(batch_size=max_sessions, max_context=ctx)
         # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
-        self.batch = model.new_cache(batch_size=1 << (max_batch - 1).bit_length(), max_context=ctx)
-        self.decoder = make_decoder(model, self.batch, decode_mode, scratch_padding=True)
+        self.replica = Replica(model, ctx=ctx, sessions=max_sessions, batch_slots=1 << (max_batch - 1).bit_length(),
+                               decode_mode=decode_mode)
+        # Tensor parallel (serve.tp.Lead): the other ranks, sent every replica call before it runs here.
+        self.peers = peers
+        if peers is not None:
+            peers.open(self.replica.shape())
         self.sessions = [Session(i) for i in range(max_sessions)]
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
@@ -308,6 +318,17 @@ class Engine:
         self.warm = False
         self._structured = None
         self._structured_lock = threading.Lock()
+
+    # The replica's caches and decoder, read by the app's log line and by tests.
+    resident = property(lambda self: self.replica.resident)
+    batch = property(lambda self: self.replica.batch)
+    decoder = property(lambda self: self.replica.decoder)
+
+    def _run(self, operation: str, *args):
+        """Run one replica operation: on every rank under tensor parallelism (sent first), else here."""
+        if self.peers is not None:
+            self.peers.send(operation, args, model=operation in MODEL_OPERATIONS)
+        return getattr(self.replica, operation)(*args)
 
     @property
     def cache_bytes(self) -> int:
@@ -422,18 +443,11 @@ class Engine:
 
     # ------------------------------------------------------------------ worker
     def warmup(self) -> None:
-        """Run the model once (first calls pay one-off initialisation), then clear the cache.
-        Calls the model directly, not through `prefill`/`step`, so no fault point is counted."""
-        scratch = self.batch.narrow(1)
+        """Run the model once (first calls pay one-off initialisation), then clear the cache."""
         try:
-            with torch.no_grad():
-                ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-                self.model(ids, cache=scratch)
-                self.model(ids[:, :1], cache=scratch)
-        except BaseException as e:  # noqa: BLE001
+            self._run("warmup")
+        except Exception as e:  # noqa: BLE001 - the tensor-parallel group is broken: the loop ends the server
             log.warning("engine: warm-up failed: %s: %s", type(e).__name__, e)
-        finally:
-            self.batch.reset()
         self.warm = True
 
     def _has_work(self) -> bool:
@@ -445,24 +459,41 @@ class Engine:
             self.warmup()
         while True:
             with self._cv:
-                while not self._has_work() and not self._stopping:
-                    self._cv.wait()
+                idle = self._wait_for_work()
                 if self._stopping:
                     break
-            try:
-                with torch.no_grad():
-                    self._iteration()
-            except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
-                log.exception("engine: unexpected error; resetting the batch")
-                self._recover_from_bug()
+            if idle:
+                self.peers.heartbeat()
+            else:
+                try:
+                    with torch.no_grad():
+                        self._iteration()
+                except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
+                    log.exception("engine: unexpected error; resetting the batch")
+                    self._recover_from_bug()
+            if self.peers is not None and self.peers.broken is not None:
+                self._group_failed()
+                break
         with torch.no_grad():
             self._shutdown()
+        if self.peers is not None:
+            self.peers.stop()
+
+    def _wait_for_work(self) -> bool:
+        """Wait (holding `_cv`) for work or a stop. Under tensor parallelism, return True after
+        `peers.heartbeat_s` idle seconds: the other ranks wait on rank 0's next message, and a
+        heartbeat keeps that wait short (and shows a dead rank at once)."""
+        while not self._has_work() and not self._stopping:
+            if not self._cv.wait(None if self.peers is None else self.peers.heartbeat_s):
+                return True
+        return False
 
     def _iteration(self) -> None:
         self._reap_cancelled()
         if self.running:
             self._decode_step()
-        self._prefill_step()
+        if self.peers is None or self.peers.broken is None:
+            self._prefill_step()
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -493,7 +524,7 @@ class Engine:
         else:
             session = self._free_session()
             if best is not None:  # busy with another request: fork its state
-                self.resident.copy_sequence(session.slot, best.slot)
+                self._run("copy", "resident", session.slot, best.slot, "resident")
                 session.tokens = list(best.tokens)
                 session.last_logits = best.last_logits
             elif self.kv_store is not None and not req.no_restore:
@@ -516,7 +547,7 @@ class Engine:
         return victim
 
     def _clear(self, session: Session) -> None:
-        self.resident.reset(session.slot)
+        self._run("reset", "resident", session.slot)
         session.tokens, session.last_logits, session.saved_at, session.restored = [], None, 0, None
 
     def _restore(self, session: Session, seq: list[int]) -> None:
@@ -528,6 +559,9 @@ class Engine:
             return
         if restored is not None:
             count, logits = restored
+            if self.peers is not None:  # the other ranks' caches hold what this one read from disk
+                self.peers.send("import_sequence", (session.slot, self.resident.export_sequence(session.slot, "cpu")),
+                                model=False)
             session.tokens, session.last_logits = list(seq[:count]), logits
             session.saved_at = count
             session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
@@ -587,17 +621,13 @@ class Engine:
         seq = req.sequence()
         start = len(session.tokens)
         piece = seq[start:start + self.prefill_chunk]
-        ids = torch.tensor([piece], dtype=torch.long, device=self.device)
-        every = []  # the chunk's full logits, for prompt logprobs
         try:
             if session.restored is not None:
                 fault_point("restore")
-            want = req.wants_prompt_logprobs()
-            logits = prefill(self.model, self.resident.slot(session.slot), ids, len(piece), full_logits=want,
-                             on_chunk=(lambda n, chunk_logits: every.append(chunk_logits[0])) if want else None)
-            logits = logits[0].clone()
-            if every:
-                self._collect_prompt_logprobs(req, start, every[0])
+            # every: the chunk's full logits, for prompt logprobs
+            logits, every = self._run("prefill", session.slot, piece, req.wants_prompt_logprobs())
+            if every is not None:
+                self._collect_prompt_logprobs(req, start, every)
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed([req], e, "prefill")
             return
@@ -692,9 +722,9 @@ class Engine:
             return
         slot = len(self.running)
         try:
-            self.batch.copy_sequence(slot, session.slot, self.resident)
+            self._run("copy", "batch", slot, session.slot, "resident")
         except BaseException as e:  # noqa: BLE001
-            self.batch.reset(slot)
+            self._run("reset", "batch", slot)
             self._failed([req], e, "admit")
             return
         req.decode_slot, req.held = slot, list(session.tokens)
@@ -703,11 +733,10 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
         reqs = list(self.running)
-        ids = torch.tensor([r.pending for r in reqs], dtype=torch.long, device=self.device)
         try:
             if any(r.session.restored is not None for r in reqs):
                 fault_point("restore")
-            logits = self.decoder.step(ids)
+            logits = self._run("decode", [r.pending for r in reqs])
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed(reqs, e, "decode")
             return
@@ -792,18 +821,18 @@ class Engine:
         if req.decode_slot is not None:
             slot, last = req.decode_slot, len(self.running) - 1
             try:
-                self.resident.copy_sequence(session.slot, slot, self.batch)
+                self._run("copy", "resident", session.slot, slot, "batch")
                 session.tokens, session.last_logits = list(req.held), req.logits
             except BaseException as e:  # noqa: BLE001 - lose this session, not the engine
                 log.warning("engine: cannot keep %s's session: %s: %s", req.id, type(e).__name__, e)
                 self._clear(session)
             if slot != last:  # keep decoding slots first: the last one fills the hole
                 moved = self.running[last]
-                self.batch.copy_sequence(slot, last)
+                self._run("copy", "batch", slot, last, "batch")
                 moved.decode_slot = slot
                 self.running[slot] = moved
             self.running.pop()
-            self.batch.reset(last)
+            self._run("reset", "batch", last)
             req.decode_slot = None
         if self.prefilling is req:
             self.prefilling = None
@@ -834,8 +863,10 @@ class Engine:
         if stage == "decode":
             self._reset_batch(f"{type(error).__name__}: {error}")
         else:  # a prefill chunk or a copy of one session: the batch, decoding beside it, is intact
-            self._reset_allocator()
+            self.replica.release_allocator()
             self.metrics.engine_resets.inc()
+        # The tensor-parallel group is gone, not the request: _group_failed answers it next.
+        group_gone = self.peers is not None and self.peers.broken is not None
         requeue = []
         for req in reqs:
             session = req.session
@@ -855,7 +886,7 @@ class Engine:
                 req.no_restore = True
             if req.cancel.is_set():
                 self._abort(req, stage)
-            elif not blame_snapshot and req.attempts >= 2:
+            elif not blame_snapshot and not group_gone and req.attempts >= 2:
                 self.degraded = f"a request failed twice in a row: {type(error).__name__}: {error}"
                 self.metrics.healthy.set(0)
                 self._fail(req, APIError(
@@ -863,7 +894,7 @@ class Engine:
                          f"reset, retry later", code="engine_error",
                     headers={"Retry-After": str(self.retry_after_s)}))
             else:
-                if not blame_snapshot:
+                if not blame_snapshot and not group_gone:
                     req.attempts += 1
                 requeue.append(req)
         self.running = [r for r in self.running if r not in reqs]
@@ -874,25 +905,12 @@ class Engine:
     def _reset_batch(self, reason: str) -> None:
         """Drop the batch's device state: captured graphs, batch cache contents, cached allocations.
         Requests still decoding go back to their sessions' resident state (it was not touched)."""
-        try:
-            self.decoder.reset()
-            self.batch.reset()
-            self._reset_allocator()
-        except BaseException as e:  # noqa: BLE001 - the reset itself failed: reallocate
-            log.error("engine: reset failed (%s); reallocating the batch cache", e)
-            try:
-                self.batch = self.model.new_cache(batch_size=self.batch.batch_size, max_context=self.ctx)
-                self.decoder = make_decoder(self.model, self.batch, self.decode_mode, scratch_padding=True)
-            except BaseException as e2:  # noqa: BLE001
-                log.error("engine: cannot reallocate the batch cache: %s", e2)
-                self.degraded = f"cannot reallocate the KV cache: {e2}"
-                self.metrics.healthy.set(0)
+        failure = self._run("reset_batch")
+        if failure is not None:
+            self.degraded = failure
+            self.metrics.healthy.set(0)
         self.metrics.engine_resets.inc()
         log.info("engine: reset (%s)", reason)
-
-    def _reset_allocator(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _recover_from_bug(self) -> None:
         reqs = [*self.running, *([self.prefilling] if self.prefilling is not None else [])]
@@ -901,6 +919,26 @@ class Engine:
             self._fail(req, APIError(500, "internal error in the engine", code="internal_error"))
         self.running, self.prefilling = [], None
         self._reset_batch("unexpected error")
+
+    def _group_failed(self) -> None:
+        """A rank of the tensor-parallel group died or stopped answering: nothing can run the model
+        any more. Every request is answered 503, the engine stops, and `peers` ends the server."""
+        reason = f"the tensor-parallel group failed ({self.peers.broken})"
+        log.error("engine: %s; stopping", reason)
+        self.degraded = reason
+        self.metrics.healthy.set(0)
+        with self._cv:
+            self._stopping = True
+            queued = list(self._queue)
+            self._queue.clear()
+            self.metrics.queue_depth.set(0)
+        error = APIError(503, f"{reason}; the server is exiting", code="engine_unavailable",
+                         headers={"Retry-After": str(self.retry_after_s)})
+        for req in [*self.running, *([self.prefilling] if self.prefilling is not None else []), *queued]:
+            self._release_quietly(req)  # local cache resets only: the group is gone
+            self._fail(req, error)
+        self.running, self.prefilling = [], None
+        self.peers.failed(reason)
 
     def _release_quietly(self, req: GenRequest) -> None:
         if req.session is not None:

@@ -101,7 +101,7 @@ def test_tp2_logits_equal_single_process(checkpoint, single_process, tmp_path, m
 # Loading needs only the split plan, not a live group: each rank's model is built on meta, split
 # (parallelize), then filled by the loader, which reads only that rank's slices.
 
-def load_rank(path, rank: int, world: int = 2):
+def load_rank(path, rank: int, world: int = 2, quantized: str = "dequantize"):
     from ds4_torch.config import DS4Config
     from ds4_torch.loading import load_checkpoint_into
     from ds4_torch.parallel import TensorParallel, parallelize
@@ -109,7 +109,7 @@ def load_rank(path, rank: int, world: int = 2):
     with torch.device("meta"):
         model = DS4ForCausalLM(DS4Config.from_pretrained(path))
     parallelize(model, TensorParallel(None, rank, world))
-    load_checkpoint_into(model, path, allocate_meta=True, shards=model.tp_slices)
+    load_checkpoint_into(model, path, allocate_meta=True, shards=model.tp_slices, quantized=quantized)
     return model
 
 
@@ -153,6 +153,64 @@ def test_each_rank_loads_its_slices(loading_source, tmp_path, layout):
     save_sharded(ckpt, tmp_path, n_shards=3, config_model=loading_source)
     for rank in range(2):
         assert_rank_slices(load_rank(tmp_path, rank), expected)
+
+
+# --------------------------------------------------------------------------- kept quantized
+KEEP_BLOCK = 16  # FP8 blocks small enough that most splits of the tiny model fall on block borders
+
+
+@pytest.fixture(scope="module")
+def keep_checkpoint(loading_source, tmp_path_factory):
+    """FP8 linears (16x16 blocks, e8m0 scales) and FP4 stacked experts. Each rank's half of
+    q_b_proj, o_b_proj, the indexer's q_b_proj and the shared expert starts on a block border;
+    lm_head's (150 of 300 rows) does not, so that one rank's slice is dequantized instead."""
+    import json
+    import re
+
+    from ckpt_utils import FP8_LINEARS, fp4_experts, fp8_quantize, save_sharded, state_of
+
+    ckpt = state_of(loading_source)
+    for k in list(ckpt):
+        if FP8_LINEARS.search(re.sub(r"^model\.layers\.\d+\.", "", k)):
+            ckpt[k], ckpt[k[:-len(".weight")] + ".weight_scale_inv"] = fp8_quantize(ckpt[k], "e8m0", block=KEEP_BLOCK)
+    for k, (packed, scale) in fp4_experts(loading_source)[0].items():
+        ckpt[k], ckpt[k + "_scale_inv"] = packed, scale
+    path = save_sharded(ckpt, tmp_path_factory.mktemp("keep"), n_shards=3, config_model=loading_source)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [KEEP_BLOCK, KEEP_BLOCK]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_kept_quantized_each_rank_keeps_only_its_slices(keep_checkpoint):
+    from ds4_torch import quant as Q
+
+    for rank in range(2):
+        model = load_rank(keep_checkpoint, rank, quantized="keep")
+        attn, layer = model.model.layers[1].self_attn, model.model.layers[1]
+        for linear, shape in ((attn.q_b_proj, (64, 32)), (attn.o_b_proj, (64, 16)),
+                              (layer.mlp.shared_experts.down_proj, (64, 16))):
+            assert isinstance(linear, Q.FP8BlockLinear) and linear.weight.dtype == torch.float8_e4m3fn
+            assert tuple(linear.weight.shape) == shape
+            assert tuple(linear.weight_scale_inv.shape) == (shape[0] // KEEP_BLOCK, shape[1] // KEEP_BLOCK)
+        assert attn.o_b_proj._forward_hooks  # its all-reduce moved with it
+        experts = layer.mlp.experts
+        assert isinstance(experts, Q.FP4Experts) and experts.gate_up_proj.shape[0] == 2 and experts.num_experts == 2
+        assert not isinstance(model.lm_head, Q.FP8BlockLinear) and model.lm_head.weight.shape == (150, 64)
+
+
+def test_kept_quantized_tp2_logits_equal_single_process(keep_checkpoint, tmp_path):
+    model = DS4ForCausalLM.from_pretrained(keep_checkpoint, dtype=torch.float32, quantized="keep")
+    watch = TieWatch()
+    model.ops = dataclasses.replace(attention_ops("torch"), indexer_topk=watch)
+    ids = torch.randint(2, model.config.vocab_size, (1, PREFILL + 12), generator=torch.Generator().manual_seed(7))
+    expected = prefill_decode_logits(model, ids, PREFILL)
+    assert watch.calls > 0 and watch.min_gap > 1e-4, f"indexer tie at the top-k boundary (gap {watch.min_gap})"
+    torch.save(ids, tmp_path / "ids.pt")
+    run_ranks(["logits", str(keep_checkpoint), str(tmp_path / "ids.pt"), str(PREFILL), str(tmp_path), "eager", "keep"])
+    for rank in range(2):
+        err = (torch.load(tmp_path / f"rank{rank}.pt") - expected).abs().max().item()
+        assert err <= TOL, f"rank {rank}: max logit error {err:.3g}"
 
 
 def test_sizes_that_do_not_divide_are_refused_at_load(tmp_path):

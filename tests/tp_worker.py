@@ -1,10 +1,11 @@
 """One rank of a tensor-parallel run, started by the tests (tests/test_tensor_parallel.py) with
 the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set.
 
-    python tests/tp_worker.py logits CHECKPOINT IDS.pt PREFILL OUT_DIR [eager|graph]
+    python tests/tp_worker.py logits CHECKPOINT IDS.pt PREFILL OUT_DIR [eager|graph] [dequantize|keep]
 
 writes OUT_DIR/rank{R}.pt: the logits of a prefill of the first PREFILL ids, then one decode step
-per remaining id (eager forwards, or the graph decoder)."""
+per remaining id (eager forwards, or the graph decoder), with FP8/FP4 weights dequantized at load
+(default) or kept quantized."""
 from __future__ import annotations
 
 import os
@@ -36,9 +37,12 @@ def main(argv):
 
     from ds4_torch import DS4ForCausalLM
 
-    _, checkpoint, ids_path, prefill, out_dir, *mode = argv
-    model = DS4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_backend="torch", tp=int(os.environ["WORLD_SIZE"]))
-    logits = prefill_decode_logits(model, torch.load(ids_path), int(prefill), *(mode or ["eager"]))
+    _, checkpoint, ids_path, prefill, out_dir, *rest = argv
+    mode = rest[0] if rest else "eager"
+    quantized = rest[1] if len(rest) > 1 else "dequantize"
+    model = DS4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_backend="torch", quantized=quantized,
+                                           tp=int(os.environ["WORLD_SIZE"]))
+    logits = prefill_decode_logits(model, torch.load(ids_path), int(prefill), mode)
     torch.save(logits, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

@@ -1,0 +1,300 @@
+"""`ds4-torch serve --tp 2`: the server with the default model split over two processes (gloo on
+CPU), against the single-process server answering the same requests; a follower killed
+mid-request; a graceful shutdown. The ranks are real processes: started by torchrun, or by the
+test with the launcher's environment where it must watch each process's exit."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from ds4_torch import faults
+
+from test_serve import MODEL, running_server
+from test_tensor_parallel import free_port, rank_env
+
+TESTS = Path(__file__).parent
+PYTHON = sys.executable
+CTX, CHUNK = 512, 16
+SERVE = ["-m", "ds4_torch", "serve", "--tp", "2", "--port", "0", "--ctx", str(CTX), "--prefill-chunk", str(CHUNK),
+         "--log-level", "info"]
+STARTUP_S = 120
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "KING HENRY:\nOnce more", "JULIET:\nO"]
+
+
+class Ranks:
+    """Processes of one server (torchrun, or one per rank); all output in one log file."""
+
+    def __init__(self, procs: list[subprocess.Popen], log: Path):
+        self.procs, self.log = procs, log
+        self.url = None
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> "Ranks":
+        deadline = time.monotonic() + STARTUP_S
+        while self.url is None:
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", self.text())
+            if m:
+                self.url = m.group(1)
+            elif any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                raise AssertionError("the server did not start:\n" + self.text())
+            else:
+                time.sleep(0.1)
+        while httpx.get(self.url + "/health").status_code != 200:  # 503 while warming up
+            assert time.monotonic() < deadline, self.text()
+            time.sleep(0.1)
+        return self
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def torchrun(tmp: Path, *args: str, env: dict | None = None) -> Ranks:
+    log = tmp / "torchrun.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent), **(env or {})}
+    proc = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), *SERVE, *args],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return Ranks([proc], log)
+
+
+def launch_ranks(tmp: Path, *args: str) -> Ranks:
+    """Rank 0 and rank 1 as the test's own children, so each one's exit can be watched."""
+    log = tmp / "ranks.log"
+    out, port = log.open("w"), free_port()
+    procs = [subprocess.Popen([PYTHON, *SERVE, *args], env=rank_env(rank, 2, port), stdout=out,
+                              stderr=subprocess.STDOUT) for rank in range(2)]
+    return Ranks(procs, log)
+
+
+def ask(client: openai.OpenAI, prompt: str, n: int = 24, stream: bool = False) -> str:
+    """A greedy completion's text (streamed pieces joined)."""
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=stream,
+                                  extra_body={"ignore_eos": True})
+    if stream:
+        return "".join(c.choices[0].text for c in r if c.choices)
+    return r.choices[0].text
+
+
+def chat(client: openai.OpenAI, content: str, n: int = 24) -> str:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                       max_tokens=n, temperature=0)
+    return r.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The same requests answered by one process: the expected outputs."""
+    with running_server(ctx=CTX, prefill_chunk=CHUNK) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield {"chat": chat(client, "Who are you?"), **{p: ask(client, p) for p in PROMPTS}}
+
+
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory):
+    # The third decode step fails on both ranks (torchrun gives every rank the environment): the
+    # engine's recovery (a batch reset, a retry) must keep the ranks in step.
+    ranks = torchrun(tmp_path_factory.mktemp("tp_serve"), env={faults.ENV: "decode:3"})
+    try:
+        yield ranks.wait_ready()
+    finally:
+        ranks.procs[0].send_signal(signal.SIGINT)  # Ctrl-C: torchrun passes it to every rank
+        try:
+            ranks.procs[0].wait(30)
+        finally:
+            ranks.kill()
+
+
+def test_answers_equal_the_single_process_server(tp_server, single):
+    client = tp_server.client()
+    assert chat(client, "Who are you?") == single["chat"]
+    # that request met the injected fault (both ranks), was reset and retried, and still matches
+    metrics = httpx.get(tp_server.url + "/metrics").text
+    assert "ds4_device_errors_total 1.0" in metrics and "ds4_engine_resets_total 1.0" in metrics
+    assert "rank 1: decode failed" in tp_server.text()
+    streamed = ask(client, PROMPTS[0], stream=True)
+    assert len(streamed) > 20 and streamed == single[PROMPTS[0]]
+
+
+def test_concurrent_requests_batch_and_equal_the_single_process_server(tp_server, single):
+    client = tp_server.client()
+    got = {}
+    threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, ask(client, p))) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {p: single[p] for p in PROMPTS}
+    # they really decoded together: the batch histogram saw steps of more than one sequence
+    metrics = httpx.get(tp_server.url + "/metrics").text
+    sizes = {float(m) for m in re.findall(r'ds4_batch_size_bucket\{le="1\.0"\} (\S+)', metrics)}
+    steps = {float(m) for m in re.findall(r"ds4_batch_size_count (\S+)", metrics)}
+    assert sizes and steps and max(steps) > max(sizes), metrics
+
+
+def test_cancelled_stream_then_correct_answers(tp_server, single):
+    client = tp_server.client()
+    stream = client.completions.create(model=MODEL, prompt="MENENIUS:", max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-decode
+    deadline = time.monotonic() + 30
+    while 'ds4_requests_aborted_total{stage="decode"} 1.0' not in httpx.get(tp_server.url + "/metrics").text:
+        assert time.monotonic() < deadline, "the cancelled stream was not noticed"
+        time.sleep(0.1)
+    assert ask(client, PROMPTS[1], stream=True) == single[PROMPTS[1]]
+    assert chat(client, "Who are you?") == single["chat"]
+
+
+def test_killed_follower_ends_the_server_with_503(tmp_path):
+    timeout = 10
+    ranks = launch_ranks(tmp_path, "--tp-timeout", str(timeout))
+    try:
+        ranks.wait_ready()
+        client = ranks.client()
+        stream = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=400, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        ranks.procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        # the stream ends with the API's error event (a 503 inside an already started 200 stream)
+        with pytest.raises(openai.APIError, match="tensor-parallel group failed"):
+            for _ in chunks:
+                pass
+        # rank 0 exits on its own, well within the collective timeout, with status 1
+        assert ranks.procs[0].wait(timeout) == 1, ranks.text()
+        assert time.monotonic() - killed < timeout
+        with pytest.raises(openai.APIConnectionError):
+            ask(client, "ROMEO:")
+        assert "Traceback" not in ranks.text()
+    finally:
+        ranks.kill()
+
+
+def test_graceful_shutdown_stops_every_rank(tmp_path):
+    """SIGTERM to rank 0 (a service manager stopping the server): it shuts down gracefully, tells
+    the follower to stop, and exits by the signal, as uvicorn does after a graceful shutdown."""
+    ranks = launch_ranks(tmp_path).wait_ready()
+    try:
+        assert len(ask(ranks.client(), "ROMEO:", n=4)) > 0
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        codes = [p.wait(15) for p in ranks.procs]
+        assert codes == [-signal.SIGTERM, 0], ranks.text()
+        assert time.monotonic() - stopped < 10
+        assert "Application shutdown complete" in ranks.text() and "rank 1: stopped by rank 0" in ranks.text()
+    finally:
+        ranks.kill()
+
+
+# --------------------------------------------------------------------------- lockstep, in one process
+class MirrorPeers:
+    """Stands in for serve.tp.Lead without a process group: every operation the engine sends runs
+    at once on a second replica of the same model, as a follower would run it. After any workload
+    the two replicas' caches must be equal, which only holds if the engine sent every operation
+    that touched its own caches, in order, with the data (a disk restore) they need."""
+
+    heartbeat_s = 0.05
+    broken = None
+
+    def __init__(self, model):
+        self.model, self.sent, self.follower = model, [], None
+
+    def open(self, shape):
+        from serve.replica import Replica
+
+        self.follower = Replica(self.model, **shape)
+
+    def send(self, operation, args, model):
+        self.sent.append(operation)
+        with torch.no_grad():
+            getattr(self.follower, operation)(*args)
+
+    def heartbeat(self):
+        self.sent.append("heartbeat")
+
+    def stop(self):
+        self.sent.append("stop")
+
+    def failed(self, reason):
+        raise AssertionError(f"the group never breaks here: {reason}")
+
+
+def assert_same_caches(lead, follower):
+    for name in ("resident", "batch"):
+        mine, theirs = getattr(lead, name).tensors(), getattr(follower, name).tensors()
+        assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), name
+
+
+def test_every_cache_operation_reaches_the_followers(tmp_path):
+    """Prefills, batched decodes, forks (n=2), a cancelled stream, evictions and a disk restore."""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from serve.app import ServerConfig, create_app
+    from serve.kvstore import KVStore
+    from serve.runner import BackgroundServer
+    from test_kvstore_server import CHUNK as KV_CHUNK, CTX as KV_CTX, complete, prompt, wait_idle
+
+    model, tok = build_default_model(), default_tokenizer()
+
+    def server(peers):
+        app = create_app(model, tok, ServerConfig(ctx=KV_CTX, prefill_chunk=KV_CHUNK, max_batch=2, max_sessions=2),
+                         peers=peers)
+        app.state.engine.kv_store = KVStore(tmp_path / "kv", 8.0, model, ctx=KV_CTX, min_tokens=8,
+                                            registry=app.state.metrics.registry)
+        return BackgroundServer(app)
+
+    a, b, c = prompt(1), prompt(2), prompt(3)
+    peers = MirrorPeers(model)
+    with server(peers) as srv:
+        engine = srv.app.state.engine
+        # two at once: batched decode steps; then the same prompt twice at once: the second forks
+        # the first one's session
+        for pair in ((a, b), (c, c)):
+            threads = [threading.Thread(target=complete, args=(srv, p)) for p in pair]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        engine.token_delay = 0.05
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": a + [9], "max_tokens": 200, "stream": True, "ignore_eos": True}) as s:
+            next(s.iter_lines())  # then the client leaves
+        deadline = time.monotonic() + 10
+        while srv.app.state.metrics.value("ds4_requests_aborted_total", stage="decode") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.token_delay = 0.0
+        wait_idle(srv)
+        assert srv.app.state.metrics.value("ds4_session_evictions_total") > 0
+        assert_same_caches(engine.replica, peers.follower)
+        time.sleep(0.2)
+    assert {"prefill", "decode", "copy", "reset", "heartbeat"} <= set(peers.sent) and peers.sent[-1] == "stop"
+
+    peers = MirrorPeers(model)
+    with server(peers) as srv:  # a restart: `a` comes back from disk
+        tokens, cached = complete(srv, a + [7])
+        assert cached == len(a)
+        wait_idle(srv)
+        assert "import_sequence" in peers.sent
+        assert_same_caches(srv.app.state.engine.replica, peers.follower)
