@@ -667,8 +667,9 @@ class DS4ForCausalLM(nn.Module):
             model = cls(config, attn_backend=attn_backend)
         model.to_dtype(dtype)
         if tp is not None and tp != 1:
-            from .parallel import parallelize, tensor_parallel
+            from .parallel import parallelize, rank_device, tensor_parallel
 
+            device = rank_device(device)
             parallelize(model, tensor_parallel(tp, device))  # on meta: only this rank's shapes
         # Built on meta and allocated by the loader after any keep-mode module swap: quantized
         # modules never hold dense weights, and nothing is allocated in fp32 first.

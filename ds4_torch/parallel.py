@@ -63,6 +63,15 @@ class TensorParallel:
         return self.rank * n, n
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: a CUDA device named without an index means the launcher's local rank
+    (torchrun's LOCAL_RANK), so N ranks on one machine use N GPUs instead of all using cuda:0."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
 def init_tensor_parallel(tp: int, device: torch.device | None = None,
                          timeout_s: float | None = None) -> TensorParallel:
     """Join (or create) the default process group from the launcher's environment (torchrun sets
@@ -78,7 +87,9 @@ def init_tensor_parallel(tp: int, device: torch.device | None = None,
         backend = "nccl" if device is not None and torch.device(device).type == "cuda" else "gloo"
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         if backend == "nccl":
-            kwargs["device_id"] = torch.device(device)
+            device = rank_device(device)
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
         dist.init_process_group(backend, **kwargs)
     world = dist.get_world_size()
     if world != tp:

@@ -134,6 +134,10 @@ def load_model(model: str | None = None, device: str | torch.device | None = "au
     from .model import DS4ForCausalLM
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
+    if tp > 1:
+        from .parallel import rank_device
+
+        device = rank_device(device)
     if model is None:
         from .default_model import build_default_model
 

@@ -249,3 +249,16 @@ def test_cli_tp_without_a_launcher_is_a_clear_error():
                        env={**env, "PYTHONPATH": str(TESTS.parent)}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "torchrun --nproc-per-node 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
+    """torchrun starts N ranks on one machine with LOCAL_RANK 0..N-1: `--device cuda` (no index)
+    must mean cuda:LOCAL_RANK, or every rank would load onto cuda:0. Named devices stay as named."""
+    from ds4_torch.parallel import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert rank_device("cuda:1") == torch.device("cuda", 1)
+    assert rank_device("cpu") == torch.device("cpu")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert rank_device("cuda") == torch.device("cuda", 0)
