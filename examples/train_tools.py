@@ -163,6 +163,45 @@ def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int
 
 
 # --------------------------------------------------------------------------- evaluation
+def argument_probe(tok, cases: int = 48, seed: int = 12345) -> list[tuple[list[int], list[bool]]]:
+    """Fixed single-call chats (tools section included) and, per token, whether it is part of a
+    call's argument value: half with made-up names in training phrasings, half held-out."""
+    value_starts = {tok.token_to_id('" string="true">'), tok.token_to_id('" string="false">')}
+    value_end = tok.token_to_id(PARAMETER_CLOSE)
+    rng = random.Random(seed)
+    probes = []
+    for i in range(cases):
+        tool = list(tool_corpus.TOOLS)[i % len(tool_corpus.TOOLS)]
+        split = "held_out" if i % 2 else "train"
+        text, args, _, _ = tool_corpus.request(rng, tool, split, novel=1.0)
+        call = {"id": "call_0", "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}
+        conv = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                "tools": [tool_corpus.tool_schema(tool)], "thinking": False}
+        ids, _ = encode_chat(tok, conv)
+        inside, mask = False, []
+        for t in ids:
+            inside = inside and t != value_end
+            mask.append(inside)
+            inside = inside or t in value_starts
+        probes.append((ids, mask))
+    return probes
+
+
+@torch.no_grad()
+def copy_accuracy(model, probes) -> tuple[float, float]:
+    """Teacher-forced: the share of argument tokens predicted exactly, and of calls whose
+    argument tokens all are. A cheap running signal; `evaluate_tools` is the real measure."""
+    was_training = model.training
+    model.eval()
+    right = total = whole = 0
+    for ids, mask in probes:
+        predicted = model(torch.tensor([ids[:-1]]))[0].argmax(-1).tolist()
+        hits = [predicted[i] == ids[i + 1] for i in range(len(ids) - 1) if mask[i + 1]]
+        right, total, whole = right + sum(hits), total + len(hits), whole + all(hits)
+    model.train(was_training)
+    return right / total, whole / len(probes)
+
+
 def _greedy(model, tokenizer, prompt: str, max_new: int) -> str:
     from ds4_torch.generation import generate
 
@@ -250,6 +289,7 @@ def main(argv=None):
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--tool-batch", type=int, default=1)
+    p.add_argument("--tool-every", type=int, default=1, help="a batch of tool chats every this many steps")
     p.add_argument("--rounds", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"),
                    help="rounds (request, call, result, answer) per tool chat")
     p.add_argument("--novel", type=float, default=0.5, help="chance of a made-up city or symbol in a request")
@@ -263,6 +303,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=4321)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-cases", type=int, default=60)
+    p.add_argument("--probe-every", type=int, default=100, help="print copy_accuracy every this many steps")
     p.add_argument("--eval-only", action="store_true", help="only measure the model in --out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -325,16 +366,22 @@ def main(argv=None):
     tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds), args.novel)
     drill_data = drill_batches(tok, args.drill_rows, args.drill_length, args.seed + 1, args.novel, args.repeat) \
         if args.drill_rows else None
+    probes = argument_probe(tok)
+    copy_before = copy_accuracy(model, probes)
+    print(f"copy accuracy (tokens, calls) {copy_before[0]:.3f} {copy_before[1]:.3f}", flush=True)
     model.train()
     t0 = time.time()
     tool_tokens = drill_tokens = 0
+    tool_loss = torch.zeros(())
     for step in range(1, args.steps + 1):
-        tx, ty = next(tool_data)
+        loss = 0.0
+        if step % args.tool_every == 0:
+            tx, ty = next(tool_data)
+            loss = tool_loss = F.cross_entropy(model(tx).flatten(0, 1), ty.flatten(), ignore_index=IGNORE)
+            tool_tokens += tx.numel()
         sx, sy = next(text_data)
-        tool_loss = F.cross_entropy(model(tx).flatten(0, 1), ty.flatten(), ignore_index=IGNORE)
         text_loss = F.cross_entropy(model(sx).flatten(0, 1), sy.flatten())
-        tool_tokens += tx.numel()
-        loss = tool_loss + text_loss
+        loss = loss + text_loss
         if drill_data is not None:
             dx, dy = next(drill_data)
             drill_loss = F.cross_entropy(model(dx).flatten(0, 1), dy.flatten(), ignore_index=IGNORE)
@@ -353,8 +400,11 @@ def main(argv=None):
             print(f"step {step:5d}  tool loss {tool_loss.item():.3f}  "
                   f"drill loss {drill_loss.item() if drill_data is not None else 0:.3f}  text loss {text_loss.item():.3f}  "
                   f"{time.time() - t0:7.1f} s", flush=True)
+        if args.probe_every and step % args.probe_every == 0:
+            print("copy accuracy (tokens, calls) {:.3f} {:.3f}".format(*copy_accuracy(model, probes)), flush=True)
     train_time = time.time() - t0
     held_loss = evaluate(model, held_out, 256)
+    copy_after = copy_accuracy(model, probes)
     print(f"held-out Shakespeare loss {held_loss_before:.4f} -> {held_loss:.4f}; {train_time / 60:.1f} min", flush=True)
     model.eval().save_pretrained(args.out)
 
@@ -366,6 +416,7 @@ def main(argv=None):
         "stage1": base_record,
         "stage2": runs + [{
             "script": "examples/train_tools.py", "steps": args.steps, "tool_batch": args.tool_batch,
+            "tool_every": args.tool_every,
             "rounds": list(args.rounds), "novel": args.novel, "drill_rows": args.drill_rows,
             "drill_length": args.drill_length, "repeat": args.repeat, "weight_decay": args.weight_decay,
             "text_batch": args.text_batch, "length": args.length, "lr": args.lr, "seed": args.seed,
@@ -373,6 +424,8 @@ def main(argv=None):
             "text_tokens": args.steps * args.text_batch * args.length,
             "vocab_size": cfg.vocab_size, "added_tokens": PROTOCOL_TOKENS,
             "held_out_loss_before": round(held_loss_before, 4), "held_out_loss_after": round(held_loss, 4),
+            "copy_accuracy_before": [round(v, 4) for v in copy_before],
+            "copy_accuracy_after": [round(v, 4) for v in copy_after],
             "train_minutes": round(train_time / 60, 1), "torch": torch.__version__, "threads": args.threads,
             "tool_eval": evals,
         }],
