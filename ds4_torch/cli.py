@@ -22,7 +22,7 @@ EXIT_USAGE = 2  # argparse's code for bad input; we use it for every user-facing
 # --------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
     tok = load_model_tokenizer(args.model)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
     tp = getattr(model, "tp", None)
     seed = args.seed
     if tp is not None:

@@ -23,12 +23,12 @@ def default_config():
 
 
 def build_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        attn_backend: str = "auto", tp=None):
+                        attn_backend: str = "auto", tp=None, quantized: str = "dequantize"):
     """The embedded model, in eval mode (`tp`: see `DS4ForCausalLM.from_pretrained`)."""
     from .model import DS4ForCausalLM
 
     return DS4ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=dtype, device=device, attn_backend=attn_backend,
-                                          progress=False, tp=tp)
+                                          progress=False, tp=tp, quantized=quantized)
 
 
 def default_tokenizer():

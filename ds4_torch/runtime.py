@@ -58,6 +58,10 @@ def add_model_arguments(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     if dtype:
         p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                        help="dtype of weights and cache (default float32)")
+    p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
+                   help="FP8/FP4 weights of a quantized checkpoint (DeepSeek's release): dequantize them to "
+                        "--dtype at load, or keep them quantized (about half the memory; dequantized per "
+                        "use). No effect on an unquantized checkpoint (default dequantize)")
 
 
 def add_tp_argument(p: argparse.ArgumentParser) -> None:
@@ -125,7 +129,8 @@ def load_config(model: str | None):
 
 
 def load_model(model: str | None = None, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype = "float32", attn_backend: str = "auto", tp: int = 1):
+               dtype: str | torch.dtype = "float32", attn_backend: str = "auto", tp: int = 1,
+               quantized: str = "dequantize"):
     """The model of a checkpoint directory, or the built-in default model (None), on `device` in
     `dtype`, ready for inference (eval mode). `tp` > 1: this process's share of the model split
     over the launcher's N processes (`DS4ForCausalLM.from_pretrained(tp=...)`)."""
@@ -142,13 +147,15 @@ def load_model(model: str | None = None, device: str | torch.device | None = "au
         from .default_model import build_default_model
 
         try:
-            return build_default_model(dtype=dtype, device=device, attn_backend=attn_backend, tp=tp)
+            return build_default_model(dtype=dtype, device=device, attn_backend=attn_backend, tp=tp,
+                                       quantized=quantized)
         except ValueError as e:  # no launcher, or sizes that do not split
             raise UserError(str(e)) from e
     load_config(model)  # a bad config.json gets its own message before any weight is read
     d = model_dir(model)
     try:
-        return DS4ForCausalLM.from_pretrained(d, dtype=dtype, device=device, attn_backend=attn_backend, tp=tp).eval()
+        return DS4ForCausalLM.from_pretrained(d, dtype=dtype, device=device, attn_backend=attn_backend, tp=tp,
+                                              quantized=quantized).eval()
     # Bad config, missing/corrupt/mismatched weights: the user's to fix. Anything else
     # (ImportError, TypeError, ...) is our bug and keeps its traceback.
     except (OSError, ValueError, KeyError, SafetensorError) as e:

@@ -67,7 +67,7 @@ def load(args):
     from .app import ServerConfig
 
     tokenizer = load_model_tokenizer(args.model)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
     if args.max_sessions is not None and args.max_sessions < args.max_batch:
         raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
                         "decoding request holds a resident session")

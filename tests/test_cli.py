@@ -64,6 +64,16 @@ def test_generate_default_model_matches_stateless_greedy(capsys, default_model):
     assert f"{len(expected)} new tokens" in err
 
 
+def test_generate_quantized_keep_on_an_unquantized_model_changes_nothing(capsys):
+    rc, plain, err = run_cli(capsys, "generate", "-p", "To be", "-n", "12")
+    assert rc == 0, err
+    rc, kept, err = run_cli(capsys, "generate", "-p", "To be", "-n", "12", "--quantized", "keep")
+    assert rc == 0, err
+    assert kept == plain
+    rc, _, err = run_cli(capsys, "bench", "model", "--quantized", "keep")
+    assert_one_line_error(rc, err, "--quantized keep")
+
+
 def test_generate_chat_uses_the_chat_format(capsys, default_model):
     rc, out, _ = run_cli(capsys, "generate", "--chat", "-p", "Hi", "-n", "5")
     assert rc == 0

@@ -213,6 +213,21 @@ def test_kept_quantized_tp2_logits_equal_single_process(keep_checkpoint, tmp_pat
         assert err <= TOL, f"rank {rank}: max logit error {err:.3g}"
 
 
+def test_load_model_keeps_a_checkpoint_quantized_when_asked(keep_checkpoint):
+    """`--quantized keep` (generate, serve, bench) reaches the loader: FP8/FP4 storage, the
+    dequantized model's logits."""
+    from ds4_torch import quant as Q
+    from ds4_torch.runtime import load_model
+
+    kept = load_model(str(keep_checkpoint), device="cpu", quantized="keep")
+    dense = load_model(str(keep_checkpoint), device="cpu")
+    assert isinstance(kept.model.layers[1].self_attn.q_b_proj, Q.FP8BlockLinear)
+    assert isinstance(kept.model.layers[1].mlp.experts, Q.FP4Experts)
+    assert not any(isinstance(m, (Q.FP8BlockLinear, Q.FP4Experts)) for m in dense.modules())
+    ids = torch.randint(2, dense.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(kept(ids), dense(ids), atol=1e-4, rtol=1e-4)
+
+
 def test_sizes_that_do_not_divide_are_refused_at_load(tmp_path):
     from ds4_torch.config import DS4Config
     from ds4_torch.parallel import TensorParallel, parallelize

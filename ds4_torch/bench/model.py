@@ -105,7 +105,7 @@ def run_tensor_parallel(args) -> int:
 
     from ..runtime import load_model
 
-    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
     rank = model.tp.rank
     prompt = torch.randint(model.config.vocab_size, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
@@ -114,7 +114,7 @@ def run_tensor_parallel(args) -> int:
     dist.all_gather_object(per_rank, weight_bytes(model))
     if rank == 0:
         del model
-        single_model = load_model(args.model, device=args.device, dtype=args.dtype)
+        single_model = load_model(args.model, device=args.device, dtype=args.dtype, quantized=args.quantized)
         single = bench_ours(single_model, prompt, args.new_tokens)
         print(f"bench model --tp {args.tp}: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
               f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads per process, greedy", file=sys.stderr)
@@ -139,6 +139,9 @@ def run(args) -> int:
 
     if args.tp > 1:
         return run_tensor_parallel(args)
+    if args.quantized == "keep":
+        raise UserError("bench model compares with transformers, which gets our weights dequantized; "
+                        "--quantized keep is for --tp runs, generate and serve")
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()

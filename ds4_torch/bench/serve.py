@@ -146,7 +146,7 @@ def run(args) -> int:
         raise UserError(f"--new-tokens must be >= 2 (a decode rate needs two tokens), got {args.new_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, quantized=args.quantized)
     tokenizer = load_model_tokenizer(args.model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
