@@ -27,3 +27,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The embedded default model, fresh per test module (a module may change its settings).
+    Modules that need another model define their own `model`."""
+    from ds4_torch.default_model import build_default_model
+
+    return build_default_model()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded default model's tokenizer."""
+    from ds4_torch.default_model import default_tokenizer
+
+    return default_tokenizer()

@@ -22,7 +22,6 @@ import openai
 import pytest
 
 from ds4_torch.chat_encoding import render_prompt
-from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.output_parser import parse_output
 from serve.app import ServerConfig, create_app
@@ -64,16 +63,6 @@ def running_server(model, tok, **config):
     app = create_app(model, tok, ServerConfig(**config), kv_store=kv_store)
     with BackgroundServer(app) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from ds4_torch.default_model import build_default_model, default_tokenizer
+from ds4_torch.default_model import default_tokenizer
 from ds4_torch.faults import reset_fault_counts
 from ds4_torch.generation import generate
 from serve.app import ServerConfig, create_app
@@ -21,11 +21,6 @@ from helpers import wait_for
 MODEL = "ds4-default"
 CTX = 256
 CHUNK = 32
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ import openai
 import pytest
 import torch
 
-from ds4_torch.default_model import build_default_model, default_tokenizer
 from helpers import penalised_greedy, reference_logprobs
 from serve.app import ServerConfig, create_app
 from serve.runner import BackgroundServer
@@ -22,16 +21,6 @@ from serve.runner import BackgroundServer
 MODEL = "ds4-default"
 CTX, CHUNK = 1024, 8
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east."
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 import torch
 
-from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.faults import reset_fault_counts
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.sampling import SamplingParams
@@ -23,16 +22,6 @@ CTX = 256
 CHUNK = 16
 TEXT = ("MENENIUS:\nEither you must confess yourselves wondrous malicious, or be accused of folly. "
         "I shall tell you a pretty tale.")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")

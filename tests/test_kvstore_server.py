@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from ds4_torch import faults
-from ds4_torch.default_model import build_default_model, default_tokenizer
 from serve.app import ServerConfig, create_app
 from serve.kvstore import KVStore
 from serve.runner import BackgroundServer
@@ -27,16 +26,6 @@ from test_serve import MODEL, expected
 ROOT = Path(__file__).resolve().parent.parent
 CTX, CHUNK = 512, 32
 SYSTEM = "You are a player in a company of actors. Answer in the manner of the age, briefly."
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 # --------------------------------------------------------------------------- helpers

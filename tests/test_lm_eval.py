@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4_torch.default_model import build_default_model, default_tokenizer
 from helpers import reference_logprobs
 from serve.app import ServerConfig, create_app
 from serve.runner import BackgroundServer
@@ -30,16 +29,6 @@ def _missing() -> str | None:
         if importlib.util.find_spec(module) is None:
             return module
     return None
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 def _samples(out: Path, task: str) -> list[dict]:

@@ -11,20 +11,12 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 from ds4_torch.chat_encoding import (EOS, render_assistant_completion, render_prompt)
-from ds4_torch.default_model import default_tokenizer
 from serve.chat import encode_conversation
 from serve.replay import FILE_NAME, ReplayStore, signature
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 def split_ids(tok, text: str) -> list[int]:

@@ -44,16 +44,6 @@ def srv():
         yield s
 
 
-@pytest.fixture(scope="module")
-def model():
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
-
-
 @pytest.fixture
 def client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -36,20 +36,6 @@ def engine(srv):
     wait_idle(e)
 
 
-@pytest.fixture(scope="module")
-def model():
-    from ds4_torch.default_model import build_default_model
-
-    return build_default_model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from ds4_torch.default_model import default_tokenizer
-
-    return default_tokenizer()
-
-
 def wait_idle(engine, timeout=10.0):
     wait_for(engine.idle, timeout, "the engine to go idle")
 
