@@ -14,6 +14,8 @@ rest, the same for all of them:
   start with the DSML opener (and the function's name): in chat mode right after the
   generation prompt; in thinking mode once the reasoning ends (the engine stops at
   ``</think>`` and a second request continues with the opener appended);
+* strict tools (`strict_tool_grammar`): a grammar keeps their calls to their schemas, forced
+  or not (auto: the content is text, or text then a call block);
 * the finish: "end" (EOS), "stop_sequence", "length" or "tool_calls", and the usage.
 
 Events: `Token` (one sampled token: logprobs, id), `Text` (reasoning or content), `Call`,
@@ -70,6 +72,7 @@ class ChatRequest:
     max_tokens_param: str = "max_tokens"
     tool_choice_param: str = "tool_choice"
     tools_param: str = "tools"
+    tool_params_path: str = "tools[{i}].function.parameters"   # a tool's parameter schema ({i}: its index)
 
 
 # --------------------------------------------------------------------------- events
@@ -634,11 +637,14 @@ def json_grammar(state, schema: Any, param: str):
 _OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "description", "title", "$defs",
                     "definitions"}
 _ANNOTATIONS = {"description", "title", "examples", "default", "$comment"}
-# A string="true" value: any text that does not open or close a DSML tag.
-_RAW_TEXT = r"/([^<]|<[^\/｜]|<\/[^｜])*/"
+# Text that does not open or close a DSML tag (nor spell `<｜end▁of▁sentence｜>`): a string="true"
+# value, and the free text of a reply that may call a strict tool (the parser would read such a
+# tag there as markup). Special tokens never match a regex, so only spelled-out tags need keeping out.
+_RAW = r"([^<]|<[^\/｜]|<\/[^｜])*"
+_RAW_TEXT = f"/{_RAW}/"
 
 
-def _strict_tools(creq: ChatRequest) -> list[tuple[int, dict]]:
+def _forced_tools(creq: ChatRequest) -> list[tuple[int, dict]]:
     """(index in `tools`, function) of the tools a forced call may use, when all are `strict`."""
     choice = creq.tool_choice
     fns = [(i, t["function"]) for i, t in enumerate(creq.tools)]
@@ -689,26 +695,60 @@ def _arguments_rule(so, params: Any, where: str) -> str:
     return " ".join(parts) if parts else '"\\n"'
 
 
+# The parameters of a non-strict tool's call: any names, text (string="true") or JSON values, as
+# the output parser reads them; its schema is checked after the fact (a failing call comes back as text).
+_ANY_PARAMETER = '{open} " name=\\"" /[^"<>\\n]+/ "\\" string=\\"" ("true\\">" {text} | "false\\">" %json {{}}) {close} "\\n"'
+
+
+def _invoke_rule(so, creq: ChatRequest, i: int, fn: dict, with_name: bool = True) -> str:
+    """Lark for one call of `fn` after `<｜DSML｜invoke name="` (after the whole opener when not
+    `with_name`), as `chat_encoding.render_invoke` writes it, up to `</｜DSML｜invoke>`: a strict
+    tool's parameters follow its schema (`_arguments_rule`), any others are free."""
+    if fn.get("strict") is True:
+        arguments = _arguments_rule(so, fn.get("parameters"), creq.tool_params_path.format(i=i))
+    else:
+        any_parameter = _ANY_PARAMETER.format(open=so.literal(PARAMETER_OPEN), close=so.literal(PARAMETER_CLOSE),
+                                              text=_RAW_TEXT)
+        arguments = f'(({any_parameter})+ | "\\n")'
+    name = json.dumps(f'{fn["name"]}">', ensure_ascii=False) if with_name else ""
+    return f'({name} "\\n" {arguments} {so.literal(INVOKE_CLOSE)})'
+
+
 def strict_tool_grammar(state, creq: ChatRequest):
-    """For a forced call (tool_choice required or a named function) when every tool it may call
-    is declared `strict`: the grammar of the rest of the call after the opener (`_forced_opener`):
-    the name (required), the parameters following the tool's schema, the closing tags. None when
-    the call is not forced or a tool is not strict (its arguments are then validated, and a call
-    they fail comes back as text). 400 naming the schema a grammar cannot enforce."""
-    fns = _strict_tools(creq)
-    if not fns:
-        return None
-    so = state.engine.structured_outputs()
-    alternatives = []
-    for i, fn in fns:
-        where = f"{creq.tools_param}[{i}].function.parameters"
-        arguments = _arguments_rule(so, fn.get("parameters"), where)
-        name = "" if creq.tool_choice.mode == "function" else json.dumps(f'{fn["name"]}">', ensure_ascii=False)
-        alternatives.append(f'({name} "\\n" {arguments})')
-    text = (f"start: ({' | '.join(alternatives)}) {so.literal(INVOKE_CLOSE)} \"\\n\" "
-            f"{so.literal(TOOL_CALLS_CLOSE)}\n")
+    """The grammar the content follows (after any reasoning), given strict tools; else `creq.grammar`
+    (a response format, or None). 400 naming the schema a grammar cannot enforce.
+
+    * A forced call (tool_choice required or a named function) when every tool it may call is
+      `strict`: the rest of the call after the opener (`_forced_opener`): the name (required), the
+      parameters following the tool's schema, the closing tags. A forced call with a non-strict
+      tool: None (its arguments are validated after the fact; a call they fail comes back as text).
+    * tool_choice auto with at least one strict tool and no response format: text without DSML
+      markup, or such text, the blank line and a tool-call block of one or more calls to the
+      offered tools (a strict one's arguments following its schema), EOS after either. With a
+      response format the format holds (the reply is the format; no call can be made).
+    """
+    mode = creq.tool_choice.mode
+    if mode in ("required", "function"):
+        fns = _forced_tools(creq)
+        if not fns:
+            return None
+        so = state.engine.structured_outputs()
+        invokes = " | ".join(_invoke_rule(so, creq, i, fn, with_name=mode != "function") for i, fn in fns)
+        text = f'start: ({invokes}) "\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
+    elif mode == "auto" and creq.grammar is None and any(t["function"].get("strict") is True for t in creq.tools):
+        fns = list(enumerate(t["function"] for t in creq.tools))
+        so = state.engine.structured_outputs()
+        invokes = " | ".join(_invoke_rule(so, creq, i, fn) for i, fn in fns)
+        # Several calls in one block, each on its own line (render_tool_calls); the text before the
+        # block ends with the separator, one regex, so where the text ends is never ambiguous.
+        text = (f'start: /{_RAW}(<\\/?)?/ | /{_RAW}\\n\\n/ {so.literal(TOOL_CALLS_OPEN)} "\\n" invoke ("\\n" invoke)* '
+                f'"\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
+                f'invoke: {so.literal(INVOKE_OPEN)} " name=\\"" ({invokes})\n')
+    else:
+        return creq.grammar
     try:
         return so.lark(text)
     except ValueError as e:
-        param = f"{creq.tools_param}[{fns[0][0]}].function.parameters" if len(fns) == 1 else creq.tools_param
+        strict = [i for i, fn in fns if fn.get("strict") is True]
+        param = creq.tool_params_path.format(i=strict[0]) if len(strict) == 1 else creq.tools_param
         raise bad(f"'{param}': {e}", param) from None

@@ -1,7 +1,7 @@
 """OpenAI chat completions and completions: JSON in, `serve.chat` request out; events back to JSON/SSE.
 
-Chat completions take ``tools`` (function tools; ``strict: true`` constrains a forced call's
-arguments to the schema), ``tool_choice`` (auto, none, required, a named function), DeepSeek's
+Chat completions take ``tools`` (function tools; ``strict: true`` constrains every call of the
+function, forced or not, to its schema: see `serve.chat.strict_tool_grammar`), ``tool_choice`` (auto, none, required, a named function), DeepSeek's
 ``thinking: {"type": "enabled"|"disabled"}`` (or a boolean), ``reasoning_effort`` (which turns
 thinking on unless it says "none") and ``response_format`` (text, json_object, json_schema:
 the content is constrained to the schema, after the reasoning in thinking mode). Replies carry
@@ -293,8 +293,8 @@ def parse_chat(body: dict, max_top_logprobs: int = MAX_TOP_LOGPROBS, state=None)
                        reasoning_effort=effort if thinking else None, sampling=sampling,
                        max_tokens=get_number(body, param, None, lo=1, integer=True), max_tokens_param=param,
                        stop=parse_stop(body), logprobs=opts.logprobs, ignore_eos=opts.ignore_eos, grammar=grammar)
-    if state is not None and creq.tool_choice.mode in ("required", "function"):
-        creq.grammar = strict_tool_grammar(state, creq)  # a forced call: the reply is the call, not the format
+    if state is not None:
+        creq.grammar = strict_tool_grammar(state, creq)  # strict tools: a forced call, or auto's text-or-calls
     return creq, opts
 
 

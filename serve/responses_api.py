@@ -5,8 +5,9 @@ Request: ``input`` (a string, or items: messages with text parts, ``function_cal
 ``tools``, ``tool_choice``, ``reasoning.effort`` (turns thinking on unless "none"),
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``text.format`` (``json_object``,
 or ``json_schema`` with ``name`` and ``schema``: the message text is constrained to the schema,
-after the reasoning in thinking mode); a function tool with ``strict: true`` that a forced
-``tool_choice`` calls gets its arguments constrained to its schema. Nothing is stored:
+after the reasoning in thinking mode); a function tool with ``strict: true`` gets every call's
+arguments constrained to its schema (forced or auto; ``strict`` is honoured only when given: the
+API's default of true would put a grammar on, and 400 the schemas of, clients that never asked). Nothing is stored:
 ``previous_response_id``, ``conversation`` and item references are answered 400; a client sends
 the whole conversation each time (as Codex does with ``store: false``). A system or developer
 message after the conversation started joins the conversation as a user message (the encoding
@@ -219,9 +220,9 @@ def parse_request(body: dict, state) -> tuple[ChatRequest, dict]:
     creq = ChatRequest(messages=_input(body), tools=_tools(body), tool_choice=_tool_choice(body),
                        thinking=effort is not None, reasoning_effort=effort, sampling=sampling,
                        max_tokens=get_number(body, "max_output_tokens", None, lo=1, integer=True),
-                       messages_param="input", max_tokens_param="max_output_tokens", grammar=grammar)
-    if creq.tool_choice.mode in ("required", "function"):
-        creq.grammar = strict_tool_grammar(state, creq)  # a forced call: the reply is the call, not the format
+                       messages_param="input", max_tokens_param="max_output_tokens", grammar=grammar,
+                       tool_params_path="tools[{i}].parameters")
+    creq.grammar = strict_tool_grammar(state, creq)  # strict tools: a forced call, or auto's text-or-calls
     echo = {"model": model, "instructions": body.get("instructions"), "stream": get_bool(body, "stream", False),
             "encrypted": "reasoning.encrypted_content" in include, "reasoning": reasoning,
             "max_output_tokens": body.get("max_output_tokens"), "tools": get_list(body, "tools") or [],
