@@ -2,7 +2,7 @@
 
 Request: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``,
 ``tool_result`` and ``thinking`` blocks, ``tools`` (custom tools: name, description,
-input_schema), ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled / disabled),
+input_schema, ``strict``: every call's input follows the schema, as in chat completions), ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled / disabled),
 ``output_config.effort``, ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
 ``top_k`` (which Anthropic's SDK now sends through ``extra_body``). Consecutive
 messages of one role are merged, as Anthropic does. Images, documents, server tools and a final
@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from ds4_torch.sampling import SamplingParams
 
-from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt
+from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt, strict_tool_grammar
 from .openai_api import parse_effort
 from .protocol import (APIError, bad, check_unknown, get_bool, get_list, get_number, get_object, get_str, parse_stop,
                        type_name)
@@ -213,6 +213,8 @@ def _tools(body: dict) -> list[dict]:
         if t.get("description") is not None:
             fn["description"] = get_str(t, "description", where=f"{where}.")
         fn["parameters"] = t["input_schema"]
+        if get_bool(t, "strict", False, where=f"{where}."):  # Anthropic's strict tool use
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
     return out
 
@@ -271,7 +273,8 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
     effort = _effort(body)
     creq = ChatRequest(messages=_messages(body), tools=_tools(body), tool_choice=_tool_choice(body),
                        thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
-                       max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences", limit=None))
+                       max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences", limit=None),
+                       tool_params_path="tools[{i}].input_schema")
     return creq, model, get_bool(body, "stream", False), shown
 
 
@@ -372,6 +375,7 @@ async def messages(state, request: Request) -> Response:
     body = await state.read_json(request)
     creq, model, stream, shown = parse_request(body)
     state.check_model(model)
+    creq.grammar = strict_tool_grammar(state, creq)  # strict tools: their calls follow their schemas
     gen = Generation.chat(state, creq, call_id_prefix="toolu_")
     return await state.respond(request, gen, lambda: MessageView(state, gen, model, shown), stream)
 
