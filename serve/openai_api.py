@@ -1,8 +1,8 @@
 """OpenAI chat completions and completions: JSON in, `serve.chat` request out; events back to JSON/SSE.
 
 Chat completions take ``tools`` (function tools; ``strict: true`` constrains every call of the
-function, forced or not, to its schema: see `serve.chat.strict_tool_grammar`), ``tool_choice`` (auto, none, required, a named function), DeepSeek's
-``thinking: {"type": "enabled"|"disabled"}`` (or a boolean), ``reasoning_effort`` (which turns
+function, forced or not, to its schema: see `serve.chat.strict_tool_grammar`), ``tool_choice``
+(auto, none, required, a named function), DeepSeek's ``thinking: {"type": "enabled"|"disabled"}`` (or a boolean), ``reasoning_effort`` (which turns
 thinking on unless it says "none") and ``response_format`` (text, json_object, json_schema:
 the content is constrained to the schema, after the reasoning in thinking mode). Replies carry
 reasoning in ``reasoning_content`` (DeepSeek's field) and calls in ``tool_calls`` with
