@@ -119,11 +119,25 @@ SYLLABLES = ["ba", "ko", "ri", "mel", "dor", "sa", "vin", "ta", "lu", "gra", "pe
              "ful", "ca", "tre", "mo", "qui", "bel", "ar", "den", "ly", "sto", "wen", "ix", "ro", "ga", "um"]
 
 
-def novel_name(rng: random.Random) -> str:
+NAME_STYLES = ("syllables", "mixed")
+
+
+def novel_name(rng: random.Random, names: str = "syllables") -> str:
     """A made-up place name ("Melvinta", "Port Koba"): thousands of them, so a model that gets
-    them right copies from the request instead of recalling a list."""
+    them right copies from the request instead of recalling a list. `names`: "syllables" (from
+    ``SYLLABLES`` only, which a model can learn to continue instead of copying) or "mixed" (a
+    third each: syllables, random letters, a listed city's letters shuffled)."""
     while True:
-        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        style = rng.choice(("syllables", "letters", "shuffled")) if names == "mixed" else "syllables"
+        if style == "syllables":
+            name = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+        elif style == "letters":
+            name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
+        else:
+            letters = list(rng.choice(TRAIN_CITIES).replace(" ", "").lower())
+            rng.shuffle(letters)
+            name = "".join(letters)
+        name = name.capitalize()
         name = f"{rng.choice(['Port', 'San', 'New', 'Lake'])} {name}" if rng.random() < 0.2 else name
         if name not in CITIES:  # never a held-out city ("Ri" + "ga")
             return name
@@ -133,13 +147,15 @@ def novel_symbol(rng: random.Random) -> str:
     return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 4)))
 
 
-def request(rng: random.Random, tool: str, split: str, novel: float = 0.0) -> tuple[str, dict, dict, str]:
+def request(rng: random.Random, tool: str, split: str, novel: float = 0.0,
+            names: str = "syllables") -> tuple[str, dict, dict, str]:
     """A user request that ``tool`` answers: (text, call arguments, tool result, subject).
-    `novel`: the chance (training split only) of a made-up city or symbol instead of a listed one."""
+    `novel`: the chance (training split only) of a made-up city (``novel_name(rng, names)``) or
+    symbol instead of a listed one."""
     template = rng.choice(PHRASINGS[tool][split])
     made_up = split == "train" and novel > 0 and rng.random() < novel
     if tool in ("get_weather", "get_time"):
-        city = novel_name(rng) if made_up else rng.choice(TRAIN_CITIES if split == "train" else HELD_OUT_CITIES)
+        city = novel_name(rng, names) if made_up else rng.choice(TRAIN_CITIES if split == "train" else HELD_OUT_CITIES)
         args = {"city": city}
         if tool == "get_weather":
             result = {"city": city, "temperature": rng.randint(-5, 35), "condition": rng.choice(CONDITIONS)}
@@ -164,7 +180,7 @@ def answer(rng: random.Random, tool: str, args: dict, result: dict) -> str:
 
 
 def conversation(rng: random.Random, split: str = "train", rounds: int | tuple[int, int] = (1, 3),
-                 thinking: bool | None = None, novel: float = 0.0) -> dict:
+                 thinking: bool | None = None, novel: float = 0.0, names: str = "syllables") -> dict:
     """One chat: {"messages": [...], "tools": [...], "thinking": bool}, ending in an assistant turn.
     `rounds`: a number, or a (min, max) range to draw it from."""
     names = list(TOOLS)
@@ -180,7 +196,7 @@ def conversation(rng: random.Random, split: str = "train", rounds: int | tuple[i
             messages.append(_assistant(reply, REASONING_TALK if thinking else None))
             continue
         tool = rng.choice(offered)
-        text, args, result, subject = request(rng, tool, split, novel)
+        text, args, result, subject = request(rng, tool, split, novel, names)
         call_id = f"call_{r}"
         messages.append({"role": "user", "content": text})
         call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}
@@ -201,20 +217,23 @@ def _assistant(content: str, reasoning: str | None) -> dict:
 REPEAT = ["Repeat after me: {words}", "Say: {words}", "Echo this: {words}"]
 
 
-def repeat_drill(rng: random.Random) -> dict:
+def repeat_drill(rng: random.Random, names: str = "syllables") -> dict:
     """A chat whose reply repeats words from the request: the densest copying signal there is."""
-    words = " ".join(novel_name(rng) if rng.random() < 0.5 else rng.choice(TRAIN_CITIES)
+    words = " ".join(novel_name(rng, names) if rng.random() < 0.5 else rng.choice(TRAIN_CITIES)
                      for _ in range(rng.randint(1, 4)))
     return {"messages": [{"role": "user", "content": rng.choice(REPEAT).format(words=words)},
                          {"role": "assistant", "content": words}], "tools": [], "thinking": False}
 
 
-def drill(rng: random.Random, novel: float = 0.5, repeat: float = 0.25) -> dict:
+def drill(rng: random.Random, novel: float = 0.5, repeat: float = 0.25, thinking: float = 0.0,
+          names: str = "syllables") -> dict:
     """A short chat without the tools section: a repeat drill, a request and its call, or a
-    whole round (request, call, result, answer). Chat mode."""
+    whole round (request, call, result, answer). `thinking`: the chance of thinking mode (its
+    reasoning names the city too, a second copy)."""
     if rng.random() < repeat:
-        return repeat_drill(rng)
-    conv = conversation(rng, "train", rounds=1, thinking=False, novel=novel)
+        return repeat_drill(rng, names)
+    think = rng.random() < thinking if thinking > 0 else False  # (draws nothing at 0: earlier runs reproduce)
+    conv = conversation(rng, "train", rounds=1, thinking=think, novel=novel, names=names)
     if len(conv["messages"]) == 4 and rng.random() < 0.5:
         conv["messages"] = conv["messages"][:2]  # the call only
     return {**conv, "tools": []}

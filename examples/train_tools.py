@@ -131,7 +131,8 @@ def encode_chat(tok, conv: dict) -> tuple[list[int], list[int]]:
     return enc.ids, labels
 
 
-def drill_batches(tok, rows: int, length: int, seed: int, novel: float, repeat: float):
+def drill_batches(tok, rows: int, length: int, seed: int, novel: float, repeat: float, thinking: float = 0.0,
+                  names: str = "syllables"):
     """Rows of `length` tokens packed with drills (``tool_corpus.drill``) back to back: several
     per row, so a row also holds other names to not copy from."""
     rng = random.Random(seed)
@@ -140,18 +141,19 @@ def drill_batches(tok, rows: int, length: int, seed: int, novel: float, repeat: 
         for _ in range(rows):
             ids, labels = [], []
             while len(ids) < length + 1:
-                i, lab = encode_chat(tok, tool_corpus.drill(rng, novel, repeat))
+                i, lab = encode_chat(tok, tool_corpus.drill(rng, novel, repeat, thinking, names))
                 ids, labels = ids + i, labels + lab
             xs.append(ids[:length])
             ys.append(labels[1:length + 1])
         yield torch.tensor(xs), torch.tensor(ys)
 
 
-def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int] = (1, 3), novel: float = 0.0):
+def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int] = (1, 3), novel: float = 0.0,
+                 names: str = "syllables"):
     """Batches of whole tool chats (tools section, several rounds), padded."""
     rng = random.Random(seed)
     while True:
-        rows = [encode_chat(tok, tool_corpus.conversation(rng, "train", rounds=rounds, novel=novel))
+        rows = [encode_chat(tok, tool_corpus.conversation(rng, "train", rounds=rounds, novel=novel, names=names))
                 for _ in range(batch)]
         width = max(len(ids) for ids, _ in rows)
         x = torch.full((batch, width), pad_id)
@@ -293,6 +295,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"),
                    help="rounds (request, call, result, answer) per tool chat")
     p.add_argument("--novel", type=float, default=0.5, help="chance of a made-up city or symbol in a request")
+    p.add_argument("--names", choices=tool_corpus.NAME_STYLES, default="syllables",
+                   help="made-up names: tool_corpus.novel_name's style")
+    p.add_argument("--drill-thinking", type=float, default=0.0, help="share of drills in thinking mode")
     p.add_argument("--drill-rows", type=int, default=6, help="rows of packed drills per step")
     p.add_argument("--drill-length", type=int, default=512)
     p.add_argument("--repeat", type=float, default=0.25, help="share of repeat drills among the drills")
@@ -363,8 +368,10 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     text_data = batches(train, args.text_batch, args.length, torch.Generator().manual_seed(args.seed))
-    tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds), args.novel)
-    drill_data = drill_batches(tok, args.drill_rows, args.drill_length, args.seed + 1, args.novel, args.repeat) \
+    tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds), args.novel,
+                             args.names)
+    drill_data = drill_batches(tok, args.drill_rows, args.drill_length, args.seed + 1, args.novel, args.repeat,
+                                args.drill_thinking, args.names) \
         if args.drill_rows else None
     probes = argument_probe(tok)
     copy_before = copy_accuracy(model, probes)
@@ -417,7 +424,8 @@ def main(argv=None):
         "stage2": runs + [{
             "script": "examples/train_tools.py", "steps": args.steps, "tool_batch": args.tool_batch,
             "tool_every": args.tool_every,
-            "rounds": list(args.rounds), "novel": args.novel, "drill_rows": args.drill_rows,
+            "rounds": list(args.rounds), "novel": args.novel, "names": args.names,
+            "drill_thinking": args.drill_thinking, "drill_rows": args.drill_rows,
             "drill_length": args.drill_length, "repeat": args.repeat, "weight_decay": args.weight_decay,
             "text_batch": args.text_batch, "length": args.length, "lr": args.lr, "seed": args.seed,
             "tool_chat_tokens": tool_tokens, "drill_tokens": drill_tokens,
