@@ -234,6 +234,8 @@ def drill(rng: random.Random, novel: float = 0.5, repeat: float = 0.25, thinking
         return repeat_drill(rng, names)
     think = rng.random() < thinking if thinking > 0 else False  # (draws nothing at 0: earlier runs reproduce)
     conv = conversation(rng, "train", rounds=1, thinking=think, novel=novel, names=names)
-    if len(conv["messages"]) == 4 and rng.random() < 0.5:
+    if think:  # the call only: without a tools section a later turn would drop this reasoning
+        conv["messages"] = conv["messages"][:2]
+    elif len(conv["messages"]) == 4 and rng.random() < 0.5:
         conv["messages"] = conv["messages"][:2]  # the call only
     return {**conv, "tools": []}
