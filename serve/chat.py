@@ -13,7 +13,8 @@ rest, the same for all of them:
 * `tool_choice`: "none" renders no tools; "required" and a named function make the reply
   start with the DSML opener (and the function's name): in chat mode right after the
   generation prompt; in thinking mode once the reasoning ends (the engine stops at
-  ``</think>`` and a second request continues with the opener appended);
+  ``</think>`` and a second request continues with the opener appended), and a grammar writes
+  the rest of the call (an offered tool's name, well-formed parameters);
 * strict tools (`strict_tool_grammar`): a grammar keeps their calls to their schemas, forced
   or not (auto: the content is text, or text then a call block);
 * the finish: "end" (EOS), "stop_sequence", "length" or "tool_calls", and the usage.
@@ -645,12 +646,12 @@ _RAW_TEXT = f"/{_RAW}/"
 
 
 def _forced_tools(creq: ChatRequest) -> list[tuple[int, dict]]:
-    """(index in `tools`, function) of the tools a forced call may use, when all are `strict`."""
+    """(index in `tools`, function) of the tools a forced call may use."""
     choice = creq.tool_choice
     fns = [(i, t["function"]) for i, t in enumerate(creq.tools)]
     if choice.mode == "function":
         fns = [(i, fn) for i, fn in fns if fn["name"] == choice.name]
-    return fns if fns and all(fn.get("strict") is True for _, fn in fns) else []
+    return fns
 
 
 def _arguments_rule(so, params: Any, where: str) -> str:
@@ -718,10 +719,10 @@ def strict_tool_grammar(state, creq: ChatRequest):
     """The grammar the content follows (after any reasoning), given strict tools; else `creq.grammar`
     (a response format, or None). 400 naming the schema a grammar cannot enforce.
 
-    * A forced call (tool_choice required or a named function) when every tool it may call is
-      `strict`: the rest of the call after the opener (`_forced_opener`): the name (required), the
-      parameters following the tool's schema, the closing tags. A forced call with a non-strict
-      tool: None (its arguments are validated after the fact; a call they fail comes back as text).
+    * A forced call (tool_choice required or a named function): the rest of the call after the
+      opener (`_forced_opener`): an offered tool's name (required), the parameters (a strict
+      tool's following its schema; a non-strict tool's free, validated after the fact), the
+      closing tags. So a forced call always parses and names a tool that was offered.
     * tool_choice auto with at least one strict tool and no response format: text without DSML
       markup, or such text, the blank line and a tool-call block of one or more calls to the
       offered tools (a strict one's arguments following its schema), EOS after either. With a

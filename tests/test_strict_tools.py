@@ -253,6 +253,20 @@ def test_responses_and_anthropic_strict_auto(srv, oai):
 UNSUPPORTED = {"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}
 
 
+def test_a_forced_call_of_non_strict_tools_always_names_an_offered_tool(oai):
+    """tool_choice required without strict: the grammar still writes an offered tool's name and
+    well-formed parameters, so every choice is a call (the tiny model, left alone, sometimes
+    names a tool it saw in training but was not offered, which would come back as text)."""
+    offered = [weather({"type": "object", "properties": {"city": {"type": "string"}}}, strict=False), TIME]
+    for thinking in (False, True):
+        r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=offered,
+                                        tool_choice="required", temperature=1.0, seed=5, n=6, max_tokens=96,
+                                        extra_body={"thinking": {"type": "enabled" if thinking else "disabled"}})
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls", (thinking, c.message)
+            assert [t.function.name in ("get_weather", "get_time") for t in c.message.tool_calls] == [True]
+
+
 def test_a_schema_the_grammar_cannot_enforce_is_a_400_naming_it(srv, oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[TIME, weather(UNSUPPORTED)], max_tokens=4)
