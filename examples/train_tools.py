@@ -1,19 +1,29 @@
 """Teach the embedded tiny model DeepSeek-V4's agent protocol, keeping its Shakespeare.
 
-Stage 2 after `train_tiny.py`. The shipped asset is stage 1 followed by three runs of this
+Stage 2 after `train_tiny.py`. The shipped asset is stage 1 followed by five runs of this
 script, reproducibly (same torch build):
 
     python examples/train_tiny.py --out /tmp/tiny-stage1
     python examples/train_tools.py --base /tmp/tiny-stage1 --out /tmp/tiny-run1 --steps 600 --tool-batch 2 \
         --rounds 1 3 --novel 0 --drill-rows 0 --text-batch 4 --lr 1.5e-3 --weight-decay 0.1
     python examples/train_tools.py --base /tmp/tiny-run1 --out /tmp/tiny-run2
-    python examples/train_tools.py --base /tmp/tiny-run2 --out ds4_torch/assets/tiny-shakespeare \
-        --repeat 0.4 --text-batch 8
+    python examples/train_tools.py --base /tmp/tiny-run2 --out /tmp/tiny-run3 --repeat 0.4 --text-batch 8
+    python examples/train_tools.py --base /tmp/tiny-run3 --out /tmp/tiny-run4 --steps 3000 --tool-every 4 \
+        --drill-rows 16 --drill-length 128 --text-batch 2 --novel 0.7 --repeat 0.3 --lr 1.5e-3 \
+        --weight-decay 0.1 --seed 99
+    python examples/train_tools.py --base /tmp/tiny-run4 --out ds4_torch/assets/tiny-shakespeare --steps 2000 \
+        --tool-every 4 --drill-rows 16 --drill-length 128 --text-batch 2 --novel 0.7 --repeat 0.3 \
+        --drill-thinking 0.3 --names mixed --lr 1e-3 --weight-decay 0.1 --seed 100
 
 The first run (tool chats only) taught the format, which tool to call and answering in text, but
 no copying: every call named the same city. The next two add packed drills with made-up names;
-the model then copies the first letter of a city it never saw, but not the rest (see
-training.json for the measurements; README "The default model").
+the model then copies the first letter of a city it never saw, but not the rest. Runs 4 and 5
+make drills the bulk of every step (16 short rows; a tool chat only every 4th step), which is
+when copying appeared: the teacher-forced argument accuracy (`copy_accuracy`) rose from 0.29 to
+0.78 and exact held-out arguments from 0 to 26 of 60. Run 5's made-up names mix random letters
+and shuffled city names with the syllables, because after run 4 the model continued a name in
+the syllables' style instead of copying it ("Detroit" -> "Denro"). See training.json for the
+measurements and README "The default model".
 
 What it does:
 

@@ -192,8 +192,9 @@ def test_logit_bias_minus_100_removes_the_greedy_token(engine, model):
     assert biased.generated == top2[1:]
 
 
-def test_penalties_follow_their_formulas_in_the_engine(engine, model):
-    ids = ids_of(24, 6)
+def test_penalties_follow_their_formulas_in_the_engine(engine, model, tok):
+    # Text whose greedy continuation repeats itself, so the penalties have something to act on.
+    ids = tok.encode("To be, or not to be")
     plain = GenRequest(ids, 16, ignore_eos=True)
     pen = GenRequest(ids, 16, ignore_eos=True,
                      sampling=SamplingParams(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3))
