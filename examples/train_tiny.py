@@ -96,6 +96,38 @@ def batches(data: torch.Tensor, batch: int, length: int, g: torch.Generator):
         yield chunk[:, :-1], chunk[:, 1:]
 
 
+class ExpertBalancer:
+    """Aux-loss-free balancing (DeepSeek-V3/V4): count each learned router's expert loads during
+    the step's forwards; `step()` then nudges its correction bias towards under-used experts."""
+
+    def __init__(self, model, rate: float = 1e-3):
+        self.rate, self.loads = rate, {}
+        self.routers = [m for m in model.modules() if isinstance(m, Router) and not m.hashed]
+        experts = model.config.n_routed_experts
+        for r in self.routers:
+            r.register_forward_hook(lambda router, _inputs, output: self.loads.__setitem__(
+                router, self.loads.get(router, 0) + torch.bincount(output[1].reshape(-1), minlength=experts)))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for r in self.routers:
+            load = self.loads.pop(r).float()
+            r.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
+
+
+def optimizer(model, lr: float, weight_decay: float, steps: int):
+    """AdamW (no decay on vectors) and a schedule: linear warm-up over 5% of the steps, then
+    cosine down to a tenth of `lr`."""
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    no_decay = [q for q in model.parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    return opt, sched
+
+
 @torch.no_grad()
 def evaluate(model, data: torch.Tensor, length: int) -> float:
     """Mean next-token loss over the whole held-out split, in windows of `length` tokens."""
@@ -141,24 +173,8 @@ def main(argv=None):
     n_params = model.num_parameters()
     print(f"{len(train):,} train / {len(held_out):,} held-out tokens; {n_params:,} parameters")
 
-    # Aux-loss-free balancing (DeepSeek-V3/V4): nudge each router's correction bias towards
-    # under-used experts after every step.
-    loads = {}
-
-    def count_load(router, _inputs, output):
-        loads[router] = loads.get(router, 0) + torch.bincount(output[1].reshape(-1), minlength=cfg.n_routed_experts)
-
-    routers = [m for m in model.modules() if isinstance(m, Router) and not m.hashed]
-    for r in routers:
-        r.register_forward_hook(count_load)
-
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+    balance = ExpertBalancer(model)
+    opt, sched = optimizer(model, args.lr, 0.1, args.steps)
     data = batches(train, args.batch, args.length, torch.Generator().manual_seed(args.seed))
     model.train()
     t0 = time.time()
@@ -170,10 +186,7 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        with torch.no_grad():
-            for r in routers:
-                load = loads.pop(r).float()
-                r.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
+        balance.step()
         if step % 50 == 0 or step == 1:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:7.1f} s", flush=True)
     train_time = time.time() - t0

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -69,11 +68,10 @@ from ds4_torch.chat_encoding import (
     TOOL_CALLS_OPEN, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, render_prompt,
 )
 from ds4_torch.kernels import AttentionOps, reference
-from ds4_torch.model import Router
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tool_corpus  # noqa: E402
-from train_tiny import DEFAULT_DATA, REPO, batches, evaluate  # noqa: E402
+from train_tiny import DEFAULT_DATA, REPO, ExpertBalancer, batches, evaluate, optimizer  # noqa: E402
 
 PROTOCOL_TOKENS = [
     THINK_START, THINK_END, TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE, INVOKE_OPEN, INVOKE_CLOSE, PARAMETER_OPEN,
@@ -361,22 +359,8 @@ def main(argv=None):
     cfg = model.config
     print(f"vocabulary {old_tok.get_vocab_size()} -> {tok.get_vocab_size()}; {model.num_parameters():,} parameters")
 
-    loads = {}
-
-    def count_load(router, _inputs, output):
-        loads[router] = loads.get(router, 0) + torch.bincount(output[1].reshape(-1), minlength=cfg.n_routed_experts)
-
-    routers = [m for m in model.modules() if isinstance(m, Router) and not m.hashed]
-    for r in routers:
-        r.register_forward_hook(count_load)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+    balance = ExpertBalancer(model)
+    opt, sched = optimizer(model, args.lr, args.weight_decay, args.steps)
     text_data = batches(train, args.text_batch, args.length, torch.Generator().manual_seed(args.seed))
     tool_data = tool_batches(tok, args.tool_batch, args.seed, cfg.eos_token_ids[0], tuple(args.rounds), args.novel,
                              args.names)
@@ -409,10 +393,7 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        with torch.no_grad():
-            for r in routers:
-                load = loads.pop(r).float()
-                r.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
+        balance.step()
         if step % 25 == 0 or step == 1:
             print(f"step {step:5d}  tool loss {tool_loss.item():.3f}  "
                   f"drill loss {drill_loss.item() if drill_data is not None else 0:.3f}  text loss {text_loss.item():.3f}  "
