@@ -46,10 +46,21 @@ dict) become DSML parameters in key order, strings with ``string="true"`` and ev
 re-serialised with ``json.dumps(v, ensure_ascii=False)`` (so ``{"n": 1.5, "o": {"k": [1, 2]}}``
 renders ``1.5`` and ``{"k": [1, 2]}``, exactly as the model was trained to write them).
 
+System messages anywhere. The leading system messages fill the system slot after BOS. A system
+message after the conversation started (Claude Code sends them mid-conversation, Responses
+clients send ``developer`` items) has no slot of its own in the format: the official encoder
+writes its text bare where it stands, which glues it to the turn before (``...</think>hi<EOS>Be
+brief.<｜User｜>``) and, after the last user message, leaves no generation prompt at all. Here it
+joins the user turn it stands in as one more block (a blank line apart), or opens one, exactly
+as the official encoder renders its own mid-conversation instruction role (``developer``: a
+``<｜User｜>`` turn); so ``[user "hi", system "Be brief."]`` renders
+``<｜User｜>hi\n\nBe brief.<｜Assistant｜>``. vLLM and SGLang pass the messages to the official
+encoder unchanged.
+
 Deliberate differences from the official encoder: several leading system messages are joined
-with a blank line (the official one concatenates them with nothing between), and input it
-would render into a garbled prompt is rejected with ValueError: a system message after the
-conversation started, an assistant message not answering a user/tool turn. DeepSeek-internal
+with a blank line (the official one concatenates them with nothing between), a later system
+message is a user-turn block (above), and input it would render into a garbled prompt is
+rejected with ValueError: an assistant message not answering a user/tool turn. DeepSeek-internal
 roles (``developer``, ``latest_reminder``) and quick-instruction tasks are not supported.
 """
 from __future__ import annotations
@@ -248,9 +259,6 @@ def normalize_messages(messages: Any) -> list[Message]:
             raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
         if role != "assistant" and m.get("tool_calls") is not None:
             raise ValueError(f"{where}.tool_calls: only assistant messages carry tool calls")
-        if role == "system" and out and out[-1].role != "system":
-            # The format puts the system prompt right after BOS; a later one has no slot.
-            raise ValueError(f"{where}: system messages must come before user/assistant/tool messages")
         # Tool results with several text parts keep them apart, as the official encoder does.
         content = _text_content(m.get("content"), f"{where}.content", "\n\n" if role == "tool" else "",
                                 allow_none=role == "assistant")
@@ -378,6 +386,8 @@ def _turns(msgs: Sequence[Message], offset: int) -> list[_Turn]:
             continue
         if not turns or turns[-1].role != "user":
             turns.append(_Turn("user", []))
+        # A system message after the conversation started is a block of the user turn it stands
+        # in (see the module docstring), like the official encoder's mid-conversation instructions.
         if m.role == "tool":
             turns[-1].blocks.append((m.tool_call_id, f"{TOOL_RESULT_OPEN}{m.content}{TOOL_RESULT_CLOSE}", True))
         else:

@@ -16,10 +16,19 @@ inside a marker) and returns events:
   values that claimed string="false" without being JSON (kept as strings).
 * ``ParseWarning(message)``: something did not follow the format (also logged).
 
+* ``MarkupDropped(kind, text)``: markup that was removed from the text (below).
+
 A block opening in reasoning (the model skipped ``</think>``) still yields its tool calls;
-text after it is content. A block that does not parse is given back as text of the channel it
-appeared in, with a warning; nothing is dropped or raised. ``<｜end▁of▁sentence｜>`` ends the
-output; text after it is ignored with a warning.
+text after it is content. ``<｜end▁of▁sentence｜>`` ends the output; text after it is ignored
+with a warning.
+
+Nothing but text reaches text: markup the model emits out of place never appears in a
+``ReasoningDelta`` or ``ContentDelta`` (`MarkupFilter`): ``<think>``/``</think>`` where they do
+not belong, DeepSeek's special tokens (``<｜...｜>``: BOS, the role markers), DSML tags outside a
+complete call block (an orphan ``</｜DSML｜parameter>``), tool-result tags. Each is dropped and
+reported as ``MarkupDropped``. A call block that does not parse is dropped whole, up to its
+``</｜DSML｜tool_calls>`` (or the end of the output), reported as ``MarkupDropped("block", raw)``
+with a warning; nothing is raised.
 
 ``parse_output(text)`` is the same parser fed once, so streaming and whole parsing agree.
 ``ParsedOutput.replays_exactly`` says whether ``chat_encoding.render_assistant_completion`` of
@@ -38,8 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 from .chat_encoding import (
-    EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, THINK_START,
-    TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR, normalize_tools, render_assistant_completion,
+    DSML, EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, THINK_START,
+    TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, normalize_tools,
+    render_assistant_completion,
 )
 from .json_schema import validate_json_schema
 
@@ -70,7 +80,83 @@ class ParseWarning:
     message: str
 
 
-Event = Union[ReasoningDelta, ContentDelta, ToolCall, ParseWarning]
+@dataclass(frozen=True)
+class MarkupDropped:
+    kind: str   # "token" (a special token or tag out of place) or "block" (a call block that does not parse)
+    text: str   # what was dropped, as sampled
+
+
+Event = Union[ReasoningDelta, ContentDelta, ToolCall, ParseWarning, MarkupDropped]
+
+
+# --------------------------------------------------------------------------- markup out of place
+_FIXED_TAGS = (THINK_START, THINK_END, TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE)
+_SPECIAL_OPEN = "<｜"                 # DeepSeek's special tokens: <｜...｜>
+_SPECIAL_CLOSE = "｜>"
+_DSML_OPENS = ("<" + DSML, "</" + DSML)   # a DSML tag runs to its ">"
+_MAX_SPECIAL = 64                     # longer than this between <｜ and ｜> is prose
+_MAX_DSML_TAG = 512                   # a DSML tag with its attributes
+_TAG_STARTS = _FIXED_TAGS + (_SPECIAL_OPEN,) + _DSML_OPENS
+
+
+class MarkupFilter:
+    """Removes markup from streamed text: the fixed tags (think, tool-result), special tokens
+    (``<｜...｜>``) and DSML tags (``<｜DSML｜...>`` up to their ``>``). A tail that may still become
+    one is held back until it is decided; `dropped` collects what was removed."""
+
+    def __init__(self):
+        self._pending = ""
+        self.dropped: list[str] = []
+
+    def feed(self, text: str, final: bool = False) -> str:
+        text = self._pending + text
+        while True:  # again after a drop: the text around a dropped tag may join into another
+            clean, self._pending, dropped = self._scan(text, final)
+            self.dropped += dropped
+            if not dropped:
+                return clean
+            text = clean + self._pending
+
+    def _scan(self, text: str, final: bool) -> tuple[str, str, list[str]]:
+        """(text without markup, an undecided tail held back, the markup dropped)."""
+        out, dropped, i = [], [], 0
+        while True:
+            j = text.find("<", i)
+            if j < 0:
+                out.append(text[i:])
+                return "".join(out), "", dropped
+            out.append(text[i:j])
+            end = self._tag_end(text, j, final)
+            if end is None:
+                return "".join(out), text[j:], dropped
+            if end > j:
+                dropped.append(text[j:end])
+                i = end
+            else:  # not markup: a plain "<"
+                out.append("<")
+                i = j + 1
+
+    @staticmethod
+    def _tag_end(text: str, j: int, final: bool) -> int | None:
+        """Where the markup starting at `text[j]` ends; `j` when it is not markup; None while
+        more text may decide it."""
+        rest = text[j:j + _MAX_DSML_TAG + 8]
+        for tag in _FIXED_TAGS:
+            if rest.startswith(tag):
+                return j + len(tag)
+        for opener, closer, limit in ((_DSML_OPENS[0], ">", _MAX_DSML_TAG), (_DSML_OPENS[1], ">", _MAX_DSML_TAG),
+                                      (_SPECIAL_OPEN, _SPECIAL_CLOSE, _MAX_SPECIAL)):
+            if rest.startswith(opener):
+                k = rest.find(closer, len(opener))
+                if 0 <= k <= limit:
+                    return j + k + len(closer)
+                if k < 0 and len(rest) < limit and not final:
+                    return None
+                break  # too long to be a tag: prose (or a DSML opener that is not a special token)
+        else:
+            if not final and any(t.startswith(rest) for t in _TAG_STARTS):
+                return None
+        return j
 
 
 @dataclass
@@ -267,6 +353,7 @@ class StreamingOutputParser:
         self._fed: list[str] = []
         self._finished = False
         self._ignoring = False  # text after EOS was seen
+        self._filters = {"reasoning": MarkupFilter(), "content": MarkupFilter()}
         self.result = ParsedOutput()
 
     @property
@@ -275,7 +362,13 @@ class StreamingOutputParser:
         return self._state == "reasoning"
 
     # -- events
-    def _text(self, channel: str, text: str, out: list[Event]) -> None:
+    def _text(self, channel: str, text: str, out: list[Event], final: bool = True) -> None:
+        """Emit `text` of `channel` without its markup; `final` False: its tail may continue."""
+        f = self._filters[channel]
+        text = f.feed(text, final=final)
+        for dropped in f.dropped:
+            out.append(MarkupDropped("token", dropped))
+        f.dropped.clear()
         if not text:
             return
         if channel == "reasoning":
@@ -347,11 +440,15 @@ class StreamingOutputParser:
                 if not self._step_block(final, out):
                     return out
                 continue
+            if state == "skip":
+                if not self._skip_block(final, out):
+                    return out
+                continue
             markers = _MARKERS[state]
             pos, marker = _first_marker(pending, markers)
             if marker is None:
                 keep = 0 if final else _partial_marker_length(pending, markers)
-                self._text(state, pending[:len(pending) - keep], out)
+                self._text(state, pending[:len(pending) - keep], out, final=final)
                 self._pending = pending[len(pending) - keep:]
                 return out
             self._text(state, pending[:pos], out)
@@ -389,15 +486,39 @@ class StreamingOutputParser:
             self._block_wait = (wait.terminator, wait.search_from) if wait.terminator else None
             return False
         except _Malformed as e:
-            # Give the opener back as text and look at the rest again in the same channel.
-            self._warn(f"malformed DSML tool call block kept as text: {e}", out)
-            self._text(self._block_origin, self._block_separator + TOOL_CALLS_OPEN, out)
-            self._pending, self._state = text[len(TOOL_CALLS_OPEN):], self._block_origin
+            # Its markup must not reach the text. A block opened as the format opens one (after a
+            # blank line) is dropped up to its close (or the end); an opener in the middle of a
+            # line is prose naming it: the opener alone is dropped and the rest read again.
+            if self._block_separator:
+                self._warn(f"malformed DSML tool call block dropped: {e}", out)
+                self._state = "skip"
+            else:
+                self._warn(f"DSML tool call opener outside a block dropped: {e}", out)
+                out.append(MarkupDropped("token", TOOL_CALLS_OPEN))
+                self._pending, self._state = text[len(TOOL_CALLS_OPEN):], self._block_origin
             return True
         if self._block_origin == "reasoning":
             self._warn(f"tool call block inside reasoning (no {THINK_END} before it)", out)
         out.extend(self._call(inv) for inv in invokes)
         self._pending, self._state = text[end:], "content"
+        return True
+
+
+    def _skip_block(self, final: bool, out: list[Event]) -> bool:
+        """Drop a malformed block up to its ``</｜DSML｜tool_calls>``, EOS or the end of the output;
+        False while neither has arrived."""
+        text = self._pending
+        close, eos = text.find(TOOL_CALLS_CLOSE), text.find(EOS)
+        if close >= 0 and (eos < 0 or close < eos):
+            end, state = close + len(TOOL_CALLS_CLOSE), "content"
+        elif eos >= 0:
+            end, state = eos, "content"  # the EOS itself ends the output in the content state
+        elif final:
+            end, state = len(text), "content"
+        else:
+            return False
+        out.append(MarkupDropped("block", self._block_separator + text[:end]))
+        self._pending, self._state = text[end:], state
         return True
 
 

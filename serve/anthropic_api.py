@@ -5,8 +5,11 @@ Request: ``system`` (a string or text blocks), ``messages`` with text, ``tool_us
 input_schema, ``strict``: every call's input follows the schema, as in chat completions), ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled / disabled),
 ``output_config.effort``, ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
 ``top_k`` (which Anthropic's SDK now sends through ``extra_body``). Consecutive
-messages of one role are merged, as Anthropic does. Images, documents, server tools and a final
-assistant message (prefill) are answered 400.
+messages of one role are merged, as Anthropic does. A ``system`` message inside ``messages``
+(Claude Code sends them) is rendered where it stands (see `ds4_torch.chat_encoding`). Server
+tools (web search, ...) are left out of the prompt; unknown fields and block types are ignored
+and logged; images, non-text documents and a final assistant message (prefill) are answered
+400 (`serve.request_policy` has the rules).
 
 Reply: ``thinking`` (its signature carries the text, so a block sent back with ``display:
 "omitted"`` still replays exactly), ``text`` and ``tool_use`` blocks in the order they were generated; ``stop_reason``
@@ -32,12 +35,24 @@ from ds4_torch.sampling import SamplingParams
 
 from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt, strict_tool_grammar
 from .openai_api import parse_effort
-from .protocol import (APIError, bad, check_unknown, get_bool, get_list, get_number, get_object, get_str, parse_stop,
-                       type_name)
+from .protocol import APIError, bad, get_bool, get_list, get_number, get_object, get_str, type_name
+from .request_policy import (UNREADABLE_INPUT, check_count, check_tools_size, drop_hosted_tools, ignore_unknown,
+                             note_ignored, parse_stop, refuse_unreadable)
 
 FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "stop_sequences",
           "temperature", "top_p", "top_k", "stream", "output_config"}
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
+MESSAGE_FIELDS = {"role", "content"}
+TOOL_FIELDS = {"type", "name", "description", "input_schema", "strict"}
+# What each block type may carry; other keys (cache_control, citations, ...) are ignored.
+BLOCK_FIELDS = {"text": {"type", "text"}, "tool_result": {"type", "tool_use_id", "content", "is_error"},
+                "tool_use": {"type", "id", "name", "input"}, "thinking": {"type", "thinking", "signature"},
+                "document": {"type", "source", "title", "context"}, "search_result": {"type", "source", "title",
+                                                                                     "content"}}
+# Blocks of the server's own tools and reasoning it cannot read back: nothing to render.
+IGNORED_BLOCKS = {"redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                  "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                  "container_upload", "tool_reference"}
 # Bookkeeping and placement hints: they do not change what is generated.
 IGNORED = {"metadata", "service_tier", "container", "context_management", "cache_control", "diagnostics",
            "inference_geo", "speed", "user_profile_id", "workspace_id"}
@@ -71,10 +86,37 @@ def _blocks(content: Any, where: str) -> list[dict]:
     if not isinstance(content, list):
         raise bad(f"{where} must be a string or an array of content blocks, got {type_name(content)}", where,
                   "invalid_type")
+    check_count(content, "content_blocks", where)
+    out = []
     for j, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise bad(f"{where}[{j}] must be a content block with a 'type'", f"{where}[{j}]", "invalid_type")
-    return content
+        block = _readable(block, f"{where}[{j}]")
+        if block is not None:
+            out.append(block)
+    return out
+
+
+def _readable(block: dict, where: str) -> dict | None:
+    """The block as one this module renders (a document or search result as its text), None for
+    one that is ignored (logged once), 400 for input that cannot be read."""
+    kind = block["type"]
+    if kind in UNREADABLE_INPUT:
+        refuse_unreadable(kind, where)
+    if kind in BLOCK_FIELDS:
+        ignore_unknown("anthropic", block, BLOCK_FIELDS[kind], f"{kind} blocks' ")
+    if kind == "document":
+        source = block.get("source")
+        if not isinstance(source, dict) or source.get("type") != "text" or not isinstance(source.get("data"), str):
+            refuse_unreadable(f"document ({source.get('type') if isinstance(source, dict) else 'no'} source)", where)
+        return {"type": "text", "text": source["data"]}
+    if kind == "search_result":
+        return {"type": "text", "text": _tool_result_text(block, where)}
+    if kind in BLOCK_FIELDS:
+        return block
+    note_ignored("anthropic", f"content blocks of type {kind!r}",
+                 "" if kind in IGNORED_BLOCKS else "an unknown type")
+    return None
 
 
 def _text_of(block: dict, where: str, key: str = "text") -> str:
@@ -90,8 +132,8 @@ def _tool_result_text(block: dict, where: str) -> str:
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or an array of text blocks", f"{where}.content", "invalid_type")
     texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+    for j, part in enumerate(_blocks(content, f"{where}.content")):
+        if part["type"] != "text":
             raise bad(f"{where}.content[{j}]: only text blocks are supported in a tool result", f"{where}.content[{j}]",
                       "unsupported_parameter")
         texts.append(_text_of(part, f"{where}.content[{j}]"))
@@ -130,8 +172,6 @@ def _assistant(blocks: list[tuple[str, dict]]) -> dict:
                 except ValueError:
                     raise bad(f"{where}.signature is damaged", f"{where}.signature") from None
             reasoning.append(text)
-        elif kind == "redacted_thinking":
-            continue  # never produced here; there is nothing to render
         elif kind == "tool_use":
             if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not b["name"]:
                 raise bad(f"{where}: a tool_use block needs a string 'id' and 'name'", where)
@@ -167,29 +207,37 @@ def _messages(body: dict) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array of {role, content} objects", "messages",
                   "invalid_type" if not isinstance(messages, list) else "invalid_value")
+    check_count(messages, "messages", "messages")
     # Consecutive messages of one role form one turn (Anthropic merges them too).
     runs: list[tuple[str, list[tuple[str, dict]]]] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object, got {type_name(m)}", where, "invalid_type")
+        ignore_unknown("anthropic", m, MESSAGE_FIELDS, "messages[].")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad(f"{where}.role must be 'user' or 'assistant'; got {role!r}", f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise bad(f"{where}.role must be 'user', 'assistant' or 'system'; got {role!r}", f"{where}.role")
         blocks = [(f"{where}.content[{j}]" if isinstance(m.get("content"), list) else f"{where}.content", b)
                   for j, b in enumerate(_blocks(m.get("content"), f"{where}.content"))]
         if runs and runs[-1][0] == role:
             runs[-1][1].extend(blocks)
         else:
             runs.append((role, blocks))
-    if runs[0][0] != "user":
+    talk = [(i, role) for i, (role, _) in enumerate(runs) if role != "system"]
+    if not talk or talk[0][1] != "user":
         raise bad("messages[0] must be a user message", "messages[0].role")
-    if runs[-1][0] == "assistant":
+    if talk[-1][1] == "assistant":
         raise bad("the last message must be a user message (continuing an assistant message is not supported)",
                   f"messages[{len(messages) - 1}].role", "unsupported_parameter")
     for role, blocks in runs:
         if role == "user":
             out += _user(blocks)
+        elif role == "system":
+            for where, b in blocks:
+                if b["type"] != "text":
+                    raise bad(f"{where}: a system message holds text blocks only", where, "unsupported_parameter")
+                out.append({"role": "system", "content": _text_of(b, where)})
         else:
             out.append(_assistant(blocks))
     return out
@@ -197,14 +245,15 @@ def _messages(body: dict) -> list[dict]:
 
 def _tools(body: dict) -> list[dict]:
     tools = get_list(body, "tools") or []
+    check_tools_size(tools)
     out = []
     for k, t in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(t, dict):
             raise bad(f"{where} must be an object", where, "invalid_type")
-        if t.get("type", "custom") != "custom":
-            raise bad(f"{where}.type {t['type']!r}: only custom tools (name, description, input_schema) are supported",
-                      f"{where}.type", "unsupported_parameter")
+        if not drop_hosted_tools("anthropic", [t]):
+            continue  # a server tool (web search, ...): this server cannot run it
+        ignore_unknown("anthropic", t, TOOL_FIELDS, "tools[].")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
         if not isinstance(t.get("input_schema"), dict):
@@ -219,7 +268,8 @@ def _tools(body: dict) -> list[dict]:
     return out
 
 
-def _tool_choice(body: dict) -> ToolChoice:
+def _tool_choice(body: dict, dropped: set[str]) -> ToolChoice:
+    """`dropped`: the names of the server tools left out (a choice naming one falls back to auto)."""
     tc = get_object(body, "tool_choice")
     if tc is None:
         return ToolChoice()
@@ -228,6 +278,9 @@ def _tool_choice(body: dict) -> ToolChoice:
         name = get_str(tc, "name", where="tool_choice.")
         if not name:
             raise bad("'tool_choice.name' is required when tool_choice.type is \"tool\"", "tool_choice.name")
+        if name in dropped:
+            note_ignored("anthropic", f"a tool_choice naming the server tool {name!r}", "left out; choice auto")
+            return ToolChoice()
         return ToolChoice("function", name)
     return ToolChoice({"any": "required", None: "auto"}.get(kind, kind))
 
@@ -246,7 +299,7 @@ def _thinking(body: dict) -> tuple[bool, bool]:
 
 def _effort(body: dict) -> str | None:
     oc = get_object(body, "output_config") or {}
-    check_unknown(oc, {"effort", "format"}, where="output_config.")
+    ignore_unknown("anthropic", oc, {"effort", "format"}, "output_config.")
     if oc.get("format") is not None:
         raise bad("'output_config.format' (structured output) is not supported", "output_config.format",
                   "unsupported_parameter")
@@ -255,7 +308,7 @@ def _effort(body: dict) -> str | None:
 
 def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str | None, bool, bool]:
     """(internal request, model, stream, thinking text shown)."""
-    check_unknown(body, COUNT_FIELDS if counting else FIELDS, IGNORED)
+    ignore_unknown("anthropic", body, FIELDS | IGNORED)
     model = get_str(body, "model")
     if model is None:
         raise bad("'model' is required", "model", "missing_required_parameter")
@@ -271,9 +324,12 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
     )
     thinking, shown = _thinking(body)
     effort = _effort(body)
-    creq = ChatRequest(messages=_messages(body), tools=_tools(body), tool_choice=_tool_choice(body),
+    tools = _tools(body)
+    dropped = {t.get("name") for t in get_list(body, "tools") or [] if isinstance(t, dict)} - \
+        {t["function"]["name"] for t in tools}
+    creq = ChatRequest(messages=_messages(body), tools=tools, tool_choice=_tool_choice(body, dropped),
                        thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
-                       max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences", limit=None),
+                       max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences"),
                        tool_params_path="tools[{i}].input_schema")
     return creq, model, get_bool(body, "stream", False), shown
 

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": only ever seen in metric
 class ServerConfig:
     model_name: str = "ds4-default"
     model_aliases: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = ()  # more names /v1/models lists
+    strict_model_name: bool = False       # True: a model name not served is a 400 (404 on /v1/models/{id})
+    access_log: bool = True               # one line per request, rejected ones included
     ctx: int = 4096
     prefill_chunk: int = 256
     decode_mode: str = "auto"
@@ -99,7 +103,7 @@ class AppState:
         self.replay = replay
         self.eos_ids = frozenset(stop_token_ids(model.config, tokenizer))
         self.token_text = TokenText(tokenizer)
-        self.names = {config.model_name, *config.model_aliases}
+        self.names = {config.model_name, *config.model_aliases, *config.served_model_names}
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ checks
@@ -114,9 +118,11 @@ class AppState:
                            code="invalid_api_key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
+        """One model answers to any name (as llama.cpp's server does; replies echo the name asked
+        for), unless `strict_model_name`."""
         if name is not None and not isinstance(name, str):
             raise bad(f"'model' must be a string, got {type_name(name)}", "model", "invalid_type")
-        if name is not None and name not in self.names:
+        if self.config.strict_model_name and name is not None and name not in self.names:
             raise bad(f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
                       "model", "model_not_found")
 
@@ -136,12 +142,33 @@ class AppState:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        return parse_json_object(b"".join(chunks))
+        body = parse_json_object(b"".join(chunks))
+        request.state.model = body.get("model")
+        return body
 
-    def log_request(self, endpoint: str, status: int, gen: Generation | None, stream: bool = False) -> None:
+    def access(self, request: Request, status: int, details: str = "", error: str | None = None) -> None:
+        """The access log's line for `request` (once): client, method, path, status, duration,
+        and what went wrong for a rejected one."""
+        if not self.config.access_log or getattr(request.state, "logged", False):
+            return
+        request.state.logged = True
+        client = f"{request.client.host}:{request.client.port}" if request.client else "-"
+        took = time.perf_counter() - getattr(request.state, "t_start", time.perf_counter())
+        line = f'{client} "{request.method} {request.url.path}" {status} {took:.3f}s'
+        model = getattr(request.state, "model", None)
+        if isinstance(model, str):
+            line += " model=" + json.dumps(model[:200], ensure_ascii=False)
+        if details:
+            line += " " + details
+        if error is not None:
+            line += " error=" + json.dumps(error[:500], ensure_ascii=False)
+        (log.warning if status >= 500 else log.info)("%s", line)
+
+    def log_request(self, request: Request, status: int, gen: Generation | None, stream: bool = False,
+                    error: str | None = None) -> None:
         req = gen.request if gen is not None else None
         if req is None:
-            log.info("%s %d", endpoint, status)
+            self.access(request, status, error=error)
             return
         first_req = gen.requests[0]
         now = time.perf_counter()
@@ -151,13 +178,13 @@ class AppState:
         n = len(gen.generated)
         decode_s = (end - first) if first else 0.0
         rate = f" ({(n - 1) / decode_s:.1f} tok/s)" if n > 1 and decode_s > 0 else ""
-        log.info("%s %d id=%s stream=%s prompt_tokens=%d cached_tokens=%d generated_tokens=%d finish=%s "
-                 "tool_calls=%d queue=%.3fs prefill=%.3fs ttft=%s decode=%.3fs%s total=%.3fs attempts=%d",
-                 endpoint, status, first_req.id, str(stream).lower(), len(first_req.prompt_ids),
-                 first_req.cached_tokens, n, gen.done.finish if gen.done else req.finish_reason, len(gen.calls),
-                 start - first_req.t_arrival, ((first or end) - start),
-                 f"{first - first_req.t_arrival:.3f}s" if first else "-", decode_s, rate,
-                 end - first_req.t_arrival, req.attempts)
+        self.access(request, status, (
+            f"id={first_req.id} stream={str(stream).lower()} "
+            f"prompt_tokens={len(first_req.prompt_ids)} cached_tokens={first_req.cached_tokens} generated_tokens={n} "
+            f"finish={gen.done.finish if gen.done else req.finish_reason} tool_calls={len(gen.calls)} "
+            f"queue={start - first_req.t_arrival:.3f}s prefill={(first or end) - start:.3f}s "
+            f"ttft={f'{first - first_req.t_arrival:.3f}s' if first else '-'} decode={decode_s:.3f}s{rate} "
+            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}"), error=error)
 
     # ------------------------------------------------------------------ one generation -> one response
     def _poll_interval(self, gen: Generation) -> float:
@@ -177,19 +204,18 @@ class AppState:
     async def respond(self, request: Request, gen: Generation, make_view: Callable, stream: bool) -> Response:
         """Queue `gen` in the engine and answer with the view `make_view()` builds: a JSON body
         once it is done, or an SSE stream."""
-        endpoint = request.url.path
         try:
             gen.submit()
         except APIError as e:
-            self.log_request(endpoint, e.status, gen)
+            self.log_request(request, e.status, gen, error=e.message)
             raise
         view = make_view()
         if stream:
-            return await self._stream(request, endpoint, gen, view)
-        return await self._collect(request, endpoint, gen, view)
+            return await self._stream(request, gen, view)
+        return await self._collect(request, gen, view)
 
-    async def _collect(self, request: Request, endpoint: str, gen: Generation, view) -> Response:
-        status = CLIENT_CLOSED
+    async def _collect(self, request: Request, gen: Generation, view) -> Response:
+        status, error = CLIENT_CLOSED, None
         try:
             while True:
                 events = await self._wait(request, gen, 3600.0)
@@ -198,7 +224,7 @@ class AppState:
                 view.feed(events)
                 for ev in events:
                     if isinstance(ev, Failed):
-                        status = ev.error.status
+                        status, error = ev.error.status, ev.error.message
                         raise ev.error
                     if isinstance(ev, Cancelled):
                         return Response(status_code=CLIENT_CLOSED)
@@ -207,9 +233,9 @@ class AppState:
                     return JSONResponse(view.body())
         finally:
             gen.cancel()
-            self.log_request(endpoint, status, gen)
+            self.log_request(request, status, gen, error=error)
 
-    async def _stream(self, request: Request, endpoint: str, gen: Generation, view) -> Response:
+    async def _stream(self, request: Request, gen: Generation, view) -> Response:
         interval = max(self.config.keepalive_interval - self.config.disconnect_poll_interval, 0.01)
         # Wait (up to one keep-alive interval) for the first event before committing to 200.
         first: list = []
@@ -218,24 +244,24 @@ class AppState:
             while not first and time.monotonic() < deadline:
                 events = await self._wait(request, gen, deadline - time.monotonic())
                 if events is None:
-                    self.log_request(endpoint, CLIENT_CLOSED, gen, stream=True)
+                    self.log_request(request, CLIENT_CLOSED, gen, stream=True)
                     return Response(status_code=CLIENT_CLOSED)
                 first = events
         except BaseException:
             gen.cancel()
             raise
         if first and isinstance(first[0], Failed):
-            self.log_request(endpoint, first[0].error.status, gen, stream=True)
+            self.log_request(request, first[0].error.status, gen, stream=True, error=first[0].error.message)
             raise first[0].error
         if first and isinstance(first[0], Cancelled):
-            self.log_request(endpoint, CLIENT_CLOSED, gen, stream=True)
+            self.log_request(request, CLIENT_CLOSED, gen, stream=True)
             return Response(status_code=CLIENT_CLOSED)
 
         async def body():
             pending = list(first)
             last_write = time.monotonic()
             last_poll = last_write
-            outcome = CLIENT_CLOSED
+            outcome, error = CLIENT_CLOSED, None
             started = False  # the view's opening is written with the first event
             try:
                 if not pending:
@@ -258,7 +284,7 @@ class AppState:
                     for ev in pending:
                         if isinstance(ev, Failed):
                             data += view.error(ev.error)
-                            outcome, done = ev.error.status, True
+                            outcome, error, done = ev.error.status, ev.error.message, True
                         elif isinstance(ev, Cancelled):
                             done = True
                     if not done and gen.finished():  # every choice is done
@@ -275,16 +301,34 @@ class AppState:
                         return
             finally:
                 gen.cancel()
-                self.log_request(endpoint, outcome, gen, stream=True)
+                self.log_request(request, outcome, gen, stream=True, error=error)
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ------------------------------------------------------------------ small endpoints
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "ds4_torch",
+                "max_model_len": self.config.ctx,
+                # Anthropic's shape, for clients that list models that way.
+                "type": "model", "display_name": name, "created_at": time.strftime(
+                    "%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "ds4_torch",
-            "max_model_len": self.config.ctx}]})
+        names = [self.config.model_name, *self.config.served_model_names]
+        data = [self._model(n) for n in dict.fromkeys(names)]
+        return JSONResponse({"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"],
+                             "last_id": data[-1]["id"]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if self.config.strict_model_name and name not in self.names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._model(name))
+
+    async def root(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.config.model_name})
 
     async def health(self, request: Request) -> Response:
         reason = self.engine.health()
@@ -357,22 +401,28 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
     replay = replay if replay is not None else ReplayStore(config.kv_disk_dir)
     state = AppState(model, tokenizer, config, engine, metrics, replay)
 
-    def endpoint(name: str, fn, errors=openai_api.error_response, auth: bool = True, method: str = "POST"):
+    def endpoint(name: str, fn, errors=openai_api.error_response, auth: bool = True, method: str = "POST",
+                 label: str | None = None):
         async def handler(request: Request) -> Response:
+            request.state.t_start = time.perf_counter()
+            error = None
             try:
                 if auth:
                     state.check_auth(request)
                 response = await fn(state, request)
             except APIError as e:
-                response = errors(e)
+                response, error = errors(e), e.message
             except ClientDisconnect:
                 response = Response(status_code=CLIENT_CLOSED)
             except Exception as e:  # noqa: BLE001 - a bug of ours: 500 in the same shape
                 log.exception("%s: internal error", name)
-                response = errors(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
-            metrics.requests.labels(endpoint=name, code=str(response.status_code)).inc()
+                error = f"internal error: {type(e).__name__}: {e}"
+                response = errors(APIError(500, error, code="internal_error"))
+            metrics.requests.labels(endpoint=label or name, code=str(response.status_code)).inc()
+            if not isinstance(response, StreamingResponse):  # a stream logs itself when it ends
+                state.access(request, response.status_code, error=error)
             return response
-        return Route(name, handler, methods=[method])
+        return Route(name, handler, methods=[method] if method != "GET" else ["GET", "HEAD"])
 
     anthropic = anthropic_api.error_response
     routes = [
@@ -382,6 +432,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         endpoint("/v1/messages", anthropic_api.messages, anthropic),
         endpoint("/v1/messages/count_tokens", anthropic_api.count_tokens, anthropic),
         endpoint("/v1/models", AppState.models, method="GET"),
+        endpoint("/v1/models/{name:path}", AppState.model, method="GET", label="/v1/models/{name}"),
+        endpoint("/", AppState.root, auth=False, method="GET"),
         endpoint("/health", AppState.health, auth=False, method="GET"),
         endpoint("/metrics", AppState.metrics_text, auth=False, method="GET"),
         endpoint("/tokenize", AppState.tokenize),
@@ -392,6 +444,7 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
         shape = anthropic if request.url.path.startswith("/v1/messages") else openai_api.error_response
+        state.access(request, exc.status_code, error=e.message)
         return shape(e)
 
     @contextlib.asynccontextmanager

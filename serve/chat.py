@@ -8,8 +8,11 @@ rest, the same for all of them:
   server generated replaced by the token ids it sampled (`serve.replay`), so a conversation
   sent back reuses the engine's cache to its last token;
 * the engine request(s), through `GenRequest` and its emitted events;
-* the output parser: reasoning, content and whole tool calls, never a markup fragment; a call
-  to an unknown tool or with arguments its schema rejects comes back as text, with a warning;
+* the output parser: reasoning, content and whole tool calls, never a markup fragment; markup
+  out of place, a call block that does not parse, a call to a tool that was not offered or
+  with arguments its schema rejects are dropped from the text, logged with their raw text and
+  counted (`ds4_markup_dropped_total`); a completion's raw text is kept free of special tokens
+  and tags the same way;
 * `tool_choice`: "none" renders no tools; "required" and a named function make the reply
   start with the DSML opener (and the function's name): in chat mode right after the
   generation prompt; in thinking mode once the reasoning ends (the engine stops at
@@ -38,7 +41,8 @@ from ds4_torch.chat_encoding import (
     TOOL_CALLS_SEPARATOR, render_prompt_parts,
 )
 from ds4_torch.json_schema import validate_json_schema
-from ds4_torch.output_parser import ContentDelta, ReasoningDelta, StreamingOutputParser, ToolCall
+from ds4_torch.output_parser import (ContentDelta, MarkupDropped, MarkupFilter, ReasoningDelta, StreamingOutputParser,
+                                     ToolCall)
 from ds4_torch.sampling import SamplingParams
 
 from .engine import EngineStopped, GenRequest, QueueFull, TokenOut
@@ -277,6 +281,7 @@ class Generation:
         self.thinking, self.schemas, self.tool_choice = thinking, schemas, tool_choice
         self.call_id_prefix = call_id_prefix
         self.parser = StreamingOutputParser(thinking=thinking) if parse else None
+        self.markup = MarkupFilter() if not parse else None   # a completion's raw text
         self.opener = _forced_opener(tool_choice) if parse else ""
         self.opener_ids: list[int] = []
         # In thinking mode a forced call or a grammar starts once the reasoning ends: a second phase.
@@ -306,8 +311,7 @@ class Generation:
         schemas = _check_tool_choice(creq)
         ids = chat_prompt(state, creq)
         tools = _offered(creq)
-        max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param,
-                                 max_param=creq.max_tokens_param)
+        max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
         gens = []
         for i in range(n):
             gen = cls(state, ids, max_tokens, sampling=creq.sampling.for_choice(i), stop=creq.stop,
@@ -419,16 +423,25 @@ class Generation:
             out = [dataclasses.replace(e, choice=self.choice) if hasattr(e, "choice") else e for e in out]
         return out
 
-    def _feed(self, text: str, out: list[Event]) -> None:
-        if not text:
-            return
-        self.reply_text.append(text)
+    def _feed(self, text: str, out: list[Event], final: bool = False) -> None:
+        if text:
+            self.reply_text.append(text)
         if self.parser is None:
-            self.returned_content.append(text)
-            out.append(Text("content", text))
+            text = self.markup.feed(text, final=final)
+            for dropped in self.markup.dropped:
+                self._dropped("token", dropped)
+            self.markup.dropped.clear()
+            if text:
+                self.returned_content.append(text)
+                out.append(Text("content", text))
             return
-        for ev in self.parser.feed(text):
-            self._translate(ev, out)
+        if text:
+            for ev in self.parser.feed(text):
+                self._translate(ev, out)
+
+    def _dropped(self, kind: str, raw: str, why: str = "") -> None:
+        log.warning("markup kept out of the text (%s%s): %r", kind, f": {why}" if why else "", raw[:500])
+        self.state.metrics.markup_dropped.labels(kind=kind).inc()
 
     def _translate(self, ev, out: list[Event]) -> None:
         if isinstance(ev, ReasoningDelta):
@@ -437,12 +450,12 @@ class Generation:
         elif isinstance(ev, ContentDelta):
             self.returned_content.append(ev.text)
             out.append(Text("content", ev.text))
+        elif isinstance(ev, MarkupDropped):
+            self._dropped(ev.kind, ev.text)
         elif isinstance(ev, ToolCall):
             problem = self._call_problem(ev)
             if problem:
-                log.warning("tool call returned as text: %s: %s", problem, ev.raw[:200])
-                self.returned_content.append(ev.raw)
-                out.append(Text("content", ev.raw))
+                self._dropped("call", ev.raw, problem)
                 return
             call = Call(len(self.calls), f"{self.call_id_prefix}{uuid.uuid4().hex[:24]}", ev.name, ev.arguments)
             self.calls.append(call)
@@ -485,6 +498,8 @@ class Generation:
             if self.opener and not self.calls:
                 log.warning("tool_choice %s: the reply holds no valid tool call", self.tool_choice.mode)
             self._record()
+        else:
+            self._feed("", out, final=True)  # what the markup filter held back
         self.usage.completion_tokens = len(self.reply_ids) + (1 if ended_by_eos else 0)
         self.done = Done(finish, stop_hit if finish == "stop_sequence" else None)
         out.append(self.done)

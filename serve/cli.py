@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--keepalive-interval", type=positive_float, default=5.0, metavar="S",
                    help="seconds without output before a streaming response sends ': keep-alive' (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--access-log", choices=("on", "off"), default="on",
+                   help="one log line per request, rejected ones included, with why (default on)")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name /v1/models lists (repeatable); any name is answered unless --strict-model-name")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
     add_tp_argument(p)
     p.add_argument("--tp-timeout", type=positive_float, default=None, metavar="S",
                    help="with --tp: seconds any collective may wait for the other ranks; a rank that dies or hangs "
@@ -85,7 +91,8 @@ def load(args):
         max_sessions=args.max_sessions,
         api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
-        keepalive_interval=args.keepalive_interval,
+        keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
+        strict_model_name=args.strict_model_name, access_log=args.access_log == "on",
     )
     return model, tokenizer, config
 

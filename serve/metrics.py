@@ -35,6 +35,10 @@ class Metrics:
                                      "Device errors / out-of-memory caught in prefill or decode", registry=r)
         self.engine_resets = Counter("ds4_engine_resets", "Engine resets (cache cleared, graphs dropped)",
                                      registry=r)
+        self.markup_dropped = Counter("ds4_markup_dropped", "Markup the model emitted out of place, kept out of "
+                                      "the text: token (a special token or tag), block (a call block that does not "
+                                      "parse), call (a call to a tool not offered, or failing its schema)",
+                                      ["kind"], registry=r)
         self.queue_depth = Gauge("ds4_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("ds4_requests_running", "Requests the engine is working on (decoding or prefilling)",
                              registry=r)

@@ -18,10 +18,9 @@ lists: `n` choices each, in order). Extensions (vLLM's spellings): `top_k`, `min
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos` (generate to `max_tokens`
 even past EOS), `return_token_ids` (token ids of the prompt and of the output in the response).
 
-Parsing is strict where a field changes the output: an unknown top-level field, or a known one
-this server does not implement (`suffix`, the legacy `functions`), is a 400 naming it, like
-OpenAI's "Unrecognized request argument supplied". Fields that only carry bookkeeping (`user`,
-`metadata`, `store`, ...) are accepted and ignored.
+Fields this server does not know are ignored and logged once; the few whose absence would
+change what the client gets (`suffix`, the legacy `functions`, audio, images) are 400s naming
+them: see `serve.request_policy`. Hosted tools (`web_search`, ...) are left out of the prompt.
 
 Errors: ``{"error": {"message", "type", "param", "code"}}``, as OpenAI answers them.
 """
@@ -41,8 +40,10 @@ from ds4_torch.sampling import SamplingParams
 
 from .chat import (Call, ChatRequest, Choices, Done, Generation, PromptLogprobs, Text, Token, ToolChoice,
                    json_grammar, strict_tool_grammar)
-from .protocol import (APIError, bad, check_unknown, fit_context, get_bool, get_list, get_number, get_object,
-                       get_str, parse_stop, type_name, value_error)
+from .protocol import (APIError, bad, fit_context, get_bool, get_list, get_number, get_object,
+                       get_str, type_name, value_error)
+from .request_policy import (LIMITS, UNREADABLE_INPUT, check_count, check_tools_size, drop_hosted_tools,
+                             ignore_unknown, is_hosted_tool, note_ignored, parse_stop, refuse_unreadable)
 
 # Fields accepted and ignored: they do not change what is generated.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -52,11 +53,12 @@ SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "
                              "stop_token_ids"})
 COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "max_tokens", "stop", "n", "logprobs",
                             "return_token_ids", "ignore_eos"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                        "function_call", "response_format", "thinking", "reasoning_effort"}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "response_format", "thinking", "reasoning_effort"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "reasoning_content", "reasoning", "tool_call_id"}
 MAX_TOP_LOGPROBS = 20
-MAX_CHOICES = 16            # n and best_of
+MAX_CHOICES = LIMITS["choices"]  # n and best_of
 MAX_SEED = 2**63 - 1        # a signed 64-bit seed (what torch's generators take)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -119,15 +121,6 @@ class Options:
     echo: bool = False
 
 
-def _check_unsupported(body: dict) -> None:
-    for name in ("functions", "function_call"):
-        if body.get(name) is not None:
-            raise bad(f"'{name}' (the legacy function calling) is not supported; use 'tools'", name,
-                      "unsupported_parameter")
-    if body.get("suffix") not in (None, ""):
-        raise bad("'suffix' is not supported", "suffix", "unsupported_parameter")
-
-
 def _parse_options(body: dict) -> Options:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -138,12 +131,9 @@ def _parse_options(body: dict) -> Options:
     if so is not None:
         if not stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        unknown = set(so) - {"include_usage", "continuous_usage_stats", "include_obfuscation"}
-        if unknown:
-            raise bad(f"unknown field in 'stream_options': {sorted(unknown)[0]}", "stream_options",
-                      "unknown_parameter")
+        ignore_unknown("chat", so, {"include_usage", "continuous_usage_stats", "include_obfuscation"},
+                       "stream_options.")
         include_usage = get_bool(so, "include_usage", False, where="stream_options.")
-    _check_unsupported(body)
     n = get_number(body, "n", 1, lo=1, hi=MAX_CHOICES, integer=True)
     return Options(model=model, stream=stream, include_usage=include_usage, logprobs=None,
                    return_token_ids=get_bool(body, "return_token_ids", False),
@@ -157,12 +147,19 @@ def _text(value: Any, where: str, allow_none: bool) -> str:
     if value is None and allow_none:
         return ""
     if isinstance(value, list):
+        check_count(value, "content_blocks", where)
         texts = []
         for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"{where}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
-                          where)
-            texts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in UNREADABLE_INPUT:
+                refuse_unreadable(kind, f"{where}[{j}]")
+            if kind in ("text", "refusal") and isinstance(part.get(kind), str):
+                texts.append(part[kind])
+            elif isinstance(kind, str):
+                note_ignored("chat", f"content parts of type {kind!r}")
+            else:
+                raise bad(f"{where}[{j}] must be a content part with a 'type' ({{\"type\": \"text\", \"text\": ...}})",
+                          f"{where}[{j}]", "invalid_type")
         return "".join(texts)
     raise bad(f"{where} must be a string or an array of text parts, got {type_name(value)}", where, "invalid_type")
 
@@ -171,11 +168,13 @@ def _messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array of {role, content} objects", "messages",
                   "invalid_type" if not isinstance(messages, list) else "invalid_value")
+    check_count(messages, "messages", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object, got {type_name(m)}", where, "invalid_type")
+        ignore_unknown("chat", m, MESSAGE_FIELDS, "messages[].")
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role")
@@ -198,9 +197,13 @@ def _messages(messages: Any) -> list[dict]:
 
 
 def parse_tools(tools: Any, param: str = "tools") -> list[dict]:
-    """OpenAI chat tools, validated; returned as given."""
+    """OpenAI chat tools, validated; returned as given, without the hosted ones (`web_search`,
+    ...), which the server cannot run."""
     if tools is None:
         return []
+    if isinstance(tools, list):
+        check_tools_size(tools, param)
+        tools = drop_hosted_tools("chat", tools)
     try:
         normalize_tools(tools)
     except ValueError as e:
@@ -214,6 +217,10 @@ def parse_tool_choice(value: Any, param: str = "tool_choice") -> ToolChoice:
         return ToolChoice()
     if value in ("auto", "none", "required"):
         return ToolChoice(value)
+    if isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] not in ("function", "custom") \
+            and is_hosted_tool("responses", value):
+        note_ignored("chat", f"a tool_choice naming the {value['type']!r} tool", "that tool is left out; choice auto")
+        return ToolChoice()
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
             and isinstance(value["function"].get("name"), str):
         return ToolChoice("function", value["function"]["name"])
@@ -251,7 +258,7 @@ def parse_response_format(state, value: Any, param: str = "response_format"):
     kind = get_str(value, "type", where=f"{param}.", choices=("text", "json_object", "json_schema"))
     if kind is None:
         raise bad(f"'{param}.type' is required", f"{param}.type", "missing_required_parameter")
-    check_unknown(value, {"type"} | ({"json_schema"} if kind == "json_schema" else set()), where=f"{param}.")
+    ignore_unknown("chat", value, {"type"} | ({"json_schema"} if kind == "json_schema" else set()), f"{param}.")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -260,7 +267,7 @@ def parse_response_format(state, value: Any, param: str = "response_format"):
     spec = get_object(value, "json_schema", where=f"{param}.")
     if spec is None:
         raise bad(f"'{where}' is required with type json_schema", where, "missing_required_parameter")
-    check_unknown(spec, {"name", "schema", "strict", "description"}, where=f"{where}.")
+    ignore_unknown("chat", spec, {"name", "schema", "strict", "description"}, f"{where}.")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise bad(f"'{where}.name' must be a non-empty string", f"{where}.name",
                   "missing_required_parameter" if "name" not in spec else "invalid_value")
@@ -272,7 +279,7 @@ def parse_response_format(state, value: Any, param: str = "response_format"):
 def parse_chat(body: dict, max_top_logprobs: int = MAX_TOP_LOGPROBS, state=None) -> tuple[ChatRequest, Options]:
     """The chat request of `body`; `state` (the server's) compiles grammars and checks token ids
     against the vocabulary (without it, e.g. for /tokenize, only the messages matter)."""
-    check_unknown(body, CHAT_FIELDS, IGNORED)
+    ignore_unknown("chat", body, CHAT_FIELDS | IGNORED)
     opts = _parse_options(body)
     sampling = parse_sampling(body, state.model.config.vocab_size if state is not None else None)
     messages = _messages(body.get("messages"))
@@ -335,7 +342,7 @@ def parse_prompts(body: dict, state) -> list[tuple[list[int], str]]:
 
 def parse_completion(body: dict, state) -> tuple[Choices, Options, list[str]]:
     """The generations of a completions request, its options, and each prompt's text (for echo)."""
-    check_unknown(body, COMPLETION_FIELDS, IGNORED)
+    ignore_unknown("completions", body, COMPLETION_FIELDS | IGNORED)
     opts = _parse_options(body)
     sampling = parse_sampling(body, state.model.config.vocab_size)
     prompts = parse_prompts(body, state)
@@ -358,7 +365,7 @@ def parse_completion(body: dict, state) -> tuple[Choices, Options, list[str]]:
     groups = []
     for i, (ids, _) in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        budget = fit_context(len(ids), max_tokens, state.config.ctx, prompt_param=param, max_param="max_tokens")
+        budget = fit_context(len(ids), max_tokens, state.config.ctx, prompt_param=param)
         groups.append([Generation.completion(
             state, ids, budget, sampling=sampling.for_choice(j), stop=stop, logprobs=logprobs,
             ignore_eos=opts.ignore_eos,
@@ -390,7 +397,7 @@ class _View:
     def _object(self, choices: list[dict], chunk: bool) -> dict:
         return {"id": self.id, "object": self.object_name + (".chunk" if chunk and self.object_name.startswith("chat")
                                                              else ""),
-                "created": self.created, "model": self.s.config.model_name, "system_fingerprint": None,
+                "created": self.created, "model": self.o.model or self.s.config.model_name, "system_fingerprint": None,
                 "choices": choices}
 
     def _chunk(self, choice: dict) -> bytes:

@@ -153,44 +153,15 @@ def get_list(body: dict, name: str, where: str = "") -> list | None:
     return v
 
 
-def check_unknown(body: dict, allowed: Iterable[str], ignored: Iterable[str] = (), where: str = "") -> None:
-    """A field outside `allowed` and `ignored` is a 400 naming it (OpenAI's wording)."""
-    allowed, ignored = set(allowed), set(ignored)
-    for key in body:
-        if key not in allowed and key not in ignored:
-            raise bad(f"Unrecognized request argument supplied: {where}{key}", where + key, "unknown_parameter")
-
-
-def parse_stop(body: dict, name: str = "stop", limit: int | None = 4) -> list[str]:
-    v = body.get(name)
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad(f"'{name}' must be a string or an array of strings", name, "invalid_type")
-    if limit is not None and len(stops) > limit:
-        raise bad(f"'{name}' takes at most {limit} sequences, got {len(stops)}", name)
-    if any(s == "" for s in stops):
-        raise bad(f"'{name}' sequences must not be empty", name)
-    return stops
-
-
-def fit_context(n_prompt: int, max_tokens: int | None, ctx: int, *, prompt_param: str, max_param: str) -> int:
-    """The number of tokens to generate; 400 `context_length_exceeded` when the request cannot fit.
-    `max_tokens` None: whatever the context leaves."""
-    if max_tokens is not None and max_tokens > ctx:
-        raise bad(f"'{max_param}' is {max_tokens}, more than this server's context length of {ctx} tokens",
-                  max_param, "context_length_exceeded")
+def fit_context(n_prompt: int, max_tokens: int | None, ctx: int, *, prompt_param: str) -> int:
+    """The number of tokens to generate: `max_tokens` clamped to the room the prompt leaves in
+    the context (None: all of it), so a reply that reaches it ends with "length"; a 400
+    `context_length_exceeded` only when the prompt leaves no room at all."""
     if n_prompt >= ctx:
         raise bad(f"This model's maximum context length is {ctx} tokens. However, your prompt is {n_prompt} tokens, "
                   f"which leaves no room for a completion", prompt_param, "context_length_exceeded")
-    if max_tokens is None:
-        return ctx - n_prompt
-    if n_prompt + max_tokens > ctx:
-        raise bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                  f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
-                  f"Please reduce the prompt or '{max_param}'.", max_param, "context_length_exceeded")
-    return max_tokens
+    room = ctx - n_prompt
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 def value_error(e: ValueError) -> APIError:

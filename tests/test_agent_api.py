@@ -28,6 +28,8 @@ from serve.app import ServerConfig, create_app
 from serve.kvstore import KVStore
 from serve.runner import BackgroundServer
 
+from helpers import metric
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "ds4-default"
 CTX, CHUNK = 2048, 256  # the tools section alone is ~550 tokens
@@ -196,12 +198,13 @@ def test_tool_choice(oai, model, tok):
     hello = [{"role": "user", "content": "Hello!"}]
     kw = dict(model=MODEL, temperature=0, max_tokens=64)
     # none: no tools are offered, so the reply is the greedy reply to the chat without tools; a
-    # call the model writes anyway (it does: its drills had no tools section) comes back as text.
+    # call the model writes anyway (it does: its drills had no tools section) is kept out of the text.
     r = oai.chat.completions.create(messages=[{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS,
                                     tool_choice="none", **kw)
     want = greedy(model, tok, [{"role": "user", "content": QUESTION}])
+    assert want.tool_calls
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
-    assert r.choices[0].message.content == want.content + "".join(c.raw for c in want.tool_calls)
+    assert (r.choices[0].message.content or "") == want.content and markup_free(r.choices[0].message.content)
     # required: even a greeting gets a tool call.
     assert not greedy(model, tok, hello, CHAT_TOOLS).tool_calls
     r = oai.chat.completions.create(messages=hello, tools=CHAT_TOOLS, tool_choice="required", **kw)
@@ -219,20 +222,24 @@ def test_tool_choice(oai, model, tok):
     assert r.choices[0].message.reasoning_content and r.choices[0].message.tool_calls
 
 
-def test_a_call_its_schema_rejects_comes_back_as_text(oai, model, tok, caplog):
+def test_a_call_its_schema_rejects_is_dropped_logged_and_counted(srv, oai, model, tok, caplog):
     """get_weather offered with an integer city: the model's call (a string city) violates the
-    schema, so it comes back as its sampled DSML text, with a warning; nothing is dropped."""
+    schema, so it is no call; its markup never reaches the text: it is logged with its raw text
+    and counted in ds4_markup_dropped_total."""
     strict = [{"type": "function", "function": {**WEATHER, "parameters": {
         "type": "object", "properties": {"city": {"type": "integer"}}, "required": ["city"]}}}]
     messages = [{"role": "user", "content": QUESTION}]
     want = greedy(model, tok, messages, strict)
     assert len(want.tool_calls) == 1 and want.tool_calls[0].problems
+    before = metric(srv, "ds4_markup_dropped_total", kind="call")
     with caplog.at_level(logging.WARNING, logger="ds4.serve"):
         r = oai.chat.completions.create(model=MODEL, messages=messages, tools=strict, temperature=0, max_tokens=96)
     c = r.choices[0]
     assert not c.message.tool_calls and c.finish_reason == "stop"
-    assert c.message.content == want.tool_calls[0].raw and c.message.content.startswith('<｜DSML｜invoke name="get_weather">')
-    assert any("tool call returned as text" in rec.getMessage() for rec in caplog.records)
+    assert (c.message.content or "") == want.content and markup_free(c.message.content)
+    assert any("markup kept out of the text (call" in rec.getMessage() and 'name="get_weather"' in rec.getMessage()
+               for rec in caplog.records)
+    assert metric(srv, "ds4_markup_dropped_total", kind="call") == before + 1
 
 
 # --------------------------------------------------------------------------- tool loops, all APIs
@@ -314,9 +321,10 @@ def test_responses_errors(srv, oai):
     assert e.value.body["param"] == "previous_response_id"
     r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type"
-    r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, "input": QUESTION,
-                                                    "tools": [{"type": "web_search"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"
+    r = httpx.post(srv.url + "/v1/responses", json={"model": MODEL, "input": [{"type": "message", "role": "user",
+                                                                                "content": [{"type": "input_image",
+                                                                                             "image_url": "x"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]"
 
 
 # --------------------------------------------------------------------------- anthropic
@@ -383,10 +391,9 @@ def test_messages_errors(srv, claude):
     assert "max_tokens" in e.value.body["error"]["message"]
     for body, field in [({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [
                             {"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
-                        ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
-                          "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
-                        ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
-                          "frobnicate": 1}, "frobnicate"),
+                        ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [
+                            {"type": "document", "source": {"type": "base64", "data": "eA=="}}]}]},
+                         "messages[0].content[0]"),
                         ({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
                           "tool_choice": {"type": "tool", "name": "nope"}, "tools": ANTHROPIC_TOOLS}, "tool_choice")]:
         r = httpx.post(srv.url + "/v1/messages", json=body)

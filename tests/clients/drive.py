@@ -1,0 +1,162 @@
+"""Drive the real agent clients (Claude Code, Codex) against `ds4-torch serve`, offline.
+
+Run it inside a private network namespace, so the clients can reach nothing off this machine
+(root is needed for that)::
+
+    unshare -n python tests/clients/drive.py --clients-dir DIR --out OUT [--model M] [--tp 2]
+
+It brings the loopback interface up, starts the server and a logging proxy in front of it
+(`logging_proxy.py`), then runs, each in a scratch directory with a scratch HOME:
+
+* ``claude -p "List the files in this directory."`` with only ANTHROPIC_BASE_URL and a key set;
+* ``codex exec "What is the weather in Paris?"`` with the README's provider config and one stdio
+  MCP server (`weather_mcp.py`).
+
+OUT gets ``proxy.jsonl`` (every request and response body as the client saw it), each client's
+output and exit status in ``result.json``, and the server's log. `install_clients(DIR)` installs
+the pinned client versions with npm (the tests' `clients` group and `record_bodies.py` use it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+CLAUDE_CODE_VERSION = "2.1.330"
+CODEX_VERSION = "0.169.0"
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PROMPTS = {"claude": "List the files in this directory.", "codex": "What is the weather in Paris?"}
+QUIET_CLAUDE = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+                "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
+def install_clients(clients_dir: str) -> None:
+    """The pinned Claude Code and Codex CLIs in `clients_dir` (npm; skipped when present)."""
+    bins = [os.path.join(clients_dir, "node_modules", ".bin", b) for b in ("claude", "codex")]
+    if all(os.path.exists(b) for b in bins):
+        return
+    subprocess.run(["npm", "install", "--prefix", clients_dir, "--no-audit", "--no-fund",
+                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}", f"@openai/codex@{CODEX_VERSION}"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def codex_config(base_url: str, mcp_command: list[str]) -> str:
+    """The README's Codex provider config, plus one stdio MCP server."""
+    args = ", ".join(json.dumps(a) for a in mcp_command[1:])
+    return (f'model = "ds4-default"\nmodel_provider = "ds4"\n\n'
+            f'[model_providers.ds4]\nname = "ds4_torch"\nbase_url = "{base_url}/v1"\nwire_api = "responses"\n\n'
+            f'[mcp_servers.weather]\ncommand = {json.dumps(mcp_command[0])}\nargs = [{args}]\n')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode} before answering")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float) -> dict:
+    work = os.path.join(out, f"{name}-work")
+    home = os.path.join(out, f"{name}-home")
+    os.makedirs(work, exist_ok=True)
+    os.makedirs(home, exist_ok=True)
+    for fname, text in (("main.py", "print('hello')\n"), ("README.md", "# demo\n"), ("notes.txt", "todo\n")):
+        with open(os.path.join(work, fname), "w") as f:
+            f.write(text)
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": home, "TERM": "dumb", "LANG": "C.UTF-8"}
+    if name == "claude":
+        env.update(QUIET_CLAUDE, ANTHROPIC_BASE_URL=proxy_url, ANTHROPIC_API_KEY="x")
+        cmd = [os.path.join(bin_dir, "claude"), "-p", PROMPTS[name]]
+    else:
+        codex_home = os.path.join(home, ".codex")
+        os.makedirs(codex_home, exist_ok=True)
+        mcp = [sys.executable, os.path.join(HERE, "weather_mcp.py")]
+        with open(os.path.join(codex_home, "config.toml"), "w") as f:
+            f.write(codex_config(proxy_url, mcp))
+        env.update(CODEX_HOME=codex_home, WEATHER_MCP_LOG=os.path.join(out, "weather_calls.jsonl"))
+        cmd = [os.path.join(bin_dir, "codex"), "exec", "--skip-git-repo-check", PROMPTS[name]]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+        status, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        status, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+    return {"client": name, "status": status, "seconds": round(time.time() - t0, 1),
+            "stdout": stdout if isinstance(stdout, str) else stdout.decode("utf-8", "replace"),
+            "stderr": (stderr if isinstance(stderr, str) else stderr.decode("utf-8", "replace"))[-4000:]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients-dir", required=True, help="where the npm clients are (installed if missing)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--ctx", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1, help="serve with torchrun --nproc-per-node N (gloo)")
+    p.add_argument("--clients", nargs="+", default=["claude", "codex"], choices=["claude", "codex"])
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per client run")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    install_clients(a.clients_dir)
+    port, proxy_port = _free_port(), _free_port()
+    serve = ["serve", "--port", str(port)] + (["--model", a.model] if a.model else []) + \
+        (["--ctx", str(a.ctx)] if a.ctx else [])
+    if a.tp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.tp), "-m", "ds4_torch",
+               *serve, "--tp", str(a.tp)]
+    else:
+        cmd = [sys.executable, "-m", "ds4_torch", *serve]
+    server_log = open(os.path.join(a.out, "server.log"), "w")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT, env=env)
+    proxy = subprocess.Popen([sys.executable, os.path.join(HERE, "logging_proxy.py"), "--upstream",
+                              f"http://127.0.0.1:{port}", "--port", str(proxy_port), "--log",
+                              os.path.join(a.out, "proxy.jsonl")], env=env)
+    results = []
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 600, server)
+        _wait_http(f"http://127.0.0.1:{proxy_port}/health", 60, proxy)
+        bin_dir = os.path.join(a.clients_dir, "node_modules", ".bin")
+        for name in a.clients:
+            results.append(run_client(name, bin_dir, f"http://127.0.0.1:{proxy_port}", a.out, a.timeout))
+    finally:
+        for proc in (proxy, server):
+            proc.terminate()
+        for proc in (proxy, server):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server_log.close()
+    with open(os.path.join(a.out, "result.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    for r in results:
+        print(f"{r['client']}: status {r['status']} in {r['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    if shutil.which("ip") is None:
+        sys.exit("drive.py needs `ip` (iproute2) to bring up the loopback interface")
+    sys.exit(main())
