@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -97,6 +98,7 @@ _DSML_OPENS = ("<" + DSML, "</" + DSML)   # a DSML tag runs to its ">"
 _MAX_SPECIAL = 64                     # longer than this between <｜ and ｜> is prose
 _MAX_DSML_TAG = 512                   # a DSML tag with its attributes
 _TAG_STARTS = _FIXED_TAGS + (_SPECIAL_OPEN,) + _DSML_OPENS
+_DSML_NAME = re.compile(r"[a-z_]*")
 
 
 class MarkupFilter:
@@ -121,20 +123,28 @@ class MarkupFilter:
         """(text without markup, an undecided tail held back, the markup dropped)."""
         out, dropped, i = [], [], 0
         while True:
-            j = text.find("<", i)
+            j = min((k for k in (text.find("<", i), text.find(DSML[0], i)) if k >= 0), default=-1)
             if j < 0:
                 out.append(text[i:])
                 return "".join(out), "", dropped
             out.append(text[i:j])
-            end = self._tag_end(text, j, final)
+            end = self._tag_end(text, j, final) if text[j] == "<" else self._dsml_end(text, j, final)
             if end is None:
                 return "".join(out), text[j:], dropped
             if end > j:
                 dropped.append(text[j:end])
                 i = end
-            else:  # not markup: a plain "<"
-                out.append("<")
+            else:  # not markup: a plain character
+                out.append(text[j])
                 i = j + 1
+
+    @staticmethod
+    def _dsml_end(text: str, j: int, final: bool) -> int | None:
+        """The end of a DSML marker (with its tag name) at `text[j]`, wherever it stands."""
+        if text.startswith(DSML, j):
+            return _DSML_NAME.match(text, j + len(DSML)).end()
+        rest = text[j:]
+        return None if not final and len(rest) < len(DSML) and DSML.startswith(rest) else j
 
     @staticmethod
     def _tag_end(text: str, j: int, final: bool) -> int | None:
@@ -152,7 +162,9 @@ class MarkupFilter:
                     return j + k + len(closer)
                 if k < 0 and len(rest) < limit and not final:
                     return None
-                break  # too long to be a tag: prose (or a DSML opener that is not a special token)
+                if opener in _DSML_OPENS:  # an unclosed DSML tag: still markup, up to its name
+                    return _DSML_NAME.match(text, j + len(opener)).end()
+                break  # too long to be a special token: prose
         else:
             if not final and any(t.startswith(rest) for t in _TAG_STARTS):
                 return None

@@ -204,6 +204,12 @@ def parse_tools(tools: Any, param: str = "tools") -> list[dict]:
     if isinstance(tools, list):
         check_tools_size(tools, param)
         tools = drop_hosted_tools("chat", tools)
+        for t in tools:
+            if isinstance(t, dict):
+                ignore_unknown("chat", t, {"type", "function"}, "tools[].")
+                if isinstance(t.get("function"), dict):
+                    ignore_unknown("chat", t["function"], {"name", "description", "parameters", "strict"},
+                                   "tools[].function.")
     try:
         normalize_tools(tools)
     except ValueError as e:
@@ -538,6 +544,7 @@ class CompletionView(_View):
         self.prompt_of = {g.choice: p for p, group in enumerate(gen.groups) for g in group}
         self.prompt_outs: dict[int, list] = {}     # prompt -> [TokenOut], from its first choice
         self.offset: dict[int, int] = {}           # choice -> text offset of its next token (once started)
+        self.pending: tuple | None = None          # (choice, TokenOut, texts) of the token being streamed
 
     def _top(self, o) -> dict | None:
         if o.logprob is None:  # the prompt's first token
@@ -591,21 +598,40 @@ class CompletionView(_View):
             if isinstance(ev, PromptLogprobs):
                 self.prompt_outs[self.prompt_of[ev.choice]] = ev.outs
             elif isinstance(ev, Token):
+                self._flush(out)
                 self._begin(ev.choice, out)
-                o = ev.out
-                self.tokens[ev.choice].append(o)
-                if o.text or self.o.logprobs is not None or self.o.return_token_ids:
-                    choice = {"index": ev.choice, "text": o.text, "logprobs": self._logprobs([o], self.offset[ev.choice]),
-                              "finish_reason": None}
-                    self._ids(choice, [o])
-                    out.append(self._chunk(choice))
-                self.offset[ev.choice] += len(o.text)
+                self.tokens[ev.choice].append(ev.out)
+                self.pending = (ev.choice, ev.out, [])
+            elif isinstance(ev, Text):  # the token's text, markup kept out
+                if self.pending is None or self.pending[0] != ev.choice:
+                    self._flush(out)
+                    self._begin(ev.choice, out)
+                    self.pending = (ev.choice, None, [])
+                self.pending[2].append(ev.text)
             elif isinstance(ev, Done):
+                self._flush(out)
                 self._begin(ev.choice, out)
                 out.append(self._chunk({"index": ev.choice, "text": "", "logprobs": None,
                                         "finish_reason": FINISH[ev.finish]}))
+        self._flush(out)
         out.append(self._close())
         return b"".join(out)
+
+    def _flush(self, out: list) -> None:
+        """The chunk of the last token: its text (what it released, without markup), logprobs, id."""
+        if self.pending is None:
+            return
+        index, o, texts = self.pending
+        self.pending = None
+        text = "".join(texts)
+        if text or (o is not None and (self.o.logprobs is not None or self.o.return_token_ids)):
+            choice = {"index": index, "text": text,
+                      "logprobs": self._logprobs([o], self.offset[index]) if o is not None else None,
+                      "finish_reason": None}
+            if o is not None:
+                self._ids(choice, [o])
+            out.append(self._chunk(choice))
+        self.offset[index] += len(text)
 
     def _choice(self, index: int, gen: Generation) -> dict:
         prefix, prompt_lp = self._echo(gen.choice)

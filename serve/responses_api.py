@@ -222,8 +222,8 @@ def _function(t: dict, where: str, namespace: str | None = None) -> tuple[dict, 
     fn = {"name": t["name"]}
     if t.get("description") is not None:
         fn["description"] = get_str(t, "description", where=f"{where}.")
-    if freeform:
-        fn["parameters"] = FREEFORM_PARAMETERS
+    if freeform:  # strict: a grammar writes the one string it takes, so every call carries it
+        fn["parameters"], fn["strict"] = FREEFORM_PARAMETERS, True
     else:
         params = get_object(t, "parameters", where=f"{where}.")
         if params is not None:
