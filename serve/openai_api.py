@@ -86,7 +86,12 @@ def parse_sampling(body: dict, vocab_size: int | None = None) -> SamplingParams:
     wrong; `vocab_size`: token ids in `logit_bias` and `stop_token_ids` must be inside it."""
     top_k = int(get_number(body, "top_k", 0, lo=-1, integer=True))
     bias = get_object(body, "logit_bias")
+    if bias is not None and len(bias) > LIMITS["logit_bias_entries"]:
+        raise bad(f"'logit_bias' holds {len(bias)} entries; this server takes at most {LIMITS['logit_bias_entries']}",
+                  "logit_bias")
     stops = get_list(body, "stop_token_ids")
+    if stops is not None:
+        check_count(stops, "logit_bias_entries", "stop_token_ids")
     try:
         params = SamplingParams(
             temperature=float(get_number(body, "temperature", 1.0, lo=0.0, hi=2.0)),

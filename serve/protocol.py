@@ -35,6 +35,9 @@ def bad(message: str, param: str | None = None, code: str | None = "invalid_valu
     return APIError(400, message, param=param, code=code)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
@@ -51,6 +54,12 @@ def parse_json_object(raw: bytes) -> dict:
     NaN/Infinity or numbers beyond float range, nesting too deep to parse, a body that is not an
     object, and text that is not valid Unicode (a lone surrogate such as "\\ud800" anywhere, named
     by its path: no such string can reach a tokenizer)."""
+    # Parsing costs per element, holding the GIL: bound the elements (the commas) before it.
+    from .request_policy import LIMITS
+
+    if raw.count(b",") > LIMITS["array_items"]:
+        raise bad(f"the request body holds more than {LIMITS['array_items']} values; this server takes at most that "
+                  f"many", code="too_large")
     try:
         body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError) as e:
@@ -59,7 +68,8 @@ def parse_json_object(raw: bytes) -> dict:
         raise bad("malformed JSON in the request body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}", code="invalid_json")
-    where = unencodable_text(body)
+    # A lone surrogate can only come from a \ud800-\udfff escape: without one, nothing to walk.
+    where = unencodable_text(body) if _SURROGATE_ESCAPE.search(raw) else None
     if where is not None:
         raise bad(f"'{where}' holds text that is not valid Unicode (a lone surrogate); it cannot be encoded as "
                   f"UTF-8", where, "invalid_encoding")
@@ -76,22 +86,36 @@ def _encodable(text: str) -> bool:
 
 def unencodable_text(value: Any) -> str | None:
     """The path (`messages[0].content`) of the first string or key in `value` that cannot be
-    encoded as UTF-8, or None. Iterative: any nesting depth the JSON parser took."""
-    stack: list[tuple[Any, str]] = [(value, "")]
+    encoded as UTF-8, or None. Iterative (any nesting depth the JSON parser took) and O(body):
+    a path is spelled out only for the string found, so a million-element array costs no million
+    path strings; an array of numbers is skipped whole."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
     while stack:
         v, path = stack.pop()
         if isinstance(v, str):
             if not _encodable(v):
-                return path or "body"
+                return _spell(path) or "body"
         elif isinstance(v, dict):
             for k, item in v.items():
-                sub = f"{path}.{k}" if path else str(k)
                 if not _encodable(k):
-                    return (path or "body") + ".<key>"
-                stack.append((item, sub))
+                    return (_spell(path) or "body") + ".<key>"
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, (path, k)))
         elif isinstance(v, list):
-            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(v))
+            stack.extend((item, (path, i)) for i, item in enumerate(v) if isinstance(item, (str, dict, list)))
     return None
+
+
+def _spell(path: tuple) -> str:
+    """("", (("", "messages"), 0), "content") as nested pairs -> messages[0].content."""
+    parts = []
+    while path:
+        path, part = path
+        parts.append(part)
+    out = ""
+    for part in reversed(parts):
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
 def type_name(v: Any) -> str:

@@ -158,3 +158,59 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_server_stays_up(srv):
             r = client.post(route, json=body)
             assert r.status_code == 200, (route, r.text[:500])
         assert client.get("/health").json() == {"status": "ok"}
+
+
+# --------------------------------------------------------------------------- the request policy
+UNKNOWN_NAMES = ["cache_control", "citations", "annotations", "allowed_callers", "defer_loading", "eager_input_streaming",
+                 "input_examples", "status", "id", "x_future_field", "context_management", "service_tier"]
+HOSTED = {"/v1/chat/completions": [{"type": "web_search"}, {"type": "web_search_preview", "search_context_size": "low"}],
+          "/v1/responses": [{"type": "web_search", "external_web_access": False}, {"type": "file_search"},
+                            {"type": "code_interpreter", "container": {"type": "auto"}}, {"type": "image_generation"},
+                            {"type": "local_shell"}, {"type": "tool_search"}],
+          "/v1/messages": [{"type": "web_search_20250305", "name": "web_search"},
+                           {"type": "code_execution_20250825", "name": "code_execution"}]}
+UNKNOWN_BLOCKS = {"/v1/chat/completions": {"type": "frob_part", "frob": 1},
+                  "/v1/responses": {"type": "frob_item", "frob": 1},
+                  "/v1/messages": {"type": "frob_block", "frob": 1}}
+DATA_KEYS = {"tools", "logit_bias", "metadata", "parameters", "input_schema", "schema", "format", "text"}
+POLICY_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+
+
+def _sprinkle(rng: random.Random, value: object, route: str, depth: int = 0) -> object:
+    """`value` with unknown fields added to its objects, unknown block/item types added to its
+    content arrays and hosted tools added to its tools: nothing that may change the answer."""
+    if isinstance(value, dict):
+        # (Maps and schemas are data, not objects with fields: left alone.)
+        out = {k: _sprinkle(rng, v, route, depth + 1) if k not in DATA_KEYS else v for k, v in value.items()}
+        if rng.random() < 0.5:
+            out[rng.choice(UNKNOWN_NAMES)] = rng.choice([1, "x", None, True, {"k": "v"}, [1, 2], {"type": "ephemeral"}])
+        if "tools" in out and rng.random() < 0.7:
+            hosted = HOSTED.get(route.replace("/count_tokens", ""), [])
+            out["tools"] = list(out["tools"]) + rng.sample(hosted, k=min(len(hosted), rng.randint(1, 2)))
+        return out
+    if isinstance(value, list):
+        out = [_sprinkle(rng, v, route, depth + 1) for v in value]
+        # Content arrays (depth 3: body, messages, message, content) and Responses' input items (1).
+        if depth in ((1, 3) if route == "/v1/responses" else (3,)) and rng.random() < 0.5 \
+                and all(isinstance(v, dict) for v in value):
+            out.insert(rng.randrange(len(out) + 1), dict(UNKNOWN_BLOCKS[route.replace("/count_tokens", "")]))
+        return out
+    return value
+
+
+def test_unknown_fields_types_and_hosted_tools_never_change_a_valid_answer(srv):
+    """Sprinkled with what future clients may send, every valid request is still answered 200."""
+    rng = random.Random(SEED + 1)
+    base = {**VALID, "/v1/chat/completions": {**VALID["/v1/chat/completions"], "response_format": None,
+                                              "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                         "text": "hi"}]}]},
+            "/v1/messages": {**VALID["/v1/messages"], "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+            "/v1/responses": {**VALID["/v1/responses"], "tools": [{"type": "function", "name": "f"}],
+                              "input": [{"type": "message", "role": "user",
+                                         "content": [{"type": "input_text", "text": "hi"}]}]}}
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        for route in POLICY_ROUTES:
+            for _ in range(25):
+                body = _sprinkle(rng, base[route], route)
+                r = client.post(route, json=body)
+                assert r.status_code == 200, (route, json.dumps(body)[:600], r.text[:500])
