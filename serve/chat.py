@@ -712,7 +712,7 @@ def _arguments_rule(so, params: Any, where: str) -> str:
 
 
 # The parameters of a non-strict tool's call: any names, text (string="true") or JSON values, as
-# the output parser reads them; its schema is checked after the fact (a failing call comes back as text).
+# the output parser reads them; its schema is checked after the fact (a failing call is dropped, logged and counted).
 _ANY_PARAMETER = '{open} " name=\\"" /[^"<>\\n]+/ "\\" string=\\"" ("true\\">" {text} | "false\\">" %json {{}}) {close} "\\n"'
 
 

@@ -1,0 +1,59 @@
+"""Real Claude Code and Codex against the server (opt in: ``pytest -m clients``).
+
+They need npm (the pinned CLIs are installed on first use into ~/.cache/ds4_torch/clients), root
+(for ``unshare -n``: server and client run in a private network namespace, so the clients can
+reach nothing off this machine) and ``ip``. `tests/clients/drive.py` runs them: ``claude -p
+"List the files in this directory."`` with only a base URL and a key, and ``codex exec "What is
+the weather in Paris?"`` with the README's provider config, its default tools and one stdio MCP
+server; a logging proxy records every exchange. Each client must finish, every request it sent
+must get a 2xx, and no response body may carry markup. The embedded model is copied with a
+longer context (the same weights): the clients' first prompts are 20K-26K tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import long_context_copy
+
+pytestmark = pytest.mark.clients
+HERE = Path(__file__).parent
+MARKUP = ("｜DSML｜", "<｜", "<think>", "</think>", "<tool_result>", "</tool_result>")
+CLIENTS_DIR = Path(os.environ.get("DS4_CLIENTS_DIR", Path.home() / ".cache" / "ds4_torch" / "clients"))
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for `unshare -n`"
+    for tool in ("unshare", "npm", "node", "ip"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    try:
+        import mcp  # noqa: F401 - the MCP weather server's package
+    except ImportError:
+        return "needs the `mcp` package (pip install mcp) for the MCP weather server"
+    return None
+
+
+@pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-process", "tp2-gloo"])
+def test_claude_code_and_codex_complete_with_2xx_and_no_markup(tmp_path, tp):
+    model = long_context_copy(tmp_path / "model", 65536)
+    out = tmp_path / "run"
+    cmd = ["unshare", "-n", sys.executable, str(HERE / "clients" / "drive.py"), "--clients-dir", str(CLIENTS_DIR),
+           "--out", str(out), "--model", str(model), "--ctx", "65536", "--tp", str(tp)]
+    subprocess.run(cmd, check=True, timeout=3000)
+    results = json.loads((out / "result.json").read_text())
+    assert [(r["client"], r["status"]) for r in results] == [("claude", 0), ("codex", 0)], results
+    exchanges = [json.loads(line) for line in (out / "proxy.jsonl").read_text().splitlines()]
+    posts = [e for e in exchanges if e["method"] == "POST"]
+    assert {e["path"] for e in posts} >= {"/v1/messages", "/v1/responses"}
+    for e in exchanges:
+        assert 200 <= e["status"] < 300, (e["path"], e["status"], e["response"][:1000])
+        assert not [m for m in MARKUP if m in e["response"]], (e["path"], e["response"][-2000:])
