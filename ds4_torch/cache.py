@@ -35,6 +35,22 @@ decode step needs to continue it after N tokens, and nothing more; its names are
 
 (`sequence_spec` lists them in order with dtypes and shapes.) Its size follows N, not
 max_context.
+
+Checkpoints (branch and rewind). Compressed rows are append-only and causal: a sequence at
+position q > p still holds the rows a sequence at p would hold ([0, p // m) per rate m). What it
+has lost is the rest of its state at p, which `take_checkpoint` copies: the window ring, every
+compressor's and indexer's open window and CSA overlap, the position, the row counts and
+optionally the last logits. The names are `sequence_spec`'s less the rows, plus:
+
+    row_counts                       int64 [layers]   position // m per layer (0 when sliding)
+    logits                           [vocab]          optional: the next token's logits
+
+`restore_checkpoint` rewinds a slot in place to a checkpoint taken on it (or on any sequence
+sharing its first p tokens); `branch_from_checkpoint` gives another slot the source's rows
+[0, p // m) and the checkpoint. Either way the caller then prefills the tokens between p and
+where the new sequence diverges. The cache cannot see tokens: matching a checkpoint to a
+sequence with the same first p tokens is the caller's job. Size: `checkpoint_nbytes`, fixed
+(it does not grow with p).
 """
 
 from __future__ import annotations
@@ -119,6 +135,25 @@ def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype) -> list[tuple[s
                 out += [(f"layers.{i}.{part}.prev_kv", dtype, (m, dim)),
                         (f"layers.{i}.{part}.prev_gate", dtype, (m, dim))]
     return out
+
+
+def checkpoint_spec(config: DS4Config, dtype: torch.dtype, logits: bool = False
+                    ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of a checkpoint (`DS4Cache.take_checkpoint`): a
+    sequence's state without its compressed rows, plus the row counts and, with `logits`, the
+    next token's logits (any floating dtype; listed as float32)."""
+    out = [s for s in sequence_spec(config, 0, dtype) if not s[0].endswith(".rows")]
+    out.append(("row_counts", torch.int64, (config.num_hidden_layers,)))
+    if logits:
+        out.append(("logits", torch.float32, (config.vocab_size,)))
+    return out
+
+
+def checkpoint_nbytes(config: DS4Config, dtype: torch.dtype, logits_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one checkpoint of a cache of `dtype` (logits of `logits_dtype` when given): the
+    same at every position."""
+    spec = checkpoint_spec(config, dtype, logits_dtype is not None)
+    return sum(math.prod(shape) * (logits_dtype if name == "logits" else d).itemsize for name, d, shape in spec)
 
 
 class DS4Cache:
@@ -214,13 +249,26 @@ class DS4Cache:
         n = int(self.positions[index])
         device = self.device if device is None else torch.device(device)
         out = {name: t.to(device, copy=True) for name, t in self._sequence_views(index, n).items()}
+        self._zero_stale_slots(out, out["position"])
+        return out
+
+    def _zero_stale_slots(self, state: dict[str, torch.Tensor], position: torch.Tensor) -> None:
+        """Zero, in `state` (copies of one sequence's tensors), the slots no step reads: ring slots
+        >= position while the window is not yet full, and open-window slots past position % m.
+        Masks computed from the position tensor: no host sync."""
+        W = self.config.sliding_window
+        ring_live = (torch.arange(W, device=position.device) < position).view(W, 1)
         for i, layer in enumerate(self.layers):
+            key = f"layers.{i}.window"
+            state[key] = torch.where(ring_live.to(state[key].device), state[key], 0)
+            if not layer.rate:
+                continue
+            live = (torch.arange(layer.rate, device=position.device) < position % layer.rate).view(-1, 1)
             for part in ("compressor", "indexer"):
                 for name in ("open_kv", "open_gate"):
                     key = f"layers.{i}.{part}.{name}"
-                    if key in out:
-                        out[key][n % layer.rate:] = 0
-        return out
+                    if key in state:
+                        state[key] = torch.where(live.to(state[key].device), state[key], 0)
 
     def import_sequence(self, index: int, state: Mapping[str, torch.Tensor]) -> None:
         """Make sequence `index` continue from `state` (as `export_sequence` returns it, on any
@@ -248,9 +296,14 @@ class DS4Cache:
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"state[{name!r}]: {got}, expected {shape} {dtype} for a sequence of {n} tokens")
+        self._write_sequence(index, state, n)
+
+    def _write_sequence(self, index: int, state: Mapping[str, torch.Tensor], n: int) -> None:
+        """Sequence `index` takes the (already checked) tensors of `state` and position `n`; a
+        tensor `state` lacks (a checkpoint's rows) keeps the slot's own."""
         old = None if self.is_invalid(index) else int(self.positions[index])
         for name, dst in self._sequence_views(index, n).items():
-            if name != "position":
+            if name != "position" and name in state:
                 dst.copy_(state[name])
         for layer in self.layers:
             for s in layer.states:
@@ -273,6 +326,130 @@ class DS4Cache:
         source.check_usable_index(src_index)
         n = int(source.positions[src_index])
         self.import_sequence(dst_index, source._sequence_views(src_index, n))
+
+    # ------------------------------------------------------------------ checkpoints
+    def row_counts(self, position: torch.Tensor) -> torch.Tensor:
+        """Compressed rows per layer [layers] int64 of a sequence at `position` (a tensor)."""
+        rates = torch.tensor([layer.rate for layer in self.layers], dtype=torch.long, device=position.device)
+        return torch.where(rates > 0, position // rates.clamp(min=1), 0)
+
+    def checkpoint_spec(self, logits: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """`checkpoint_spec` for this cache's config and dtype."""
+        return checkpoint_spec(self.config, self.dtype, logits)
+
+    def checkpoint_nbytes(self, logits_dtype: torch.dtype | None = None) -> int:
+        """Bytes of one checkpoint of this cache (with logits of `logits_dtype` when given)."""
+        return checkpoint_nbytes(self.config, self.dtype, logits_dtype)
+
+    def take_checkpoint(self, index: int, logits: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Copies (on the cache's device) of what sequence `index` would lose by moving on: its
+        ring, open windows, overlaps, position and row counts, plus `logits` ([vocab], the next
+        token's) when given. Fixed size and no host sync: cheap to take every K tokens, even
+        between decode steps. Canonical, as `export_sequence`."""
+        self._check_index(index)
+        self.check_usable_index(index)
+        views = self._sequence_views(index, 0)
+        out = {name: t.clone() for name, t in views.items() if not name.endswith(".rows")}
+        self._zero_stale_slots(out, out["position"])
+        out["row_counts"] = self.row_counts(out["position"])
+        if logits is not None:
+            out["logits"] = logits.detach().reshape(-1).clone()
+        return out
+
+    def check_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> int:
+        """Raise ValueError naming the first problem unless `checkpoint` is one this cache could
+        have taken (any device): exactly the spec's names, dtypes and shapes (`logits` optional,
+        [vocab], floating), a position within max_context, row counts equal to position // m,
+        finite values, stale slots zero, and CSA overlap gates -inf exactly while no window has
+        closed. Returns the position."""
+        if not isinstance(checkpoint, Mapping):
+            raise ValueError(f"a checkpoint is a mapping of names to tensors, got {type(checkpoint).__name__}")
+        position = checkpoint.get("position")
+        if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
+            raise ValueError("checkpoint['position'] must be a 0-d int64 tensor")
+        n = int(position)
+        if not 0 <= n <= self.max_context:
+            raise ValueError(f"checkpoint position {n} outside [0, max_context {self.max_context}]")
+        spec = self.checkpoint_spec(logits="logits" in checkpoint)
+        missing = [name for name, _, _ in spec if name not in checkpoint]
+        unexpected = sorted(set(checkpoint) - {name for name, _, _ in spec})
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match this cache's layout: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        for name, dtype, shape in spec:
+            t = checkpoint[name]
+            dtype_ok = isinstance(t, torch.Tensor) and (t.is_floating_point() if name == "logits" else t.dtype == dtype)
+            if not dtype_ok or tuple(t.shape) != shape:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                want = "floating" if name == "logits" else dtype
+                raise ValueError(f"checkpoint[{name!r}]: {got}, expected {shape} {want}")
+        counts = checkpoint["row_counts"].cpu()
+        expected = self.row_counts(position.cpu())
+        if not torch.equal(counts, expected):
+            raise ValueError(f"checkpoint['row_counts'] {counts.tolist()} inconsistent with position {n} "
+                             f"(expected {expected.tolist()})")
+        canonical = {name: checkpoint[name] for name, _, _ in spec if name not in ("position", "row_counts")}
+        for name, t in canonical.items():
+            if name.endswith("prev_gate"):
+                continue
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"checkpoint[{name!r}] is not finite")
+        zeroed = dict(canonical)
+        self._zero_stale_slots(zeroed, position)
+        for name, t in zeroed.items():
+            if not torch.equal(t, canonical[name]):
+                raise ValueError(f"checkpoint[{name!r}]: slots past position {n} are written")
+        for i, layer in enumerate(self.layers):
+            if layer.kind != CSA:
+                continue
+            for part in ("compressor", "indexer"):
+                kv, gate = canonical[f"layers.{i}.{part}.prev_kv"], canonical[f"layers.{i}.{part}.prev_gate"]
+                closed = n >= layer.rate
+                if (closed and not bool(torch.isfinite(gate).all())) or \
+                        (not closed and (bool(kv.any()) or not bool((gate == float("-inf")).all()))):
+                    raise ValueError(f"checkpoint['layers.{i}.{part}.prev_gate']: the overlap must be -inf "
+                                     f"exactly while no window has closed (position {n}, rate {layer.rate})")
+        return n
+
+    def restore_checkpoint(self, index: int, checkpoint: Mapping[str, torch.Tensor]) -> None:
+        """Rewind sequence `index` in place to `checkpoint` (taken at position p on it, or on any
+        sequence with the same first p tokens): it keeps its compressed rows [0, p // m), takes
+        the checkpoint's ring and open windows, and its later rows are cleared. Checked before
+        anything is written: a ValueError leaves the cache untouched. The slot must hold at least
+        p tokens (the rows come from it); for another slot's rows use `branch_from_checkpoint`."""
+        self._check_index(index)
+        self.check_usable_index(index)
+        n = self.check_checkpoint(checkpoint)
+        held = int(self.positions[index])
+        if n > held:
+            raise ValueError(f"cannot rewind sequence {index} to a checkpoint at position {n}: it holds only "
+                             f"{held} tokens (branch from a sequence that holds them instead)")
+        self._write_sequence(index, {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}, n)
+
+    def branch_from_checkpoint(self, dst_index: int, src_index: int, checkpoint: Mapping[str, torch.Tensor],
+                               source: "DS4Cache | None" = None) -> None:
+        """Slot `dst_index` continues from `checkpoint` (position p), taking the compressed rows
+        [0, p // m) of sequence `src_index` of `source` (default: this cache), which must hold at
+        least p tokens with the same first p as the checkpoint's. The source is untouched, so a
+        busy sequence can be branched from. Built on `copy_sequence`'s import: checked first,
+        the destination's stale rows cleared. `dst_index == src_index` in one cache rewinds in
+        place (`restore_checkpoint`)."""
+        source = self if source is None else source
+        if source is self and dst_index == src_index:
+            self.restore_checkpoint(dst_index, checkpoint)
+            return
+        if source.config != self.config or source.dtype != self.dtype:
+            raise ValueError("branch_from_checkpoint needs a source cache with the same config and dtype")
+        self._check_index(dst_index)
+        source._check_index(src_index)
+        source.check_usable_index(src_index)
+        n = self.check_checkpoint(checkpoint)
+        held = int(source.positions[src_index])
+        if n > held:
+            raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only {held} tokens")
+        rows = {k: v for k, v in source._sequence_views(src_index, n).items() if k.endswith(".rows")}
+        state = {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}
+        self.import_sequence(dst_index, {**state, **rows})
 
     def narrow(self, n: int) -> "DS4Cache":
         """The first `n` sequences as a cache sharing this one's storage (views, no copies)."""
