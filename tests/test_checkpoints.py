@@ -76,17 +76,27 @@ def greedy(model, cache, index, logits, n=GREEDY):
 
 
 @torch.no_grad()
-def cold(model, tokens):
-    """The reference: a fresh cache fed all of `tokens` at once; (logits, greedy continuation)."""
+def cold(model, tokens, split=None):
+    """The reference: a fresh cache fed `tokens` (at once, or in chunks of 16 from 0 and from
+    `split`, as the checkpointed path feeds them); (logits, greedy continuation)."""
     cache = model.new_cache(1, CTX)
-    logits = model(torch.tensor([tokens]), cache=cache)[0, -1]
+    if split is None:
+        logits = model(torch.tensor([tokens]), cache=cache)[0, -1]
+    else:
+        logits = feed(model, cache, 0, tokens[:split])
+        logits = feed(model, cache, 0, tokens[split:]) if split < len(tokens) else logits
     return logits, greedy(model, cache, 0, logits)
 
 
-def assert_continues_like_cold(model, cache, index, logits, tokens):
-    want, want_tokens = cold(model, tokens)
+def assert_continues_like_cold(model, cache, index, logits, tokens, split):
+    """Logits within 1e-5 of a cold run fed in the same pieces (on CPU they are bit for bit the
+    same), and within 2e-6 of the largest logit of one fed at once (where chunking alone moves
+    them: up to 1.3e-5 absolute, 9e-7 relative, in these cases); greedy tokens equal to both."""
+    want, want_tokens = cold(model, tokens, split)
+    once, once_tokens = cold(model, tokens)
     assert (logits - want).abs().max() <= 1e-5
-    assert greedy(model, cache, index, logits) == want_tokens
+    assert (logits - once).abs().max() <= 2e-6 * once.abs().max()
+    assert greedy(model, cache, index, logits) == want_tokens == once_tokens
 
 
 def checkpointed_run(model, cache, index, a, p):
@@ -105,7 +115,7 @@ def rewind_case(model, p, d):
     assert cache.positions.tolist() == [p]
     for layer in cache.layers:  # A's later rows are gone: a slot holds no row past its count
         assert all(not s.rows[0, p // layer.rate:].any() for s in layer.states)
-    assert_continues_like_cold(model, cache, 0, feed(model, cache, 0, b[p:]), b)
+    assert_continues_like_cold(model, cache, 0, feed(model, cache, 0, b[p:]), b, p)
 
 
 @pytest.mark.parametrize("p,d", DEFAULT_CASES)
@@ -159,7 +169,7 @@ def test_a_checkpoint_at_the_prompt_end_needs_no_recompute(model, p):
     if p == 0:
         assert "logits" not in checkpoint  # nothing was fed: there are no next-token logits
         return
-    assert_continues_like_cold(model, cache, 0, checkpoint["logits"], a[:p])
+    assert_continues_like_cold(model, cache, 0, checkpoint["logits"], a[:p], p)
 
 
 @torch.no_grad()
@@ -178,9 +188,9 @@ def test_after_an_export_import_round_trip(model, tmp_path):
     other = model.new_cache(3, CTX)
     other.import_sequence(2, saved["sequence"])
     other.branch_from_checkpoint(0, 2, saved["checkpoint"])
-    assert_continues_like_cold(model, other, 0, feed(model, other, 0, b[p:]), b)
+    assert_continues_like_cold(model, other, 0, feed(model, other, 0, b[p:]), b, p)
     other.restore_checkpoint(2, saved["checkpoint"])  # and in place, in the imported slot
-    assert_continues_like_cold(model, other, 2, feed(model, other, 2, b[p:]), b)
+    assert_continues_like_cold(model, other, 2, feed(model, other, 2, b[p:]), b, p)
 
 
 @torch.no_grad()
