@@ -304,3 +304,19 @@ def test_malformed_checkpoints_are_refused_and_write_nothing(model):
         cache.take_checkpoint(0)
     with pytest.raises(RuntimeError, match="invalidated"):
         cache.branch_from_checkpoint(1, 0, good)
+
+
+def test_the_branch_conversation_example(capsys):
+    """examples/branch_conversation.py runs, reuses the system prompt, and agrees with cold runs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "branch_conversation.py"
+    spec = importlib.util.spec_from_file_location("branch_conversation", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main()
+    assert 0 < result["reused"] < result["prompt_b"]
+    assert result["regenerated_same"] and result["reply_same"]
+    assert result["same_pieces"] <= 1e-5 and result["at_once"] <= 2e-6 * result["logit_scale"]
+    assert "same reply: True" in capsys.readouterr().out
