@@ -156,6 +156,92 @@ def checkpoint_nbytes(config: DS4Config, dtype: torch.dtype, logits_dtype: torch
     return sum(math.prod(shape) * (logits_dtype if name == "logits" else d).itemsize for name, d, shape in spec)
 
 
+def zero_stale_slots(config: DS4Config, state: dict[str, torch.Tensor], position: torch.Tensor) -> None:
+    """Zero, in `state` (copies of one sequence's tensors, by `sequence_spec` names), the slots no
+    step reads: ring slots >= position while the window is not yet full, and open-window slots
+    past position % m. Masks computed from the position tensor: no host sync."""
+    W = config.sliding_window
+    ring_live = (torch.arange(W, device=position.device) < position).view(W, 1)
+    for i in range(config.num_hidden_layers):
+        key = f"layers.{i}.window"
+        state[key] = torch.where(ring_live.to(state[key].device), state[key], 0)
+        rate = config.compress_rate(i)
+        if not rate:
+            continue
+        live = (torch.arange(rate, device=position.device) < position % rate).view(-1, 1)
+        for part in ("compressor", "indexer"):
+            for name in ("open_kv", "open_gate"):
+                key = f"layers.{i}.{part}.{name}"
+                if key in state:
+                    state[key] = torch.where(live.to(state[key].device), state[key], 0)
+
+
+def row_counts(config: DS4Config, position: torch.Tensor) -> torch.Tensor:
+    """Compressed rows per layer [layers] int64 of a sequence at `position` (a tensor)."""
+    rates = torch.tensor([config.compress_rate(i) for i in range(config.num_hidden_layers)], dtype=torch.long,
+                         device=position.device)
+    return torch.where(rates > 0, position // rates.clamp(min=1), 0)
+
+
+def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
+                     checkpoint: Mapping[str, torch.Tensor]) -> int:
+    """Raise ValueError naming the first problem unless `checkpoint` is one a cache of `config`,
+    `dtype` and `max_context` could have taken (any device): exactly the spec's names, dtypes and
+    shapes (`logits` optional, [vocab], floating), a position within max_context, row counts
+    equal to position // m, finite values, stale slots zero, and CSA overlap gates -inf exactly
+    while no window has closed. Returns the position."""
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"a checkpoint is a mapping of names to tensors, got {type(checkpoint).__name__}")
+    position = checkpoint.get("position")
+    if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
+        raise ValueError("checkpoint['position'] must be a 0-d int64 tensor")
+    n = int(position)
+    if not 0 <= n <= max_context:
+        raise ValueError(f"checkpoint position {n} outside [0, max_context {max_context}]")
+    spec = checkpoint_spec(config, dtype, logits="logits" in checkpoint)
+    missing = [name for name, _, _ in spec if name not in checkpoint]
+    unexpected = sorted(set(checkpoint) - {name for name, _, _ in spec})
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match this cache's layout: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, want_dtype, shape in spec:
+        t = checkpoint[name]
+        dtype_ok = isinstance(t, torch.Tensor) and (
+            t.is_floating_point() if name == "logits" else t.dtype == want_dtype)
+        if not dtype_ok or tuple(t.shape) != shape:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            want = "floating" if name == "logits" else want_dtype
+            raise ValueError(f"checkpoint[{name!r}]: {got}, expected {shape} {want}")
+    counts = checkpoint["row_counts"].cpu()
+    expected = row_counts(config, position.cpu())
+    if not torch.equal(counts, expected):
+        raise ValueError(f"checkpoint['row_counts'] {counts.tolist()} inconsistent with position {n} "
+                         f"(expected {expected.tolist()})")
+    canonical = {name: checkpoint[name] for name, _, _ in spec if name not in ("position", "row_counts")}
+    for name, t in canonical.items():
+        if name.endswith("prev_gate"):
+            continue
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"checkpoint[{name!r}] is not finite")
+    zeroed = dict(canonical)
+    zero_stale_slots(config, zeroed, position)
+    for name, t in zeroed.items():
+        if not torch.equal(t, canonical[name]):
+            raise ValueError(f"checkpoint[{name!r}]: slots past position {n} are written")
+    for i, kind in enumerate(config.layer_types):
+        if kind != CSA:
+            continue
+        rate = config.compress_rate(i)
+        for part in ("compressor", "indexer"):
+            kv, gate = canonical[f"layers.{i}.{part}.prev_kv"], canonical[f"layers.{i}.{part}.prev_gate"]
+            closed = n >= rate
+            if (closed and not bool(torch.isfinite(gate).all())) or \
+                    (not closed and (bool(kv.any()) or not bool((gate == float("-inf")).all()))):
+                raise ValueError(f"checkpoint['layers.{i}.{part}.prev_gate']: the overlap must be -inf "
+                                 f"exactly while no window has closed (position {n}, rate {rate})")
+    return n
+
+
 class DS4Cache:
     """Preallocated decode state for `batch_size` sequences of up to `max_context` tokens."""
 
@@ -249,26 +335,8 @@ class DS4Cache:
         n = int(self.positions[index])
         device = self.device if device is None else torch.device(device)
         out = {name: t.to(device, copy=True) for name, t in self._sequence_views(index, n).items()}
-        self._zero_stale_slots(out, out["position"])
+        zero_stale_slots(self.config, out, out["position"])
         return out
-
-    def _zero_stale_slots(self, state: dict[str, torch.Tensor], position: torch.Tensor) -> None:
-        """Zero, in `state` (copies of one sequence's tensors), the slots no step reads: ring slots
-        >= position while the window is not yet full, and open-window slots past position % m.
-        Masks computed from the position tensor: no host sync."""
-        W = self.config.sliding_window
-        ring_live = (torch.arange(W, device=position.device) < position).view(W, 1)
-        for i, layer in enumerate(self.layers):
-            key = f"layers.{i}.window"
-            state[key] = torch.where(ring_live.to(state[key].device), state[key], 0)
-            if not layer.rate:
-                continue
-            live = (torch.arange(layer.rate, device=position.device) < position % layer.rate).view(-1, 1)
-            for part in ("compressor", "indexer"):
-                for name in ("open_kv", "open_gate"):
-                    key = f"layers.{i}.{part}.{name}"
-                    if key in state:
-                        state[key] = torch.where(live.to(state[key].device), state[key], 0)
 
     def import_sequence(self, index: int, state: Mapping[str, torch.Tensor]) -> None:
         """Make sequence `index` continue from `state` (as `export_sequence` returns it, on any
@@ -328,11 +396,6 @@ class DS4Cache:
         self.import_sequence(dst_index, source._sequence_views(src_index, n))
 
     # ------------------------------------------------------------------ checkpoints
-    def row_counts(self, position: torch.Tensor) -> torch.Tensor:
-        """Compressed rows per layer [layers] int64 of a sequence at `position` (a tensor)."""
-        rates = torch.tensor([layer.rate for layer in self.layers], dtype=torch.long, device=position.device)
-        return torch.where(rates > 0, position // rates.clamp(min=1), 0)
-
     def checkpoint_spec(self, logits: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """`checkpoint_spec` for this cache's config and dtype."""
         return checkpoint_spec(self.config, self.dtype, logits)
@@ -350,66 +413,21 @@ class DS4Cache:
         self.check_usable_index(index)
         views = self._sequence_views(index, 0)
         out = {name: t.clone() for name, t in views.items() if not name.endswith(".rows")}
-        self._zero_stale_slots(out, out["position"])
-        out["row_counts"] = self.row_counts(out["position"])
+        zero_stale_slots(self.config, out, out["position"])
+        out["row_counts"] = row_counts(self.config, out["position"])
         if logits is not None:
             out["logits"] = logits.detach().reshape(-1).clone()
         return out
 
     def check_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> int:
-        """Raise ValueError naming the first problem unless `checkpoint` is one this cache could
-        have taken (any device): exactly the spec's names, dtypes and shapes (`logits` optional,
-        [vocab], floating), a position within max_context, row counts equal to position // m,
-        finite values, stale slots zero, and CSA overlap gates -inf exactly while no window has
-        closed. Returns the position."""
-        if not isinstance(checkpoint, Mapping):
-            raise ValueError(f"a checkpoint is a mapping of names to tensors, got {type(checkpoint).__name__}")
-        position = checkpoint.get("position")
-        if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
-            raise ValueError("checkpoint['position'] must be a 0-d int64 tensor")
-        n = int(position)
-        if not 0 <= n <= self.max_context:
-            raise ValueError(f"checkpoint position {n} outside [0, max_context {self.max_context}]")
-        spec = self.checkpoint_spec(logits="logits" in checkpoint)
-        missing = [name for name, _, _ in spec if name not in checkpoint]
-        unexpected = sorted(set(checkpoint) - {name for name, _, _ in spec})
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match this cache's layout: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        for name, dtype, shape in spec:
-            t = checkpoint[name]
-            dtype_ok = isinstance(t, torch.Tensor) and (t.is_floating_point() if name == "logits" else t.dtype == dtype)
-            if not dtype_ok or tuple(t.shape) != shape:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                want = "floating" if name == "logits" else dtype
-                raise ValueError(f"checkpoint[{name!r}]: {got}, expected {shape} {want}")
-        counts = checkpoint["row_counts"].cpu()
-        expected = self.row_counts(position.cpu())
-        if not torch.equal(counts, expected):
-            raise ValueError(f"checkpoint['row_counts'] {counts.tolist()} inconsistent with position {n} "
-                             f"(expected {expected.tolist()})")
-        canonical = {name: checkpoint[name] for name, _, _ in spec if name not in ("position", "row_counts")}
-        for name, t in canonical.items():
-            if name.endswith("prev_gate"):
-                continue
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"checkpoint[{name!r}] is not finite")
-        zeroed = dict(canonical)
-        self._zero_stale_slots(zeroed, position)
-        for name, t in zeroed.items():
-            if not torch.equal(t, canonical[name]):
-                raise ValueError(f"checkpoint[{name!r}]: slots past position {n} are written")
-        for i, layer in enumerate(self.layers):
-            if layer.kind != CSA:
-                continue
-            for part in ("compressor", "indexer"):
-                kv, gate = canonical[f"layers.{i}.{part}.prev_kv"], canonical[f"layers.{i}.{part}.prev_gate"]
-                closed = n >= layer.rate
-                if (closed and not bool(torch.isfinite(gate).all())) or \
-                        (not closed and (bool(kv.any()) or not bool((gate == float("-inf")).all()))):
-                    raise ValueError(f"checkpoint['layers.{i}.{part}.prev_gate']: the overlap must be -inf "
-                                     f"exactly while no window has closed (position {n}, rate {layer.rate})")
-        return n
+        """`check_checkpoint` for this cache's config, dtype and max_context: the position."""
+        return check_checkpoint(self.config, self.dtype, self.max_context, checkpoint)
+
+    def import_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checked copy of `checkpoint` (read from disk, another process's, on any device) on
+        this cache's device, ready for `restore_checkpoint` / `branch_from_checkpoint`."""
+        self.check_checkpoint(checkpoint)
+        return {name: t.to(self.device, copy=True) for name, t in checkpoint.items()}
 
     def restore_checkpoint(self, index: int, checkpoint: Mapping[str, torch.Tensor]) -> None:
         """Rewind sequence `index` in place to `checkpoint` (taken at position p on it, or on any

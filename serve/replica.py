@@ -99,10 +99,9 @@ class Replica:
                                       None if src_cache == dst_cache else getattr(self, src_cache))
 
     def import_checkpoint(self, checkpoint_id, checkpoint: dict) -> None:
-        """Hold `checkpoint` (read from disk by rank 0, sent to every rank) as `checkpoint_id`,
-        checked first and moved to this rank's device."""
-        self.resident.check_checkpoint(checkpoint)
-        self.checkpoints[checkpoint_id] = {name: t.to(self.device) for name, t in checkpoint.items() if name != "logits"}
+        """Hold `checkpoint` (read from disk by rank 0, sent to every rank, without logits) as
+        `checkpoint_id`, checked first and copied to this rank's device."""
+        self.checkpoints[checkpoint_id] = self.resident.import_checkpoint(checkpoint)
 
     def drop_checkpoint(self, checkpoint_id) -> None:
         """Forget checkpoint `checkpoint_id` (unknown ids are ignored)."""

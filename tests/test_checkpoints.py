@@ -187,7 +187,9 @@ def test_after_an_export_import_round_trip(model, tmp_path):
 
     other = model.new_cache(3, CTX)
     other.import_sequence(2, saved["sequence"])
-    other.branch_from_checkpoint(0, 2, saved["checkpoint"])
+    imported = other.import_checkpoint(saved["checkpoint"])
+    assert imported.keys() == checkpoint.keys() and all(torch.equal(imported[k], t) for k, t in checkpoint.items())
+    other.branch_from_checkpoint(0, 2, imported)
     assert_continues_like_cold(model, other, 0, feed(model, other, 0, b[p:]), b, p)
     other.restore_checkpoint(2, saved["checkpoint"])  # and in place, in the imported slot
     assert_continues_like_cold(model, other, 2, feed(model, other, 2, b[p:]), b, p)
@@ -277,7 +279,8 @@ def test_malformed_checkpoints_are_refused_and_write_nothing(model):
         ([1, 2], "mapping"),
     ]
     for checkpoint, message in cases:
-        for act in (lambda c: cache.restore_checkpoint(0, c), lambda c: cache.branch_from_checkpoint(1, 0, c)):
+        for act in (lambda c: cache.restore_checkpoint(0, c), lambda c: cache.branch_from_checkpoint(1, 0, c),
+                    cache.import_checkpoint):
             with pytest.raises(ValueError, match=message):
                 act(checkpoint)
             assert all(torch.equal(x, y) for x, y in zip(cache.tensors(), before))
