@@ -183,6 +183,35 @@ def row_counts(config: DS4Config, position: torch.Tensor) -> torch.Tensor:
     return torch.where(rates > 0, position // rates.clamp(min=1), 0)
 
 
+def check_layout(what: str, tensors: Mapping[str, torch.Tensor], max_context: int, spec_of) -> int:
+    """Check the layout of `tensors` (a sequence state or a checkpoint, called `what` in errors):
+    a 0-d int64 `position` within [0, max_context], then exactly the names of `spec_of(position)`
+    with their dtypes (`logits`: any floating dtype) and shapes. Returns the position; a
+    ValueError names the first problem."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"a {what} is a mapping of names to tensors, got {type(tensors).__name__}")
+    position = tensors.get("position")
+    if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
+        raise ValueError(f"{what}['position'] must be a 0-d int64 tensor")
+    n = int(position)
+    if not 0 <= n <= max_context:
+        raise ValueError(f"{what} position {n} outside [0, max_context {max_context}]")
+    spec = spec_of(n)
+    missing = [name for name, _, _ in spec if name not in tensors]
+    unexpected = sorted(set(tensors) - {name for name, _, _ in spec})
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match this cache's layout: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, dtype, shape in spec:
+        t, floating = tensors[name], name == "logits"
+        dtype_ok = isinstance(t, torch.Tensor) and (t.is_floating_point() if floating else t.dtype == dtype)
+        if not dtype_ok or tuple(t.shape) != shape:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}[{name!r}]: {got}, expected {shape} {'floating' if floating else dtype} "
+                             f"for a sequence of {n} tokens")
+    return n
+
+
 def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
                      checkpoint: Mapping[str, torch.Tensor]) -> int:
     """Raise ValueError naming the first problem unless `checkpoint` is one a cache of `config`,
@@ -190,28 +219,9 @@ def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
     shapes (`logits` optional, [vocab], floating), a position within max_context, row counts
     equal to position // m, finite values, stale slots zero, and CSA overlap gates -inf exactly
     while no window has closed. Returns the position."""
-    if not isinstance(checkpoint, Mapping):
-        raise ValueError(f"a checkpoint is a mapping of names to tensors, got {type(checkpoint).__name__}")
-    position = checkpoint.get("position")
-    if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
-        raise ValueError("checkpoint['position'] must be a 0-d int64 tensor")
-    n = int(position)
-    if not 0 <= n <= max_context:
-        raise ValueError(f"checkpoint position {n} outside [0, max_context {max_context}]")
-    spec = checkpoint_spec(config, dtype, logits="logits" in checkpoint)
-    missing = [name for name, _, _ in spec if name not in checkpoint]
-    unexpected = sorted(set(checkpoint) - {name for name, _, _ in spec})
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match this cache's layout: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for name, want_dtype, shape in spec:
-        t = checkpoint[name]
-        dtype_ok = isinstance(t, torch.Tensor) and (
-            t.is_floating_point() if name == "logits" else t.dtype == want_dtype)
-        if not dtype_ok or tuple(t.shape) != shape:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            want = "floating" if name == "logits" else want_dtype
-            raise ValueError(f"checkpoint[{name!r}]: {got}, expected {shape} {want}")
+    spec = checkpoint_spec(config, dtype, logits=isinstance(checkpoint, Mapping) and "logits" in checkpoint)
+    n = check_layout("checkpoint", checkpoint, max_context, lambda _: spec)  # a checkpoint's size is fixed
+    position = checkpoint["position"]
     counts = checkpoint["row_counts"].cpu()
     expected = row_counts(config, position.cpu())
     if not torch.equal(counts, expected):
@@ -347,23 +357,7 @@ class DS4Cache:
         closes, and positions advance with it), or entirely when the slot was invalidated (a
         failed step may have written rows without advancing the position)."""
         self._check_index(index)
-        position = state.get("position")
-        if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
-            raise ValueError("state['position'] must be a 0-d int64 tensor")
-        n = int(position)
-        if not 0 <= n <= self.max_context:
-            raise ValueError(f"state position {n} outside [0, max_context {self.max_context}]")
-        spec = self.sequence_spec(n)
-        missing = [name for name, _, _ in spec if name not in state]
-        unexpected = sorted(set(state) - {name for name, _, _ in spec})
-        if missing or unexpected:
-            raise ValueError(f"state does not match this cache's layout: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        for name, dtype, shape in spec:
-            t = state[name]
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state[{name!r}]: {got}, expected {shape} {dtype} for a sequence of {n} tokens")
+        n = check_layout("state", state, self.max_context, self.sequence_spec)
         self._write_sequence(index, state, n)
 
     def _write_sequence(self, index: int, state: Mapping[str, torch.Tensor], n: int) -> None:

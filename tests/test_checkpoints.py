@@ -17,7 +17,7 @@ from ds4_torch import DS4ForCausalLM
 from ds4_torch.cache import checkpoint_nbytes
 from ds4_torch.config import CSA, HCA
 from oracle import make_oracle
-from test_cache import expected_export_bytes
+from test_cache import expected_export_bytes, with_edits
 
 CTX = 160
 TAIL = 10      # tokens B has past its divergence
@@ -248,13 +248,7 @@ def test_malformed_checkpoints_are_refused_and_write_nothing(model):
     before = [t.clone() for t in cache.tensors()]
 
     def changed(**edits):
-        out = dict(good)
-        for k, v in edits.items():
-            if v is None:
-                del out[k]
-            else:
-                out[k] = v
-        return out
+        return with_edits(good, **edits)
 
     def written(name, index, value):
         t = good[name].clone()
