@@ -317,3 +317,33 @@ def test_the_branch_conversation_example(capsys):
     assert result["regenerated_same"] and result["reply_same"]
     assert result["same_pieces"] <= 1e-5 and result["at_once"] <= 2e-6 * result["logit_scale"]
     assert "same reply: True" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def test_graph_decode_reads_a_restored_and_a_branched_slot(model):
+    """Decode steps replayed from one captured graph (the capture emulator off CUDA: Python values
+    frozen as a CUDA graph freezes them) before and after slot 0 is rewound and slot 1 branched
+    from it: the graph reads the new state (no tensor was reallocated, nothing recaptured) and
+    both continue like cold runs."""
+    from ds4_torch.decode import make_decoder
+
+    p, d = 40, 45
+    a, b = sequences(model, p, d, seed=17)
+    c = a[:p] + sequences(model, 0, 6, seed=18)[0][:9]
+    cache = model.new_cache(2, CTX)
+    checkpoint = checkpointed_run(model, cache, 0, a, p)
+    feed(model, cache, 1, a[:p + 3])
+    decoder = make_decoder(model, cache, "graph")
+    assert decoder.mode == "graph"
+    decoder.step(torch.tensor([a[-1], a[p + 3]]))  # captured here, at other positions
+    cache.restore_checkpoint(0, checkpoint)
+    cache.branch_from_checkpoint(1, 0, checkpoint)
+    logits = torch.stack([feed(model, cache, 0, b[p:]), feed(model, cache, 1, c[p:])])
+    tokens = [[], []]
+    for _ in range(GREEDY):
+        ids = logits.argmax(-1)
+        for row, t in zip(tokens, ids.tolist()):
+            row.append(t)
+        logits = decoder.step(ids)
+    assert list(decoder.graphs) == [2] and decoder.eager_fallbacks == 0
+    assert tokens == [cold(model, b)[1], cold(model, c)[1]]
