@@ -212,21 +212,31 @@ def check_layout(what: str, tensors: Mapping[str, torch.Tensor], max_context: in
     return n
 
 
-def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
-                     checkpoint: Mapping[str, torch.Tensor]) -> int:
-    """Raise ValueError naming the first problem unless `checkpoint` is one a cache of `config`,
-    `dtype` and `max_context` could have taken (any device): exactly the spec's names, dtypes and
-    shapes (`logits` optional, [vocab], floating), a position within max_context, row counts
-    equal to position // m, finite values, stale slots zero, and CSA overlap gates -inf exactly
-    while no window has closed. Returns the position."""
+def check_checkpoint_layout(config: DS4Config, dtype: torch.dtype, max_context: int,
+                            checkpoint: Mapping[str, torch.Tensor]) -> int:
+    """Raise ValueError naming the first problem unless `checkpoint` has the layout of one a
+    cache of `config`, `dtype` and `max_context` takes: exactly the spec's names, dtypes and
+    shapes (`logits` optional, [vocab], floating), a position within max_context and row counts
+    equal to position // m. Cheap (two small host reads): what a restore checks. Returns the
+    position."""
     spec = checkpoint_spec(config, dtype, logits=isinstance(checkpoint, Mapping) and "logits" in checkpoint)
     n = check_layout("checkpoint", checkpoint, max_context, lambda _: spec)  # a checkpoint's size is fixed
-    position = checkpoint["position"]
     counts = checkpoint["row_counts"].cpu()
-    expected = row_counts(config, position.cpu())
+    expected = row_counts(config, checkpoint["position"].cpu())
     if not torch.equal(counts, expected):
         raise ValueError(f"checkpoint['row_counts'] {counts.tolist()} inconsistent with position {n} "
                          f"(expected {expected.tolist()})")
+    return n
+
+
+def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
+                     checkpoint: Mapping[str, torch.Tensor]) -> int:
+    """`check_checkpoint_layout`, then the values, as for a checkpoint read from elsewhere (a
+    file, another process): finite, stale slots zero, and CSA overlap gates -inf exactly while
+    no window has closed. Returns the position."""
+    n = check_checkpoint_layout(config, dtype, max_context, checkpoint)
+    position = checkpoint["position"]
+    spec = checkpoint_spec(config, dtype, logits="logits" in checkpoint)
     canonical = {name: checkpoint[name] for name, _, _ in spec if name not in ("position", "row_counts")}
     for name, t in canonical.items():
         if name.endswith("prev_gate"):
@@ -414,12 +424,14 @@ class DS4Cache:
         return out
 
     def check_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> int:
-        """`check_checkpoint` for this cache's config, dtype and max_context: the position."""
+        """`check_checkpoint` (layout and values) for this cache's config, dtype and max_context:
+        the position."""
         return check_checkpoint(self.config, self.dtype, self.max_context, checkpoint)
 
     def import_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A checked copy of `checkpoint` (read from disk, another process's, on any device) on
-        this cache's device, ready for `restore_checkpoint` / `branch_from_checkpoint`."""
+        """A checked copy (layout and values, `check_checkpoint`) of `checkpoint` (read from
+        disk, another process's, on any device) on this cache's device, ready for
+        `restore_checkpoint` / `branch_from_checkpoint`."""
         self.check_checkpoint(checkpoint)
         return {name: t.to(self.device, copy=True) for name, t in checkpoint.items()}
 
@@ -427,11 +439,14 @@ class DS4Cache:
         """Rewind sequence `index` in place to `checkpoint` (taken at position p on it, or on any
         sequence with the same first p tokens): it keeps its compressed rows [0, p // m), takes
         the checkpoint's ring and open windows, and its later rows are cleared. Checked before
-        anything is written: a ValueError leaves the cache untouched. The slot must hold at least
-        p tokens (the rows come from it); for another slot's rows use `branch_from_checkpoint`."""
+        anything is written: a ValueError leaves the cache untouched. Its layout is checked (as
+        `import_sequence` checks a state's); its values are trusted, as they are for a checkpoint
+        this process took (`import_checkpoint` checks those of one from elsewhere). The slot must
+        hold at least p tokens (the rows come from it); for another slot's rows use
+        `branch_from_checkpoint`."""
         self._check_index(index)
         self.check_usable_index(index)
-        n = self.check_checkpoint(checkpoint)
+        n = check_checkpoint_layout(self.config, self.dtype, self.max_context, checkpoint)
         held = int(self.positions[index])
         if n > held:
             raise ValueError(f"cannot rewind sequence {index} to a checkpoint at position {n}: it holds only "
@@ -443,8 +458,8 @@ class DS4Cache:
         """Slot `dst_index` continues from `checkpoint` (position p), taking the compressed rows
         [0, p // m) of sequence `src_index` of `source` (default: this cache), which must hold at
         least p tokens with the same first p as the checkpoint's. The source is untouched, so a
-        busy sequence can be branched from. Built on `copy_sequence`'s import: checked first,
-        the destination's stale rows cleared. `dst_index == src_index` in one cache rewinds in
+        busy sequence can be branched from. Built on `copy_sequence`'s import: checked first (as
+        `restore_checkpoint` checks), the destination's stale rows cleared. `dst_index == src_index` in one cache rewinds in
         place (`restore_checkpoint`)."""
         source = self if source is None else source
         if source is self and dst_index == src_index:
@@ -455,7 +470,7 @@ class DS4Cache:
         self._check_index(dst_index)
         source._check_index(src_index)
         source.check_usable_index(src_index)
-        n = self.check_checkpoint(checkpoint)
+        n = check_checkpoint_layout(self.config, self.dtype, self.max_context, checkpoint)
         held = int(source.positions[src_index])
         if n > held:
             raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only {held} tokens")

@@ -240,6 +240,8 @@ def test_v4_flash_checkpoint_bytes():
 
 @torch.no_grad()
 def test_malformed_checkpoints_are_refused_and_write_nothing(model):
+    """Layout (names, dtypes, shapes, position, row counts): refused by every entry point; values
+    (finite, stale slots, overlap): by import_checkpoint and check_checkpoint. Nothing written."""
     a, _ = sequences(model, 0, 60, seed=2)
     cache = model.new_cache(2, 64)
     feed(model, cache, 0, a[:30])
@@ -266,15 +268,19 @@ def test_malformed_checkpoints_are_refused_and_write_nothing(model):
         (changed(position=torch.tensor(65)), "max_context"),
         (changed(position=torch.tensor(30, dtype=torch.int32)), "position"),
         (changed(row_counts=good["row_counts"] + 1), "row_counts"),
+        ([1, 2], "mapping"),
+    ]
+    # values: checked where a checkpoint comes from elsewhere (a restore trusts its own, as an
+    # import_sequence trusts a state's values)
+    value_cases = [
         (changed(**{"layers.1.indexer.open_kv": written("layers.1.indexer.open_kv", 3, 1.0)}), "slots past position"),
         (changed(**{"layers.0.window": written("layers.0.window", 0, float("nan"))}), "not finite"),
         (changed(**{"layers.1.compressor.prev_gate": written("layers.1.compressor.prev_gate", 0, float("-inf"))}),
          "overlap"),
-        ([1, 2], "mapping"),
     ]
-    for checkpoint, message in cases:
-        for act in (lambda c: cache.restore_checkpoint(0, c), lambda c: cache.branch_from_checkpoint(1, 0, c),
-                    cache.import_checkpoint):
+    layout_checks = (lambda c: cache.restore_checkpoint(0, c), lambda c: cache.branch_from_checkpoint(1, 0, c))
+    for checkpoint, message, acts in [(c, m, layout_checks) for c, m in cases] + [(c, m, ()) for c, m in value_cases]:
+        for act in (cache.import_checkpoint, cache.check_checkpoint) + acts:
             with pytest.raises(ValueError, match=message):
                 act(checkpoint)
             assert all(torch.equal(x, y) for x, y in zip(cache.tensors(), before))
@@ -289,7 +295,7 @@ def test_malformed_checkpoints_are_refused_and_write_nothing(model):
     bad = empty.take_checkpoint(0)
     bad["layers.1.compressor.prev_gate"] = torch.zeros_like(bad["layers.1.compressor.prev_gate"])
     with pytest.raises(ValueError, match="overlap"):
-        empty.restore_checkpoint(0, bad)
+        empty.import_checkpoint(bad)
     from ds4_torch.cache import DS4Cache
     other = DS4Cache(model.config.replace(sliding_window=5), 1, 64)
     with pytest.raises(ValueError, match="same config"):
