@@ -221,21 +221,36 @@ def test_a_checkpoint_is_fixed_size_and_canonical(model):
         expected_export_bytes(cfg, 0, 2) + 8 * cfg.num_hidden_layers + 4 * cfg.vocab_size
 
 
-def v4_flash_config():
-    from ds4_torch.config import DS4Config
-
-    return DS4Config.from_dict(dict(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0]))
+FLASH_BF16_BYTES = (43 * 128 * 512 * 2                                              # the ring
+                    + 20 * (2 * 128 * 512) * 2                                       # HCA open windows
+                    + 21 * (2 * 4 * 1024 + 2 * 4 * 512 + 2 * 4 * 256 + 2 * 4 * 128) * 2  # CSA frontier
+                    + 8 + 8 * 43)                                                    # position, row counts
 
 
 def test_v4_flash_checkpoint_bytes():
     """43 layers (2 sliding, 21 CSA, 20 HCA), window 128, head_dim 512, indexer 128, bf16: the
     ring (43 x 128 x 512 x 2 B) plus the open windows and overlaps, by hand."""
-    cfg = v4_flash_config()
+    from ds4_torch.bench.checkpoint import flash_config
+
+    cfg = flash_config()
     assert (cfg.layer_types.count(CSA), cfg.layer_types.count(HCA)) == (21, 20)
-    ring = 43 * 128 * 512 * 2
-    hca = 20 * (2 * 128 * 512) * 2
-    csa = 21 * (2 * 4 * 1024 + 2 * 4 * 512 + 2 * 4 * 256 + 2 * 4 * 128) * 2
-    assert checkpoint_nbytes(cfg, torch.bfloat16) == ring + hca + csa + 8 + 8 * 43 == 11_524_448
+    assert (cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, cfg.compress_rates) == \
+        (128, 512, 128, {CSA: 4, HCA: 128})
+    assert checkpoint_nbytes(cfg, torch.bfloat16) == FLASH_BF16_BYTES == 11_524_448
+
+
+def test_bench_checkpoint(tmp_path, capsys):
+    """`ds4-torch bench checkpoint` runs at V4-Flash's layout and reports the bytes by hand."""
+    import csv
+
+    from ds4_torch.cli import main
+
+    table = tmp_path / "checkpoint.csv"
+    assert main(["bench", "checkpoint", "--contexts", "300", "--repeats", "1", "--csv", str(table)]) == 0
+    (row,) = list(csv.DictReader(table.open()))
+    assert int(row["checkpoint_bytes"]) == FLASH_BF16_BYTES and int(row["checkpoint_at"]) == 300 - 128
+    assert all(float(row[k]) > 0 for k in row if k.endswith("_ms"))
+    assert "11,524,448" in capsys.readouterr().out
 
 
 @torch.no_grad()
