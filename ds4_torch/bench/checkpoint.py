@@ -19,12 +19,13 @@ import time
 
 import torch
 
-from .report import machine, write_csv
+from .report import machine, print_table, write_csv
 from ..cache import DS4Cache
 from ..config import DS4Config
 
 FLASH_COMPRESS_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]  # the hub's pattern; the last entry: the MTP slot
 BACK = 64  # tokens between the checkpoint and the sequence's end
+TIMED = ("take_ms", "restore_ms", "branch_ms", "import_ms", "copy_sequence_ms")
 
 
 def flash_config() -> DS4Config:
@@ -88,15 +89,11 @@ def run(contexts=(4096, 65536), dtype: torch.dtype = torch.bfloat16, device="cpu
         })
         del cache
     where = machine() if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"checkpoints, V4-Flash layout, {str(dtype).removeprefix('torch.')}, {device}; {where}, "
-          f"{torch.get_num_threads()} thread(s); median of {repeats}")
-    head = (f"{'context':>8} {'ckpt at':>8} {'bytes':>11} {'take ms':>8} {'restore ms':>11} {'branch ms':>10} "
-            f"{'import ms':>10} {'copy_sequence ms':>17}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['context']:>8} {r['checkpoint_at']:>8} {r['checkpoint_bytes']:>11,} {r['take_ms']:>8.2f} "
-              f"{r['restore_ms']:>11.2f} {r['branch_ms']:>10.2f} {r['import_ms']:>10.2f} {r['copy_sequence_ms']:>17.2f}")
+    print_table(f"checkpoints, V4-Flash layout, {str(dtype).removeprefix('torch.')}, {device}; {where}, "
+                f"{torch.get_num_threads()} thread(s); median of {repeats}",
+                f"{'context':>8} {'ckpt at':>8} {'bytes':>11} " + " ".join(f"{k[:-3] + ' ms':>12}" for k in TIMED),
+                (f"{r['context']:>8} {r['checkpoint_at']:>8} {r['checkpoint_bytes']:>11,} " +
+                 " ".join(f"{r[k]:>12.2f}" for k in TIMED) for r in rows))
     if csv_path:
         write_csv(rows, csv_path)
     return rows
