@@ -76,46 +76,47 @@ def greedy(model, cache, index, logits, n=GREEDY):
 
 
 @torch.no_grad()
-def cold(model, tokens, split=None):
-    """The reference: a fresh cache fed `tokens` (at once, or in chunks of 16 from 0 and from
-    `split`, as the checkpointed path feeds them); (logits, greedy continuation)."""
+def cold(model, tokens, split=None, chunk=16):
+    """The reference: a fresh cache fed `tokens` (at once, or in chunks of `chunk` up to `split`
+    and of 16 from there, as the checkpointed path feeds them); (logits, greedy continuation)."""
     cache = model.new_cache(1, CTX)
     if split is None:
         logits = model(torch.tensor([tokens]), cache=cache)[0, -1]
     else:
-        logits = feed(model, cache, 0, tokens[:split])
+        logits = feed(model, cache, 0, tokens[:split], chunk)
         logits = feed(model, cache, 0, tokens[split:]) if split < len(tokens) else logits
     return logits, greedy(model, cache, 0, logits)
 
 
-def assert_continues_like_cold(model, cache, index, logits, tokens, split):
+def assert_continues_like_cold(model, cache, index, logits, tokens, split, chunk=16):
     """Logits within 1e-5 of a cold run fed in the same pieces (on CPU they are bit for bit the
     same), and within 2e-6 of the largest logit of one fed at once (where chunking alone moves
     them: up to 1.3e-5 absolute, 9e-7 relative, in these cases); greedy tokens equal to both."""
-    want, want_tokens = cold(model, tokens, split)
+    want, want_tokens = cold(model, tokens, split, chunk)
     once, once_tokens = cold(model, tokens)
     assert (logits - want).abs().max() <= 1e-5
     assert (logits - once).abs().max() <= 2e-6 * once.abs().max()
     assert greedy(model, cache, index, logits) == want_tokens == once_tokens
 
 
-def checkpointed_run(model, cache, index, a, p):
-    """Feed A to sequence `index`, taking a checkpoint at p (with the next token's logits)."""
-    logits = feed(model, cache, index, a[:p])
+def checkpointed_run(model, cache, index, a, p, chunk=16):
+    """Feed A to sequence `index` in chunks of `chunk`, taking a checkpoint at p (with the next
+    token's logits)."""
+    logits = feed(model, cache, index, a[:p], chunk)
     checkpoint = cache.take_checkpoint(index, logits)
-    feed(model, cache, index, a[p:])
+    feed(model, cache, index, a[p:], chunk)
     return checkpoint
 
 
-def rewind_case(model, p, d):
+def rewind_case(model, p, d, chunk=16):
     a, b = sequences(model, p, d, seed=1000 * p + d)
     cache = model.new_cache(1, CTX)
-    checkpoint = checkpointed_run(model, cache, 0, a, p)
+    checkpoint = checkpointed_run(model, cache, 0, a, p, chunk)
     cache.restore_checkpoint(0, checkpoint)
     assert cache.positions.tolist() == [p]
     for layer in cache.layers:  # A's later rows are gone: a slot holds no row past its count
         assert all(not s.rows[0, p // layer.rate:].any() for s in layer.states)
-    assert_continues_like_cold(model, cache, 0, feed(model, cache, 0, b[p:]), b, p)
+    assert_continues_like_cold(model, cache, 0, feed(model, cache, 0, b[p:]), b, p, chunk)
 
 
 @pytest.mark.parametrize("p,d", DEFAULT_CASES)
@@ -126,6 +127,13 @@ def test_rewind_in_place_equals_a_cold_prefill(model, p, d):
 @pytest.mark.parametrize("p,d", SMALL_CASES)
 def test_rewind_in_place_equals_a_cold_prefill_small(small, p, d):
     rewind_case(small, p, d)
+
+
+@pytest.mark.parametrize("which,p,d", [("small", 9, 11), ("small", 16, 23), ("model", 47, 50), ("model", 64, 64)])
+def test_rewind_of_a_sequence_decoded_token_by_token(request, which, p, d):
+    """Checkpoints taken between decode steps (one token per forward: open windows hold stale
+    slots from earlier windows) rewind as exactly."""
+    rewind_case(request.getfixturevalue(which), p, d, chunk=1)
 
 
 @pytest.mark.parametrize("p,d", [(9, 12), (48, 48), (64, 79)])
