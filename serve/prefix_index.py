@@ -87,9 +87,10 @@ class PrefixIndex:
     def checkpoints(self, key) -> list[int]:
         return sorted(self._entry(key).checkpoints)
 
-    def match(self, tenant: Hashable, prompt: Sequence[int]) -> PrefixMatch:
+    def match(self, tenant: Hashable, prompt: Sequence[int], max_reuse: int | None = None) -> PrefixMatch:
         """The longest common prefix and the best reusable state for `prompt` among `tenant`'s
-        sequences (see the module's doc)."""
+        sequences (see the module's doc), that state at most at `max_reuse` when given (e.g.
+        len(prompt) - 1, to leave a token to prefill where no logits were kept)."""
         B = self.block_size
         chain = self._chain(tenant, prompt, len(prompt) // B)
         walked = [self._nodes.get(chain[0])]
@@ -113,7 +114,8 @@ class PrefixIndex:
         for k in range(depth, -1, -1):  # deepest first: the first node with a matching mark wins
             start = k * B
             found = [(start + len(tail), holders) for tail, holders in walked[k].marks.items()
-                     if len(tail) <= len(prompt) - start and tuple(prompt[start:start + len(tail)]) == tail]
+                     if len(tail) <= len(prompt) - start and (max_reuse is None or start + len(tail) <= max_reuse)
+                     and tuple(prompt[start:start + len(tail)]) == tail]
             if found:
                 reuse = max(p for p, _ in found)
                 sources = sorted({h for p, holders in found if p == reuse for h in holders}, key=repr)

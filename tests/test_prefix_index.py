@@ -17,7 +17,7 @@ def common(a, b):
     return n
 
 
-def brute_force(registry, tenant, prompt):
+def brute_force(registry, tenant, prompt, max_reuse=None):
     """(common, reuse, sources) by scanning every sequence of `tenant`."""
     best_common, reuse, sources = 0, 0, set()
     for key, (t, tokens, checkpoints) in registry.items():
@@ -26,7 +26,7 @@ def brute_force(registry, tenant, prompt):
         lcp = common(tokens, prompt)
         best_common = max(best_common, lcp)
         for p, kind in [(p, CHECKPOINT) for p in checkpoints] + [(len(tokens), END)]:
-            if p <= lcp:
+            if p <= lcp and (max_reuse is None or p <= max_reuse):
                 if p > reuse:
                     reuse, sources = p, set()
                 if p == reuse:
@@ -34,9 +34,9 @@ def brute_force(registry, tenant, prompt):
     return best_common, reuse, sources
 
 
-def check(index, registry, tenant, prompt):
-    got = index.match(tenant, prompt)
-    want_common, want_reuse, want_sources = brute_force(registry, tenant, prompt)
+def check(index, registry, tenant, prompt, max_reuse=None):
+    got = index.match(tenant, prompt, max_reuse)
+    want_common, want_reuse, want_sources = brute_force(registry, tenant, prompt, max_reuse)
     assert (got.common, got.reuse, set(got.sources)) == (want_common, want_reuse, want_sources), prompt
     if got.common:  # the key it names really shares that much
         t, tokens, _ = registry[got.common_key]
@@ -95,7 +95,9 @@ def test_matches_a_brute_force_scan(block_size):
             assert index.tokens(key) == tokens and index.checkpoints(key) == sorted(checkpoints)
         for _ in range(4):
             base = registry[rng.choice(list(registry))][1] if registry and rng.random() < 0.8 else trunk
-            check(index, registry, rng.choice(["alice", "bob", "carol"]), variant(rng, base, alphabet))
+            prompt = variant(rng, base, alphabet)
+            limit = rng.choice([None, len(prompt) - 1, rng.randint(0, len(prompt))])
+            check(index, registry, rng.choice(["alice", "bob", "carol"]), prompt, limit)
     assert len(index) == len(registry)
     for key in list(registry):
         index.remove(key)
