@@ -451,7 +451,7 @@ class DS4Cache:
         if n > held:
             raise ValueError(f"cannot rewind sequence {index} to a checkpoint at position {n}: it holds only "
                              f"{held} tokens (branch from a sequence that holds them instead)")
-        self._write_sequence(index, {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}, n)
+        self._write_sequence(index, checkpoint, n)  # it has no rows: the slot keeps its own
 
     def branch_from_checkpoint(self, dst_index: int, src_index: int, checkpoint: Mapping[str, torch.Tensor],
                                source: "DS4Cache | None" = None) -> None:
@@ -459,8 +459,8 @@ class DS4Cache:
         [0, p // m) of sequence `src_index` of `source` (default: this cache), which must hold at
         least p tokens with the same first p as the checkpoint's. The source is untouched, so a
         busy sequence can be branched from. Built on `copy_sequence`'s import: checked first (as
-        `restore_checkpoint` checks), the destination's stale rows cleared. `dst_index == src_index` in one cache rewinds in
-        place (`restore_checkpoint`)."""
+        `restore_checkpoint` checks), the destination's stale rows cleared. `dst_index ==
+        src_index` in one cache rewinds in place (`restore_checkpoint`)."""
         source = self if source is None else source
         if source is self and dst_index == src_index:
             self.restore_checkpoint(dst_index, checkpoint)
