@@ -13,9 +13,10 @@ exactly:
   prefer an idle session over a busy one, or a resident one over a snapshot.
 
 Structure: chained block hashes (as vLLM and SGLang key their prefix caches). Tokens are cut into
-blocks of `block_size`; block k of a sequence is named by h_k = hash((h_{k-1}, block k)), h_{-1}
-naming the tenant, so one dict lookup tells whether any sequence shares the prompt's first k+1
-blocks. Each block node keeps the sequences through it, the marks (checkpoint or end) that lie
+blocks of `block_size`; block k of a sequence is named by h_k = hash((h_{k-1}, block k)), and
+nodes are keyed by (tenant, h_k), so one dict lookup tells whether any sequence of the tenant
+shares the prompt's first k+1 blocks (the tenant is compared, not hashed into h: no collision can
+cross tenants). Each block node keeps the sequences through it, the marks (checkpoint or end) that lie
 within the next block (by their tail: the tokens between the block end and the mark) and the
 distinct next-block continuations. A node also stores its block and its parent's hash, checked
 on lookup: a hash collision is a miss, never a wrong answer.
@@ -31,6 +32,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 CHECKPOINT, END = "checkpoint", "end"
+ROOT = None  # h_{-1}: no block hash (an int) equals it
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class PrefixIndex:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
-        self._nodes: dict[int, _Node] = {}
+        self._nodes: dict[tuple, _Node] = {}  # (tenant, h_k), or (tenant, None) for a tenant's root
         self._entries: dict[Hashable, _Entry] = {}
 
     # ------------------------------------------------------------------ reading
@@ -93,11 +95,11 @@ class PrefixIndex:
         len(prompt) - 1, to leave a token to prefill where no logits were kept)."""
         B = self.block_size
         chain = self._chain(tenant, prompt, len(prompt) // B)
-        walked = [self._nodes.get(chain[0])]
+        walked = [self._nodes.get((tenant, chain[0]))]
         if walked[0] is None:
             return PrefixMatch(0, None, 0, ())
         for k in range(1, len(chain)):
-            node = self._nodes.get(chain[k])
+            node = self._nodes.get((tenant, chain[k]))
             if node is None or node.parent != chain[k - 1] or node.block != tuple(prompt[(k - 1) * B:k * B]):
                 break
             walked.append(node)
@@ -128,8 +130,8 @@ class PrefixIndex:
         positions (its end is always available)."""
         if key in self._entries:
             raise ValueError(f"prefix index: key {key!r} is already registered")
-        entry = self._entries[key] = _Entry(tenant, [], [self._root(tenant)], set())
-        node = self._nodes.setdefault(entry.hashes[0], _Node(None, None))
+        entry = self._entries[key] = _Entry(tenant, [], [ROOT], set())
+        node = self._nodes.setdefault((tenant, ROOT), _Node(None, None))
         node.keys.add(key)
         self._set_mark(key, entry, 0, END, True)
         self.extend(key, tokens)
@@ -148,9 +150,9 @@ class PrefixIndex:
             k = len(entry.hashes) - 1
             block = tuple(entry.tokens[k * B:(k + 1) * B])
             h = hash((entry.hashes[-1], block))
-            node = self._nodes.get(h)
+            node = self._nodes.get((entry.tenant, h))
             if node is None:
-                node = self._nodes[h] = _Node(block, entry.hashes[-1])
+                node = self._nodes[entry.tenant, h] = _Node(block, entry.hashes[-1])
             elif node.block != block or node.parent != entry.hashes[-1]:
                 break  # a hash collision: index no deeper (the tail stays matchable by continuation)
             node.keys.add(key)
@@ -169,7 +171,7 @@ class PrefixIndex:
         self._set_mark(key, entry, len(entry.tokens), END, False)
         self._set_continuations(key, entry, keep - 1, False)
         for h in entry.hashes[keep:]:
-            self._drop_key(h, key)
+            self._drop_key(entry.tenant, h, key)
         del entry.hashes[keep:], entry.tokens[n:]
         self._set_continuations(key, entry, keep - 1, True)
         self._set_mark(key, entry, n, END, True)
@@ -199,7 +201,7 @@ class PrefixIndex:
         self._set_mark(key, entry, len(entry.tokens), END, False)
         self._set_continuations(key, entry, 0, False)
         for h in entry.hashes:
-            self._drop_key(h, key)
+            self._drop_key(entry.tenant, h, key)
         del self._entries[key]
 
     # ------------------------------------------------------------------ internals
@@ -209,23 +211,19 @@ class PrefixIndex:
             raise KeyError(f"prefix index: unknown key {key!r}")
         return entry
 
-    @staticmethod
-    def _root(tenant: Hashable) -> int:
-        return hash(("ds4 prefix index", tenant))
-
     def _chain(self, tenant: Hashable, tokens: Sequence[int], blocks: int) -> list[int]:
         """[h_{-1}, h_0, ..., h_{blocks-1}] of `tokens`."""
-        B, out = self.block_size, [self._root(tenant)]
+        B, out = self.block_size, [ROOT]
         for k in range(blocks):
             out.append(hash((out[-1], tuple(tokens[k * B:(k + 1) * B]))))
         return out
 
-    def _node_for(self, entry: _Entry, position: int) -> tuple[_Node | None, tuple]:
+    def _node_for(self, entry: _Entry, position: int) -> tuple[_Node, tuple]:
         """The node a mark at `position` hangs on (its last full block before it, as far as the
         entry is indexed) and the mark's tail."""
         B = self.block_size
         k = min(position // B, len(entry.hashes) - 1)
-        return self._nodes.get(entry.hashes[k]), tuple(entry.tokens[k * B:position])
+        return self._nodes[entry.tenant, entry.hashes[k]], tuple(entry.tokens[k * B:position])
 
     def _set_mark(self, key, entry: _Entry, position: int, kind: str, present: bool) -> None:
         node, tail = self._node_for(entry, position)
@@ -241,17 +239,17 @@ class PrefixIndex:
         hashes[first:]."""
         B = self.block_size
         for j in range(first, len(entry.hashes)):
-            node = self._nodes[entry.hashes[j]]
+            node = self._nodes[entry.tenant, entry.hashes[j]]
             block = tuple(entry.tokens[j * B:(j + 1) * B])
             holders = node.continuations.setdefault(block, set())
             (holders.add if present else holders.discard)(key)
             if not holders:
                 del node.continuations[block]
 
-    def _drop_key(self, h: int, key) -> None:
-        node = self._nodes.get(h)
+    def _drop_key(self, tenant: Hashable, h: int | None, key) -> None:
+        node = self._nodes.get((tenant, h))
         if node is None:
             return
         node.keys.discard(key)
         if not node.keys:
-            del self._nodes[h]
+            del self._nodes[tenant, h]

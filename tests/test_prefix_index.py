@@ -134,6 +134,18 @@ def test_bad_calls_say_what_is_wrong():
     index.remove("b")  # unknown: ignored
 
 
+def test_tenants_stay_apart_even_when_every_hash_collides(monkeypatch):
+    import serve.prefix_index as module
+
+    monkeypatch.setattr(module, "hash", lambda x: 7, raising=False)
+    index = PrefixIndex(4)  # one block per sequence: a collision inside a tenant would cost reuse
+    index.add("a", "alice", [1, 2, 3, 4], [2])
+    assert index.match("bob", [1, 2, 3, 4]) == PrefixMatch(0, None, 0, ())
+    index.add("b", "bob", [1, 2, 3, 4])
+    assert index.match("bob", [1, 2, 3, 4, 5]).sources == (("b", END),)
+    assert index.match("alice", [1, 2, 9]).sources == (("a", CHECKPOINT),)
+
+
 def test_a_hash_collision_is_a_miss_not_a_wrong_answer(monkeypatch):
     """Force every block of every sequence onto one hash: matches must stay exact (only reuse is
     lost past the collision)."""
