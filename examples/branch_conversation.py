@@ -25,6 +25,7 @@ from ds4_torch.default_model import build_default_model, default_tokenizer
 SYSTEM = ("You are a player in a company of actors. Answer in the manner of the plays, briefly, and keep to "
           "the scene you are given.")
 REPLY_TOKENS = 12
+CONTEXT = 256
 
 
 def greedy_reply(model, cache, first_logits) -> list[int]:
@@ -35,7 +36,7 @@ def greedy_reply(model, cache, first_logits) -> list[int]:
 
 def cold_logits(model, tokens: list[int], split: int | None = None) -> torch.Tensor:
     """Next-token logits of `tokens` in a fresh cache: fed at once, or up to `split` then the rest."""
-    cache = model.new_cache(1, len(tokens) + 1)
+    cache = model.new_cache(1, CONTEXT)  # the same capacity as the branched run's cache
     pieces = [tokens] if split is None else [tokens[:split], tokens[split:]]
     for piece in pieces:
         logits = prefill(model, cache, torch.tensor([piece]), chunk=len(piece))
@@ -52,7 +53,7 @@ def main() -> dict:
                              {"role": "user", "content": "What news from Verona?"}])
     at = len(system_ids)
     assert a_ids[:at] == system_ids == b_ids[:at], "the system prompt's tokens start both prompts"
-    cache = model.new_cache(batch_size=2, max_context=256)
+    cache = model.new_cache(batch_size=2, max_context=CONTEXT)
     slot_a, slot_b = cache.slot(0), cache.slot(1)
 
     # 1. conversation A, checkpointed at the system prompt's end and at the prompt's end
@@ -76,7 +77,7 @@ def main() -> dict:
     same_pieces = (logits_b - cold_logits(model, b_ids, split=at)).abs().max().item()
     at_once = (logits_b - cold_logits(model, b_ids)).abs().max().item()
     reply_b = greedy_reply(model, slot_b, logits_b)
-    cold_cache = model.new_cache(1, 256)
+    cold_cache = model.new_cache(1, CONTEXT)
     cold_reply_b = greedy_reply(model, cold_cache, prefill(model, cold_cache, torch.tensor([b_ids]))[0])
     print(f"B: {len(b_ids)} prompt tokens, {at} reused from A's slot, {len(b_ids) - at} prefilled")
     print(f"B's logits vs a cold run: max |difference| {same_pieces:.3g} (fed in the same pieces), "
