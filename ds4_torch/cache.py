@@ -176,10 +176,15 @@ def zero_stale_slots(config: DS4Config, state: dict[str, torch.Tensor], position
                     state[key] = torch.where(live.to(state[key].device), state[key], 0)
 
 
-def row_counts(config: DS4Config, position: torch.Tensor) -> torch.Tensor:
-    """Compressed rows per layer [layers] int64 of a sequence at `position` (a tensor)."""
-    rates = torch.tensor([config.compress_rate(i) for i in range(config.num_hidden_layers)], dtype=torch.long,
-                         device=position.device)
+def layer_rates(config: DS4Config, device=None) -> torch.Tensor:
+    """Every layer's compression rate, int64 [layers] (0 for sliding layers)."""
+    return torch.tensor([config.compress_rate(i) for i in range(config.num_hidden_layers)], dtype=torch.long,
+                        device=device)
+
+
+def row_counts(rates: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Compressed rows per layer [layers] int64 of a sequence at `position` (a tensor on the
+    device of `rates`, a `layer_rates`)."""
     return torch.where(rates > 0, position // rates.clamp(min=1), 0)
 
 
@@ -222,7 +227,7 @@ def check_checkpoint_layout(config: DS4Config, dtype: torch.dtype, max_context: 
     spec = checkpoint_spec(config, dtype, logits=isinstance(checkpoint, Mapping) and "logits" in checkpoint)
     n = check_layout("checkpoint", checkpoint, max_context, lambda _: spec)  # a checkpoint's size is fixed
     counts = checkpoint["row_counts"].cpu()
-    expected = row_counts(config, checkpoint["position"].cpu())
+    expected = row_counts(layer_rates(config), checkpoint["position"].cpu())
     if not torch.equal(counts, expected):
         raise ValueError(f"checkpoint['row_counts'] {counts.tolist()} inconsistent with position {n} "
                          f"(expected {expected.tolist()})")
@@ -277,6 +282,7 @@ class DS4Cache:
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.layer_rates = layer_rates(config, self.device)  # once: taking a checkpoint copies nothing from the host
         # Sequences whose state a failed step may have left half-written: unusable until reset.
         self.invalid: set[int] = set()
         self._offset = 0  # a view's first sequence in the cache it views (`invalid` holds those indices)
@@ -418,7 +424,7 @@ class DS4Cache:
         views = self._sequence_views(index, 0)
         out = {name: t.clone() for name, t in views.items() if not name.endswith(".rows")}
         zero_stale_slots(self.config, out, out["position"])
-        out["row_counts"] = row_counts(self.config, out["position"])
+        out["row_counts"] = row_counts(self.layer_rates, out["position"])
         if logits is not None:
             out["logits"] = logits.detach().reshape(-1).clone()
         return out
