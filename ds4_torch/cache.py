@@ -35,6 +35,22 @@ decode step needs to continue it after N tokens, and nothing more; its names are
 
 (`sequence_spec` lists them in order with dtypes and shapes.) Its size follows N, not
 max_context.
+
+Checkpoints (branch and rewind). Compressed rows are append-only and causal: a sequence at
+position q > p still holds the rows a sequence at p would hold ([0, p // m) per rate m). What it
+has lost is the rest of its state at p, which `take_checkpoint` copies: the window ring, every
+compressor's and indexer's open window and CSA overlap, the position, the row counts and
+optionally the last logits. The names are `sequence_spec`'s less the rows, plus:
+
+    row_counts                       int64 [layers]   position // m per layer (0 when sliding)
+    logits                           [vocab]          optional: the next token's logits
+
+`restore_checkpoint` rewinds a slot in place to a checkpoint taken on it (or on any sequence
+sharing its first p tokens); `branch_from_checkpoint` gives another slot the source's rows
+[0, p // m) and the checkpoint. Either way the caller then prefills the tokens between p and
+where the new sequence diverges. The cache cannot see tokens: matching a checkpoint to a
+sequence with the same first p tokens is the caller's job. Size: `checkpoint_nbytes`, fixed
+(it does not grow with p).
 """
 
 from __future__ import annotations
@@ -121,6 +137,136 @@ def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype) -> list[tuple[s
     return out
 
 
+def checkpoint_spec(config: DS4Config, dtype: torch.dtype, logits: bool = False
+                    ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of a checkpoint (`DS4Cache.take_checkpoint`): a
+    sequence's state without its compressed rows, plus the row counts and, with `logits`, the
+    next token's logits (any floating dtype; listed as float32)."""
+    out = [s for s in sequence_spec(config, 0, dtype) if not s[0].endswith(".rows")]
+    out.append(("row_counts", torch.int64, (config.num_hidden_layers,)))
+    if logits:
+        out.append(("logits", torch.float32, (config.vocab_size,)))
+    return out
+
+
+def checkpoint_nbytes(config: DS4Config, dtype: torch.dtype, logits_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one checkpoint of a cache of `dtype` (logits of `logits_dtype` when given): the
+    same at every position."""
+    spec = checkpoint_spec(config, dtype, logits_dtype is not None)
+    return sum(math.prod(shape) * (logits_dtype if name == "logits" else d).itemsize for name, d, shape in spec)
+
+
+def zero_stale_slots(config: DS4Config, state: dict[str, torch.Tensor], position: torch.Tensor) -> None:
+    """Zero, in `state` (copies of one sequence's tensors, by `sequence_spec` names), the slots no
+    step reads: ring slots >= position while the window is not yet full, and open-window slots
+    past position % m. Masks computed from the position tensor: no host sync."""
+    W = config.sliding_window
+    ring_live = (torch.arange(W, device=position.device) < position).view(W, 1)
+    for i in range(config.num_hidden_layers):
+        key = f"layers.{i}.window"
+        state[key] = torch.where(ring_live.to(state[key].device), state[key], 0)
+        rate = config.compress_rate(i)
+        if not rate:
+            continue
+        live = (torch.arange(rate, device=position.device) < position % rate).view(-1, 1)
+        for part in ("compressor", "indexer"):
+            for name in ("open_kv", "open_gate"):
+                key = f"layers.{i}.{part}.{name}"
+                if key in state:
+                    state[key] = torch.where(live.to(state[key].device), state[key], 0)
+
+
+def layer_rates(config: DS4Config, device=None) -> torch.Tensor:
+    """Every layer's compression rate, int64 [layers] (0 for sliding layers)."""
+    return torch.tensor([config.compress_rate(i) for i in range(config.num_hidden_layers)], dtype=torch.long,
+                        device=device)
+
+
+def row_counts(rates: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Compressed rows per layer [layers] int64 of a sequence at `position` (a tensor on the
+    device of `rates`, a `layer_rates`)."""
+    return torch.where(rates > 0, position // rates.clamp(min=1), 0)
+
+
+def check_layout(what: str, tensors: Mapping[str, torch.Tensor], max_context: int, spec_of) -> int:
+    """Check the layout of `tensors` (a sequence state or a checkpoint, called `what` in errors):
+    a 0-d int64 `position` within [0, max_context], then exactly the names of `spec_of(position)`
+    with their dtypes (`logits`: any floating dtype) and shapes. Returns the position; a
+    ValueError names the first problem."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"a {what} is a mapping of names to tensors, got {type(tensors).__name__}")
+    position = tensors.get("position")
+    if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
+        raise ValueError(f"{what}['position'] must be a 0-d int64 tensor")
+    n = int(position)
+    if not 0 <= n <= max_context:
+        raise ValueError(f"{what} position {n} outside [0, max_context {max_context}]")
+    spec = spec_of(n)
+    missing = [name for name, _, _ in spec if name not in tensors]
+    unexpected = sorted(set(tensors) - {name for name, _, _ in spec})
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match this cache's layout: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, dtype, shape in spec:
+        t, floating = tensors[name], name == "logits"
+        dtype_ok = isinstance(t, torch.Tensor) and (t.is_floating_point() if floating else t.dtype == dtype)
+        if not dtype_ok or tuple(t.shape) != shape:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}[{name!r}]: {got}, expected {shape} {'floating' if floating else dtype} "
+                             f"for a sequence of {n} tokens")
+    return n
+
+
+def check_checkpoint_layout(config: DS4Config, dtype: torch.dtype, max_context: int,
+                            checkpoint: Mapping[str, torch.Tensor]) -> int:
+    """Raise ValueError naming the first problem unless `checkpoint` has the layout of one a
+    cache of `config`, `dtype` and `max_context` takes: exactly the spec's names, dtypes and
+    shapes (`logits` optional, [vocab], floating), a position within max_context and row counts
+    equal to position // m. Cheap (two small host reads): what a restore checks. Returns the
+    position."""
+    spec = checkpoint_spec(config, dtype, logits=isinstance(checkpoint, Mapping) and "logits" in checkpoint)
+    n = check_layout("checkpoint", checkpoint, max_context, lambda _: spec)  # a checkpoint's size is fixed
+    counts = checkpoint["row_counts"].cpu()
+    expected = row_counts(layer_rates(config), checkpoint["position"].cpu())
+    if not torch.equal(counts, expected):
+        raise ValueError(f"checkpoint['row_counts'] {counts.tolist()} inconsistent with position {n} "
+                         f"(expected {expected.tolist()})")
+    return n
+
+
+def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
+                     checkpoint: Mapping[str, torch.Tensor]) -> int:
+    """`check_checkpoint_layout`, then the values, as for a checkpoint read from elsewhere (a
+    file, another process): finite, stale slots zero, and CSA overlap gates -inf exactly while
+    no window has closed. Returns the position."""
+    n = check_checkpoint_layout(config, dtype, max_context, checkpoint)
+    position = checkpoint["position"]
+    spec = checkpoint_spec(config, dtype, logits="logits" in checkpoint)
+    canonical = {name: checkpoint[name] for name, _, _ in spec if name not in ("position", "row_counts")}
+    for name, t in canonical.items():
+        if name.endswith("prev_gate"):
+            continue
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"checkpoint[{name!r}] is not finite")
+    zeroed = dict(canonical)
+    zero_stale_slots(config, zeroed, position)
+    for name, t in zeroed.items():
+        if not torch.equal(t, canonical[name]):
+            raise ValueError(f"checkpoint[{name!r}]: slots past position {n} are written")
+    for i, kind in enumerate(config.layer_types):
+        if kind != CSA:
+            continue
+        rate = config.compress_rate(i)
+        for part in ("compressor", "indexer"):
+            kv, gate = canonical[f"layers.{i}.{part}.prev_kv"], canonical[f"layers.{i}.{part}.prev_gate"]
+            closed = n >= rate
+            if (closed and not bool(torch.isfinite(gate).all())) or \
+                    (not closed and (bool(kv.any()) or not bool((gate == float("-inf")).all()))):
+                raise ValueError(f"checkpoint['layers.{i}.{part}.prev_gate']: the overlap must be -inf "
+                                 f"exactly while no window has closed (position {n}, rate {rate})")
+    return n
+
+
 class DS4Cache:
     """Preallocated decode state for `batch_size` sequences of up to `max_context` tokens."""
 
@@ -136,6 +282,7 @@ class DS4Cache:
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.layer_rates = layer_rates(config, self.device)  # once: taking a checkpoint copies nothing from the host
         # Sequences whose state a failed step may have left half-written: unusable until reset.
         self.invalid: set[int] = set()
         self._offset = 0  # a view's first sequence in the cache it views (`invalid` holds those indices)
@@ -214,12 +361,7 @@ class DS4Cache:
         n = int(self.positions[index])
         device = self.device if device is None else torch.device(device)
         out = {name: t.to(device, copy=True) for name, t in self._sequence_views(index, n).items()}
-        for i, layer in enumerate(self.layers):
-            for part in ("compressor", "indexer"):
-                for name in ("open_kv", "open_gate"):
-                    key = f"layers.{i}.{part}.{name}"
-                    if key in out:
-                        out[key][n % layer.rate:] = 0
+        zero_stale_slots(self.config, out, out["position"])
         return out
 
     def import_sequence(self, index: int, state: Mapping[str, torch.Tensor]) -> None:
@@ -231,26 +373,15 @@ class DS4Cache:
         closes, and positions advance with it), or entirely when the slot was invalidated (a
         failed step may have written rows without advancing the position)."""
         self._check_index(index)
-        position = state.get("position")
-        if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or position.dim() != 0:
-            raise ValueError("state['position'] must be a 0-d int64 tensor")
-        n = int(position)
-        if not 0 <= n <= self.max_context:
-            raise ValueError(f"state position {n} outside [0, max_context {self.max_context}]")
-        spec = self.sequence_spec(n)
-        missing = [name for name, _, _ in spec if name not in state]
-        unexpected = sorted(set(state) - {name for name, _, _ in spec})
-        if missing or unexpected:
-            raise ValueError(f"state does not match this cache's layout: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        for name, dtype, shape in spec:
-            t = state[name]
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state[{name!r}]: {got}, expected {shape} {dtype} for a sequence of {n} tokens")
+        n = check_layout("state", state, self.max_context, self.sequence_spec)
+        self._write_sequence(index, state, n)
+
+    def _write_sequence(self, index: int, state: Mapping[str, torch.Tensor], n: int) -> None:
+        """Sequence `index` takes the (already checked) tensors of `state` and position `n`; a
+        tensor `state` lacks (a checkpoint's rows) keeps the slot's own."""
         old = None if self.is_invalid(index) else int(self.positions[index])
         for name, dst in self._sequence_views(index, n).items():
-            if name != "position":
+            if name != "position" and name in state:
                 dst.copy_(state[name])
         for layer in self.layers:
             for s in layer.states:
@@ -273,6 +404,85 @@ class DS4Cache:
         source.check_usable_index(src_index)
         n = int(source.positions[src_index])
         self.import_sequence(dst_index, source._sequence_views(src_index, n))
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_spec(self, logits: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """`checkpoint_spec` for this cache's config and dtype."""
+        return checkpoint_spec(self.config, self.dtype, logits)
+
+    def checkpoint_nbytes(self, logits_dtype: torch.dtype | None = None) -> int:
+        """Bytes of one checkpoint of this cache (with logits of `logits_dtype` when given)."""
+        return checkpoint_nbytes(self.config, self.dtype, logits_dtype)
+
+    def take_checkpoint(self, index: int, logits: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Copies (on the cache's device) of what sequence `index` would lose by moving on: its
+        ring, open windows, overlaps, position and row counts, plus `logits` ([vocab], the next
+        token's) when given. Fixed size and no host sync: cheap to take every K tokens, even
+        between decode steps. Canonical, as `export_sequence`."""
+        self._check_index(index)
+        self.check_usable_index(index)
+        views = self._sequence_views(index, 0)
+        out = {name: t.clone() for name, t in views.items() if not name.endswith(".rows")}
+        zero_stale_slots(self.config, out, out["position"])
+        out["row_counts"] = row_counts(self.layer_rates, out["position"])
+        if logits is not None:
+            out["logits"] = logits.detach().reshape(-1).clone()
+        return out
+
+    def check_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> int:
+        """`check_checkpoint` (layout and values) for this cache's config, dtype and max_context:
+        the position."""
+        return check_checkpoint(self.config, self.dtype, self.max_context, checkpoint)
+
+    def import_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checked copy (layout and values, `check_checkpoint`) of `checkpoint` (read from
+        disk, another process's, on any device) on this cache's device, ready for
+        `restore_checkpoint` / `branch_from_checkpoint`."""
+        self.check_checkpoint(checkpoint)
+        return {name: t.to(self.device, copy=True) for name, t in checkpoint.items()}
+
+    def restore_checkpoint(self, index: int, checkpoint: Mapping[str, torch.Tensor]) -> None:
+        """Rewind sequence `index` in place to `checkpoint` (taken at position p on it, or on any
+        sequence with the same first p tokens): it keeps its compressed rows [0, p // m), takes
+        the checkpoint's ring and open windows, and its later rows are cleared. Checked before
+        anything is written: a ValueError leaves the cache untouched. Its layout is checked (as
+        `import_sequence` checks a state's); its values are trusted, as they are for a checkpoint
+        this process took (`import_checkpoint` checks those of one from elsewhere). The slot must
+        hold at least p tokens (the rows come from it); for another slot's rows use
+        `branch_from_checkpoint`."""
+        self._check_index(index)
+        self.check_usable_index(index)
+        n = check_checkpoint_layout(self.config, self.dtype, self.max_context, checkpoint)
+        held = int(self.positions[index])
+        if n > held:
+            raise ValueError(f"cannot rewind sequence {index} to a checkpoint at position {n}: it holds only "
+                             f"{held} tokens (branch from a sequence that holds them instead)")
+        self._write_sequence(index, checkpoint, n)  # it has no rows: the slot keeps its own
+
+    def branch_from_checkpoint(self, dst_index: int, src_index: int, checkpoint: Mapping[str, torch.Tensor],
+                               source: "DS4Cache | None" = None) -> None:
+        """Slot `dst_index` continues from `checkpoint` (position p), taking the compressed rows
+        [0, p // m) of sequence `src_index` of `source` (default: this cache), which must hold at
+        least p tokens with the same first p as the checkpoint's. The source is untouched, so a
+        busy sequence can be branched from. Built on `copy_sequence`'s import: checked first (as
+        `restore_checkpoint` checks), the destination's stale rows cleared. `dst_index ==
+        src_index` in one cache rewinds in place (`restore_checkpoint`)."""
+        source = self if source is None else source
+        if source is self and dst_index == src_index:
+            self.restore_checkpoint(dst_index, checkpoint)
+            return
+        if source.config != self.config or source.dtype != self.dtype:
+            raise ValueError("branch_from_checkpoint needs a source cache with the same config and dtype")
+        self._check_index(dst_index)
+        source._check_index(src_index)
+        source.check_usable_index(src_index)
+        n = check_checkpoint_layout(self.config, self.dtype, self.max_context, checkpoint)
+        held = int(source.positions[src_index])
+        if n > held:
+            raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only {held} tokens")
+        rows = {k: v for k, v in source._sequence_views(src_index, n).items() if k.endswith(".rows")}
+        state = {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}
+        self.import_sequence(dst_index, {**state, **rows})
 
     def narrow(self, n: int) -> "DS4Cache":
         """The first `n` sequences as a cache sharing this one's storage (views, no copies)."""

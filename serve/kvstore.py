@@ -10,6 +10,8 @@ counted in `ds4_kv_disk_rejected_total{reason}`, and never tried again. The stat
 into the live cache only once the whole file passed (`DS4Cache.import_sequence` itself checks
 everything before writing). The engine reports a failure of the first step after a restore
 (`restore_failed`): that file is quarantined too and the request is prefilled from scratch.
+A snapshot may carry checkpoints of its sequence (`save(..., checkpoints=)`); a restore leaves
+them, checked like the rest, in `restored_checkpoints` for branching.
 
 Budget: every byte this store owns under DIR (snapshots, temporary files, quarantine, the stats
 file) stays within `space_mb`. To make room it deletes quarantined files first (oldest first),
@@ -105,6 +107,7 @@ class PendingSnapshot:
     logits: torch.Tensor
     state: dict
     why: str
+    checkpoints: dict = field(default_factory=dict)  # position -> host copy of a `take_checkpoint`
 
 
 class KVStore:
@@ -131,6 +134,7 @@ class KVStore:
         self.entries: dict[str, Entry] = {}
         self.last_rejection: tuple[str, str, str] | None = None   # (file, reason, detail)
         self._restored: str | None = None       # file of the last restore, until its first step passes
+        self.restored_checkpoints: dict = {}     # the last restore's checkpoints (position -> CPU tensors)
         self._lock = threading.RLock()
         self._lockfile = None
         os.makedirs(self.qdir, exist_ok=True)
@@ -209,7 +213,7 @@ class KVStore:
         (tokens restored, logits of the next token) or None. Snapshots that fail validation are
         quarantined and the next longest is tried; `cache` is only written once one passed."""
         with self._lock:
-            self._restored = None
+            self._restored, self.restored_checkpoints = None, {}
             if not self._check_cache(cache):
                 return None
             candidates = sorted((e for e in self.entries.values()
@@ -234,7 +238,7 @@ class KVStore:
                 entry.hits += 1
                 entry.last_used = time.time()
                 _touch(os.path.join(self.dir, entry.name))
-                self._restored = entry.name
+                self._restored, self.restored_checkpoints = entry.name, snap.checkpoints
                 self._count("hits")
                 self._count("restored_tokens", entry.n)
                 log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
@@ -261,16 +265,19 @@ class KVStore:
         if name is None or name == self._restored:
             self._restored = None
 
-    def save(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor, why: str = "prefill") -> bool:
+    def save(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor, why: str = "prefill",
+             checkpoints: dict | None = None) -> bool:
         """Write a snapshot of sequence 0 of `cache` (holding `token_ids`, `last_logits` the logits
-        of the next token) unless it is too short, already stored, or larger than the budget."""
-        pending = self.prepare(cache, token_ids, last_logits, why)
+        of the next token, with `checkpoints` as `prepare` takes them) unless it is too short,
+        already stored, or larger than the budget."""
+        pending = self.prepare(cache, token_ids, last_logits, why, checkpoints)
         return pending is not None and self.write(pending)
 
     def prepare(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor,
-                why: str = "prefill") -> "PendingSnapshot | None":
+                why: str = "prefill", checkpoints: dict | None = None) -> "PendingSnapshot | None":
         """The part of a save that reads the cache: checks, then a host copy of sequence 0's live
-        state (it costs what the snapshot holds). None when not worth a file. `write` does the
+        state and of `checkpoints` ({position: its `take_checkpoint`}, positions below the token
+        count) (it costs what the snapshot holds). None when not worth a file. `write` does the
         rest, on any thread: the engine hands it to a background writer."""
         with self._lock:
             n = len(token_ids)
@@ -286,7 +293,9 @@ class KVStore:
                 log.warning("kvstore: not saving %d tokens: the cache holds %d", n, int(cache.positions[0]))
                 return None
             return PendingSnapshot(name, list(token_ids), last_logits.detach().to("cpu", copy=True),
-                                   cache.export_sequence(0, device="cpu"), why)
+                                   cache.export_sequence(0, device="cpu"), why,
+                                   {c: {k: t.to("cpu", copy=True) for k, t in checkpoint.items()}
+                                    for c, checkpoint in (checkpoints or {}).items()})
 
     def write(self, pending: "PendingSnapshot") -> bool:
         """Encode and write a prepared snapshot; evict only once it is safely on disk."""
@@ -297,7 +306,7 @@ class KVStore:
                 return False
             try:
                 head, payloads = encode_snapshot(self.model_fp, self.layout, pending.tokens, pending.logits,
-                                                 pending.state)
+                                                 pending.state, pending.checkpoints)
             except SnapshotError as e:
                 log.warning("kvstore: not saving %d tokens: %s", n, e)
                 return False

@@ -9,6 +9,10 @@ rank) equal. In a single process the engine calls its replica directly.
 
 Cache names: "resident" (one conversation per slot, kept between requests) and "batch" (the
 sequences decoding together).
+
+Checkpoints (`DS4Cache.take_checkpoint`) live in the replica, under ids the engine chooses, so
+each rank holds its own copy, on its own device: taking, restoring, branching from, importing and
+dropping one are replica operations like the others (cache operations: they run no collective).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class Replica:
         self.resident = model.new_cache(batch_size=sessions, max_context=ctx)
         self.batch = model.new_cache(batch_size=batch_slots, max_context=ctx)
         self.decoder = make_decoder(model, self.batch, decode_mode, scratch_padding=True)
+        self.checkpoints: dict = {}  # checkpoint id -> `DS4Cache.take_checkpoint` (no logits: rank 0 keeps those)
 
     def shape(self) -> dict:
         """The constructor's arguments (besides the model): another rank builds the same replica."""
@@ -77,6 +82,40 @@ class Replica:
     def import_sequence(self, slot: int, state: dict) -> None:
         """Resident slot `slot` continues from `state` (another rank's `export_sequence`)."""
         self.resident.import_sequence(slot, state)
+
+    def take_checkpoint(self, checkpoint_id, cache: str, slot: int) -> None:
+        """Checkpoint slot `slot` of `cache` as `checkpoint_id` (replacing one of that id)."""
+        self.checkpoints[checkpoint_id] = getattr(self, cache).take_checkpoint(slot)
+
+    def restore_checkpoint(self, cache: str, slot: int, checkpoint_id) -> None:
+        """Rewind slot `slot` of `cache` in place to checkpoint `checkpoint_id`."""
+        getattr(self, cache).restore_checkpoint(slot, self._checkpoint(checkpoint_id))
+
+    def branch_from_checkpoint(self, dst_cache: str, dst: int, src_cache: str, src: int, checkpoint_id) -> None:
+        """Slot `dst` of `dst_cache` continues from checkpoint `checkpoint_id`, with the compressed
+        rows of sequence `src` of `src_cache` (which is left as it is)."""
+        target = getattr(self, dst_cache)
+        target.branch_from_checkpoint(dst, src, self._checkpoint(checkpoint_id),
+                                      None if src_cache == dst_cache else getattr(self, src_cache))
+
+    def import_checkpoint(self, checkpoint_id, checkpoint: dict) -> None:
+        """Hold `checkpoint` (read from disk by rank 0, sent to every rank, without logits) as
+        `checkpoint_id`, checked first and copied to this rank's device."""
+        self.checkpoints[checkpoint_id] = self.resident.import_checkpoint(checkpoint)
+
+    def drop_checkpoint(self, checkpoint_id) -> None:
+        """Forget checkpoint `checkpoint_id` (unknown ids are ignored)."""
+        self.checkpoints.pop(checkpoint_id, None)
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of every checkpoint held (on one rank)."""
+        return sum(t.numel() * t.element_size() for c in self.checkpoints.values() for t in c.values())
+
+    def _checkpoint(self, checkpoint_id) -> dict:
+        checkpoint = self.checkpoints.get(checkpoint_id)
+        if checkpoint is None:
+            raise KeyError(f"no checkpoint {checkpoint_id!r} in this replica")
+        return checkpoint
 
     def reset_batch(self) -> str | None:
         """Drop the batch's device state: captured graphs, batch cache contents, cached

@@ -5,16 +5,19 @@ A snapshot holds what a decode step needs to continue a sequence of N tokens: th
 the compressor frontier, the position; its size follows N, not `--ctx`), the token ids and the
 logits of the next token. The store (`serve.kvstore`) decides when to write, keep and delete.
 
-File format (`<model>-<layout>-<N>-<tokens hash>.ds4kv`, version 2, little endian)::
+File format (`<model>-<layout>-<N>-<tokens hash>.ds4kv`, version 3, little endian)::
 
     magic  b"DS4KVSNP"  | version u32 | header length u32 | xxh3_64 of the header u64
     header: UTF-8 JSON  {model, layout, n_tokens, tokens_hash, created, checksum: "xxh3_64",
-                         sections: [{name, dtype, shape, nbytes, xxh3}, ...]}
+                         checkpoints: [c, ...], sections: [{name, dtype, shape, nbytes, xxh3}, ...]}
     sections, back to back, in the header's order: `tokens` int32 [N], `logits` [vocab], then
-    the cache state under the cache's own names, in `ds4_torch.cache.sequence_spec` order
+    the cache state under the cache's own names, in `ds4_torch.cache.sequence_spec` order, then
+    for each checkpoint position c (strictly increasing, 1 <= c < N) the checkpoint of the
+    sequence's first c tokens (`DS4Cache.take_checkpoint`, without logits) as
+    `checkpoints.{c}.{name}`, in `ds4_torch.cache.checkpoint_spec` order
 
-Version 2 names the state sections as the cache does (`position`, `layers.{i}.compressor.rows`,
-...); version 1 files (`counters`, `L{i}.comp.rows`, ...) are rejected as `version`.
+Version 3 adds the checkpoints (a file may hold none); version 2 (no checkpoints) and version 1
+(`counters`, `L{i}.comp.rows`, ...) files are rejected as `version`.
 
 - `model` fingerprints the model (`model_fingerprint`); `layout` fingerprints the cache layout
   (window, layer kinds and rates, dims, vocabulary, dtype, capacities, max_context).
@@ -27,7 +30,8 @@ the section table must be exactly the layout's for N tokens), layout, model, eve
 checksum (`checksum`), the token hash (`token_hash`), and the state itself (`state`,
 `check_state`): the position equals the token count, every value is finite except the CSA
 overlap gates, which are -inf exactly while no window has closed (N < m) and finite after; ring
-slots and open-window slots past the count are zero.
+slots and open-window slots past the count are zero; every checkpoint passes
+`ds4_torch.cache.check_checkpoint` at its own position.
 """
 from __future__ import annotations
 
@@ -45,17 +49,19 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from ds4_torch.cache import DS4Cache, sequence_spec
+from ds4_torch.cache import DS4Cache, check_checkpoint, checkpoint_spec, sequence_spec
 from ds4_torch.config import CSA
 
 MAGIC = b"DS4KVSNP"
-VERSION = 2
+VERSION = 3
 FIXED = struct.Struct("<8sIIQ")      # magic, version, header length, xxh3_64(header)
 MAX_HEADER = 16 * 2**20
 SUFFIX = ".ds4kv"
 TMP_PREFIX = ".tmp-"
 
 # Why a snapshot was rejected: the metric label. `restore_failed` and `io` come from the store.
+CHECKPOINTS = "checkpoints."  # the prefix of checkpoint sections
+
 REASONS = ("truncated", "size", "magic", "version", "header", "layout", "model", "checksum", "token_hash",
            "state", "restore_failed", "io")
 
@@ -161,11 +167,15 @@ class Layout:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
-    def sections(self, n: int, logits_dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every section of a snapshot of `n` tokens, in file order."""
+    def sections(self, n: int, logits_dtype: str, checkpoints=()) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every section of a snapshot of `n` tokens with checkpoints at
+        the positions `checkpoints`, in file order."""
         state = sequence_spec(self.config, n, DTYPES[self.dtype])
+        checkpoint = checkpoint_spec(self.config, DTYPES[self.dtype])
         return [("tokens", "int32", (n,)), ("logits", logits_dtype, (self.vocab_size,))] + [
-            (name, dtype_name(dtype), shape) for name, dtype, shape in state]
+            (name, dtype_name(dtype), shape) for name, dtype, shape in state] + [
+            (f"{CHECKPOINTS}{c}.{name}", dtype_name(dtype), shape) for c in checkpoints
+            for name, dtype, shape in checkpoint]
 
 
 def name_prefix(model_fp: str, layout: Layout) -> str:
@@ -221,18 +231,54 @@ def check_state(layout: Layout, n: int, tensors: dict[str, torch.Tensor]) -> Non
                         bad(f"{p}: overlap set before the first window closed")
                 elif not (bool(torch.isfinite(kv).all()) and bool(torch.isfinite(gate).all())):
                     bad(f"{p}: overlap not finite after a window closed")
+    for c, checkpoint in split_checkpoints(tensors).items():
+        try:
+            position = check_checkpoint(layout.config, DTYPES[layout.dtype], layout.max_context, checkpoint)
+        except ValueError as e:
+            bad(f"checkpoint at {c}: {e}")
+        if position != c:
+            bad(f"checkpoint at {c} holds position {position}")
+
+
+def split_checkpoints(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """The `checkpoints.{c}.{name}` sections of `tensors` as {c: {name: tensor}}."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith(CHECKPOINTS):
+            c, name = key[len(CHECKPOINTS):].split(".", 1)
+            out.setdefault(int(c), {})[name] = t
+    return out
+
+
+def check_checkpoint_positions(positions, n: int) -> str | None:
+    """Why checkpoint `positions` cannot go with a snapshot of `n` tokens (None: they can)."""
+    if not (isinstance(positions, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in positions)):
+        return "checkpoints must be a list of integers"
+    if any(not 1 <= c < n for c in positions) or positions != sorted(set(positions)):
+        return f"checkpoint positions {positions[:5]} must increase strictly within [1, {n})"
+    return None
 
 
 # ------------------------------------------------------------------------------ encode
 def encode_snapshot(model_fp: str, layout: Layout, tokens: list[int], logits: torch.Tensor,
-                    state: dict[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+                    state: dict[str, torch.Tensor], checkpoints: dict | None = None
+                    ) -> tuple[bytes, list[memoryview]]:
     """(fixed part + header, section payloads) of a snapshot of `state` (a cache's
-    `export_sequence`) holding `tokens`, `logits` the next token's. Raises SnapshotError("state")
-    for a state that would be rejected on read: nothing unusable is ever persisted."""
+    `export_sequence`) holding `tokens`, `logits` the next token's, and `checkpoints` ({position:
+    `take_checkpoint` of the sequence there}; their logits are not written). Raises
+    SnapshotError("state") for a state that would be rejected on read: nothing unusable is ever
+    persisted."""
     n = len(tokens)
+    checkpoints = dict(sorted((checkpoints or {}).items()))
+    why = check_checkpoint_positions(list(checkpoints), n)
+    if why is not None:
+        raise SnapshotError("state", why)
     tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32),
                "logits": logits.detach().to("cpu").reshape(-1).contiguous(), **state}
-    want = layout.sections(n, dtype_name(tensors["logits"].dtype))
+    for c, checkpoint in checkpoints.items():
+        tensors.update({f"{CHECKPOINTS}{c}.{name}": t.detach().to("cpu") for name, t in checkpoint.items()
+                        if name != "logits"})
+    want = layout.sections(n, dtype_name(tensors["logits"].dtype), list(checkpoints))
     if set(tensors) != {name for name, _, _ in want}:
         raise SnapshotError("state", f"the state's sections {sorted(set(tensors) ^ {w[0] for w in want})[:5]} "
                                      f"do not match the layout")
@@ -248,7 +294,7 @@ def encode_snapshot(model_fp: str, layout: Layout, tokens: list[int], logits: to
         table.append({"name": name, "dtype": dtype, "shape": list(shape), "nbytes": buf.nbytes, "xxh3": _xxh(buf)})
     header = json.dumps({"model": model_fp, "layout": layout.fingerprint, "n_tokens": n,
                          "tokens_hash": tokens_hash(tokens), "created": time.time(), "checksum": "xxh3_64",
-                         "sections": table}, separators=(",", ":")).encode()
+                         "checkpoints": list(checkpoints), "sections": table}, separators=(",", ":")).encode()
     return FIXED.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(header)) + header, payloads
 
 
@@ -275,7 +321,7 @@ def read_header(f, file_size: int) -> tuple[dict, int]:
         n = header["n_tokens"]
         sections = header["sections"]
         assert isinstance(n, int) and isinstance(sections, list) and header["checksum"] == "xxh3_64"
-        assert isinstance(header["tokens_hash"], str)
+        assert isinstance(header["tokens_hash"], str) and isinstance(header["checkpoints"], list)
         assert all(isinstance(s["name"], str) and isinstance(s["nbytes"], int) and isinstance(s["dtype"], str)
                    and isinstance(s["xxh3"], str) and isinstance(s["shape"], list)
                    and all(isinstance(d, int) for d in s["shape"]) for s in sections)
@@ -294,9 +340,12 @@ def check_header(header: dict, file_size: int, payload_at: int, model_fp: str, l
     n = header["n_tokens"]
     if not 1 <= n <= layout.max_context:
         raise SnapshotError("header", f"token count {n} outside [1, {layout.max_context}]")
+    why = check_checkpoint_positions(header["checkpoints"], n)
+    if why is not None:
+        raise SnapshotError("header", why)
     got = [(s["name"], s["dtype"], tuple(s["shape"])) for s in header["sections"]]
     logits_dtype = got[1][1] if len(got) > 1 else ""
-    want = layout.sections(n, logits_dtype)
+    want = layout.sections(n, logits_dtype, header["checkpoints"])
     if got != want or logits_dtype not in DTYPES:
         raise SnapshotError("header", "section table does not match the layout")
     for s, (_, dtype, shape) in zip(header["sections"], want):
@@ -326,6 +375,7 @@ class Snapshot:
     tokens: list[int]
     logits: torch.Tensor | None                       # None when read with tokens_only
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # for `DS4Cache.import_sequence`
+    checkpoints: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # position -> checkpoint
 
 
 def read_snapshot(path: str, model_fp: str, layout: Layout, tokens_only: bool = False) -> Snapshot:
@@ -357,7 +407,9 @@ def read_snapshot(path: str, model_fp: str, layout: Layout, tokens_only: bool = 
     except Exception as e:  # noqa: BLE001
         raise SnapshotError("state", f"{type(e).__name__}: {e}") from None
     tokens, logits = tensors.pop("tokens").tolist(), tensors.pop("logits")
-    return Snapshot(header, tokens, logits, tensors)
+    checkpoints = split_checkpoints(tensors)
+    state = {k: t for k, t in tensors.items() if not k.startswith(CHECKPOINTS)}
+    return Snapshot(header, tokens, logits, state, checkpoints)
 
 
 # ------------------------------------------------------------------------------ crash-safe writes

@@ -211,6 +211,17 @@ def test_export_size_follows_tokens_not_max_context(pair):
     assert sizes[32, 9] == sizes[4000, 9] < sizes[32, 30] == sizes[4000, 30]
 
 
+def with_edits(state, **edits):
+    """A copy of `state` with `edits` applied: a tensor replaced, or removed when None."""
+    out = dict(state)
+    for k, v in edits.items():
+        if v is None:
+            del out[k]
+        else:
+            out[k] = v
+    return out
+
+
 @torch.no_grad()
 def test_import_rejects_a_mismatched_state_and_writes_nothing(pair):
     _, model = pair
@@ -220,13 +231,7 @@ def test_import_rejects_a_mismatched_state_and_writes_nothing(pair):
     before = [t.clone() for t in cache.tensors()]
 
     def changed(**edits):
-        state = dict(good)
-        for k, v in edits.items():
-            if v is None:
-                del state[k]
-            else:
-                state[k] = v
-        return state
+        return with_edits(good, **edits)
 
     cases = [
         (changed(**{"layers.1.compressor.rows": None}), "layers.1.compressor.rows"),

@@ -633,3 +633,78 @@ def test_fingerprint_hashes_the_weights_without_a_checkpoint_fingerprint(model, 
         next(b.parameters()).view(-1)[0] += 1e-3
     c = copy.deepcopy(b)  # a fresh object: nothing cached
     assert snapshot.model_fingerprint(c) != snapshot.model_fingerprint(a)
+
+
+# --------------------------------------------------------------------------- checkpoints (format version 3)
+@torch.no_grad()
+def checkpointed(model, tokens, at):
+    """A fresh cache fed `tokens` in pieces ending at each position of `at`, a checkpoint taken at
+    each: (cache, logits of the next token, {position: checkpoint})."""
+    cache, checkpoints, start = model.new_cache(1, CTX), {}, 0
+    for c in list(at) + [len(tokens)]:
+        logits = prefill(model, cache, torch.tensor([tokens[start:c]]), chunk=16)[0]
+        if c < len(tokens):
+            checkpoints[c] = cache.take_checkpoint(0)
+        start = c
+    return cache, logits, checkpoints
+
+
+def test_checkpoints_go_to_disk_and_branch_after_restore(store, model):
+    """A snapshot with two checkpoints: restored, they equal the ones taken, and a sequence that
+    diverges after the second one, branched from the restored slot, continues like a cold run."""
+    tokens = ids_for(8, 70)
+    cache, logits, checkpoints = checkpointed(model, tokens, (17, 48))
+    assert store.save(cache, tokens, logits, checkpoints=checkpoints)
+    restored = model.new_cache(2, CTX)
+    assert store.restore(restored, tokens + [5])[0] == 70
+    assert list(store.restored_checkpoints) == [17, 48]
+    for c, checkpoint in checkpoints.items():
+        got = store.restored_checkpoints[c]
+        assert got.keys() == checkpoint.keys() and all(torch.equal(got[k], t) for k, t in checkpoint.items())
+    other = tokens[:50] + ids_for(9, 12)
+    restored.branch_from_checkpoint(1, 0, restored.import_checkpoint(store.restored_checkpoints[48]))
+    with torch.no_grad():
+        got = prefill(model, restored.slot(1), torch.tensor([other[48:]]), chunk=16)[0]
+    assert (got - checkpointed(model, other, (17, 48))[1]).abs().max() <= 1e-5
+    assert store.restore(model.new_cache(1, CTX), tokens[:30]) is None and store.restored_checkpoints == {}
+
+
+@pytest.mark.parametrize("section,fn,detail", [
+    ("checkpoints.20.layers.2.compressor.open_kv", lambda t: t[-1].fill_(1.0), "checkpoint at 20: "),
+    ("checkpoints.20.position", lambda t: t.add_(1), "checkpoint at 20 holds position 21"),
+    ("checkpoints.20.row_counts", lambda t: t.add_(1), "row_counts"),
+    ("checkpoints.20.layers.0.window", lambda t: t.view(-1).__setitem__(0, float("nan")), "not finite"),
+    ("checkpoints.20.layers.1.indexer.prev_gate", lambda t: t.fill_(float("-inf")), "overlap"),
+])
+def test_unusable_checkpoints_are_rejected(store, model, section, fn, detail):
+    tokens = ids_for(6, 41)
+    cache, logits, checkpoints = checkpointed(model, tokens, (20,))
+    assert store.save(cache, tokens, logits, checkpoints=checkpoints)
+    rewrite_section(os.path.join(store.dir, store._name(tokens)), section, fn)
+    expect_rejected(store, model, tokens, "state", detail)
+
+
+@pytest.mark.parametrize("positions,detail", [([41], "within [1, 41)"), ([20, 20], "increase strictly"),
+                                              ([20.5], "list of integers"), ("20", "malformed header"),
+                                              (None, "malformed header")])
+def test_a_bad_checkpoint_list_is_a_header_error(store, model, positions, detail):
+    tokens = ids_for(6, 41)
+    cache, logits, checkpoints = checkpointed(model, tokens, (20,))
+    assert store.save(cache, tokens, logits, checkpoints=checkpoints)
+    path = os.path.join(store.dir, store._name(tokens))
+    data, header, offsets = parse(path)
+    if positions is None:
+        del header["checkpoints"]
+    else:
+        header["checkpoints"] = positions
+    write_header(path, data, header, bytes(data[min(a for a, _ in offsets.values()):]))
+    expect_rejected(store, model, tokens, "header", detail)
+
+
+def test_a_checkpoint_that_cannot_be_read_back_is_not_written(store, model):
+    tokens = ids_for(6, 41)
+    cache, logits, checkpoints = checkpointed(model, tokens, (20,))
+    assert not store.save(cache, tokens, logits, checkpoints={41: checkpoints[20]})   # not below the count
+    bad = dict(checkpoints[20], position=torch.tensor(24))                          # row counts disagree
+    assert not store.save(cache, tokens, logits, checkpoints={24: bad})
+    assert store.counts.saves == 0 and not store.entries

@@ -298,3 +298,56 @@ def test_every_cache_operation_reaches_the_followers(tmp_path):
         wait_idle(srv)
         assert "import_sequence" in peers.sent
         assert_same_caches(srv.app.state.engine.replica, peers.follower)
+
+
+@torch.no_grad()
+def test_checkpoint_operations_reach_the_followers():
+    """Checkpoints taken, branched from, restored, imported (a disk read) and dropped through the
+    lead's replica, each operation sent first as the engine sends it (its arguments through
+    pickle, as the control group carries them): the follower's caches and checkpoints stay equal
+    to the lead's, and the branched and rewound sequences continue like cold runs."""
+    import pickle
+
+    from ds4_torch.default_model import build_default_model
+    from serve.replica import MODEL_OPERATIONS, Replica
+
+    model = build_default_model()
+    lead, peers = Replica(model, ctx=128, sessions=3, batch_slots=2, decode_mode="eager"), MirrorPeers(model)
+    peers.open(lead.shape())
+
+    def run(operation, *args):
+        peers.send(operation, pickle.loads(pickle.dumps(args)), model=operation in MODEL_OPERATIONS)
+        return getattr(lead, operation)(*args)
+
+    def cold(tokens):  # fed in the same pieces (32, then the rest): chunking alone moves logits by ~1e-5
+        cache = model.new_cache(1, 128)
+        model(torch.tensor([tokens[:32]]), cache=cache)
+        return model(torch.tensor([tokens[32:]]), cache=cache)[0, -1]
+
+    g = torch.Generator().manual_seed(21)
+    a = torch.randint(2, model.config.vocab_size, (70,), generator=g).tolist()
+    b = a[:37] + torch.randint(2, model.config.vocab_size, (9,), generator=g).tolist()
+    run("prefill", 0, a[:32], False)
+    run("take_checkpoint", "at32", "resident", 0)
+    run("prefill", 0, a[32:], False)
+    run("branch_from_checkpoint", "resident", 1, "resident", 0, "at32")
+    logits_b = run("prefill", 1, b[32:], False)[0]
+    run("restore_checkpoint", "resident", 0, "at32")
+    logits_rewound = run("prefill", 0, b[32:], False)[0]
+    run("import_checkpoint", "from disk", {k: v.cpu() for k, v in lead.checkpoints["at32"].items()})
+    run("drop_checkpoint", "at32")
+    run("branch_from_checkpoint", "resident", 2, "resident", 1, "from disk")
+    logits_disk = run("prefill", 2, b[32:], False)[0]
+    run("copy", "batch", 0, 2, "resident")
+    step = run("decode", [int(logits_disk.argmax())])[0]
+
+    for logits in (logits_b, logits_rewound, logits_disk):
+        assert (logits - cold(b)).abs().max() <= 1e-5
+    assert (step - cold(b + [int(logits_disk.argmax())])).abs().max() <= 1e-5
+    assert_same_caches(lead, peers.follower)
+    assert list(peers.follower.checkpoints) == list(lead.checkpoints) == ["from disk"]
+    assert all(torch.equal(peers.follower.checkpoints["from disk"][k], t)
+               for k, t in lead.checkpoints["from disk"].items())
+    assert lead.checkpoint_bytes() == lead.resident.checkpoint_nbytes()
+    with pytest.raises(KeyError, match="no checkpoint 'at32'"):
+        lead.restore_checkpoint("resident", 0, "at32")

@@ -11,12 +11,14 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `kernels`    (`kernels.py`): the Triton kernels on a CUDA GPU, achieved GB/s against the peak.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
+- `checkpoint` (`checkpoint.py`): cache checkpoints (take, restore, branch, import) at V4-Flash's
+  layout vs copying the whole sequence.
 """
 from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint")
 
 
 def _threads(args) -> None:
@@ -68,6 +70,16 @@ def _run_serve(args) -> int:
 
 def _run_moe(args) -> int:
     return importlib.import_module(".moe", __name__).run(args)
+
+
+def _run_checkpoint(args) -> int:
+    _threads(args)
+    from ..runtime import resolve_device, resolve_dtype
+
+    importlib.import_module(".checkpoint", __name__).run(tuple(args.contexts), resolve_dtype(args.dtype),
+                                                         resolve_device(args.device), repeats=args.repeats,
+                                                         csv_path=args.csv)
+    return 0
 
 
 def add_parser(sub) -> None:
@@ -130,3 +142,11 @@ def add_parser(sub) -> None:
     from .moe import add_arguments as add_moe_arguments  # argparse only
 
     add_moe_arguments(moe)
+
+    c = target("checkpoint", "cache checkpoints at V4-Flash's layout: take, restore, branch, import (no weights)",
+               _run_checkpoint)
+    c.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 65536])
+    c.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    c.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
+    c.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the median is shown")
+    common(c)

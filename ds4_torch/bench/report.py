@@ -13,6 +13,15 @@ def write_csv(rows: list[dict], path) -> None:
         writer.writerows(rows)
 
 
+def print_table(title: str, header: str, lines) -> None:
+    """A benchmark's table: its title line, the header, a rule as wide, then one line per row."""
+    print(title)
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
+
+
 def machine() -> str:
     """The CPU a table was measured on: model name, core count and torch's SIMD level, e.g.
     "AMD EPYC, 2 cores, AVX512"."""
