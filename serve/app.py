@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +47,7 @@ from ds4_torch.sampling import stop_token_ids
 from . import anthropic_api, openai_api, responses_api
 from .chat import Cancelled, Failed, Generation, encode_conversation
 from .engine import Engine
+from .guard import BrowserGuard
 from .metrics import Metrics
 from .protocol import APIError, bad, parse_json_object, type_name
 from .replay import ReplayStore
@@ -61,6 +64,9 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ()  # more names /v1/models lists
     strict_model_name: bool = False       # True: a model name not served is a 400 (404 on /v1/models/{id})
     access_log: bool = True               # one line per request, rejected ones included
+    host: str = "127.0.0.1"               # where it is bound: on loopback, Host must name loopback (serve.guard)
+    allowed_hosts: tuple[str, ...] = ()   # more Host names to answer
+    cors_origins: tuple[str, ...] = ()    # browser origins given CORS headers (none by default)
     ctx: int = 4096
     prefill_chunk: int = 256
     decode_mode: str = "auto"
@@ -462,7 +468,18 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
             replay.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    def shaped(path: str, e: APIError) -> Response:
+        return (anthropic if path.startswith("/v1/messages") else openai_api.error_response)(e)
+
+    middleware = [Middleware(BrowserGuard, bind_host=config.host, allowed_hosts=config.allowed_hosts,
+                             error_response=shaped, access_log=config.access_log,
+                             on_reject=lambda path, status: metrics.requests.labels(endpoint=path,
+                                                                                    code=str(status)).inc())]
+    if config.cors_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                                        allow_methods=["GET", "POST", "HEAD"], allow_headers=["*"]))
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
+                    middleware=middleware)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.config = config

@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="one log line per request, rejected ones included, with why (default on)")
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name /v1/models lists (repeatable); any name is answered unless --strict-model-name")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME",
+                   help="bound to loopback, Host names answered besides loopback ones (repeatable; a web page "
+                        "reaching the server through another name gets 421)")
+    p.add_argument("--cors-origins", action="append", default=[], metavar="ORIGIN",
+                   help="browser origins given CORS headers (repeatable; none by default)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
     add_tp_argument(p)
@@ -92,7 +97,8 @@ def load(args):
         api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
         keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
-        strict_model_name=args.strict_model_name, access_log=args.access_log == "on",
+        strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
+        allowed_hosts=tuple(args.allowed_hosts), cors_origins=tuple(args.cors_origins),
     )
     return model, tokenizer, config
 

@@ -267,7 +267,8 @@ def test_body_limit_and_auth(srv, monkeypatch):
     r = httpx.post(srv.url + "/v1/chat/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     # Chunked upload (no Content-Length) is cut off the same way.
-    r = httpx.post(srv.url + "/v1/chat/completions", content=iter([big[:600], big[600:]]))
+    r = httpx.post(srv.url + "/v1/chat/completions", content=iter([big[:600], big[600:]]),
+                   headers={"content-type": "application/json"})
     assert r.status_code == 413
     monkeypatch.setattr(config, "max_body_bytes", 32 * 2**20)
 
