@@ -28,7 +28,9 @@ A failure in a step (a device error, an OOM, anything raised by the model or inj
 `DS4_TORCH_FAULT`) resets the batch (captured graphs dropped, the batch cache cleared, CUDA
 cache emptied) and retries every request of that step once, resuming after the tokens already
 sent (they are prefilled again). A second failure answers 503 to that request and marks the
-engine degraded until a request succeeds. Nothing raised in the worker ever escapes it. If the
+engine degraded until a request succeeds. What raises while serving one request outside a step
+(sampling, penalties, grammar, detokenizing, stop matching) fails that request alone (a 500 naming
+the error) and frees its session; the batch goes on. Nothing raised in the worker ever escapes it. If the
 first step after a disk restore fails (a fault injected with `DS4_TORCH_FAULT=restore:N` is
 raised right before it), the snapshot is quarantined and that request starts over from a clean
 prefill without spending its retry.
@@ -172,6 +174,7 @@ class GenRequest:
     constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
     plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
     prompt_tensor: torch.Tensor | None = field(default=None, repr=False)  # for the repetition penalty
+    failure: APIError | None = field(default=None, repr=False)  # its own error, once it raised (_take_token_or_fail)
 
     def wants_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and self.prompt_logprob_outs is None
@@ -687,8 +690,13 @@ class Engine:
         req.state = "running"
         if req.t_start is None:
             req.t_start = time.perf_counter()
-            req.generator = req.sampling.generator(self.device)
-            req.text_state = _TextState(self.tokenizer, req.stop)
+            try:
+                req.generator = req.sampling.generator(self.device)
+                req.text_state = _TextState(self.tokenizer, req.stop)
+            except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
+                self._own_failure(req, e, "starting")
+                self._fail(req, req.failure)
+                return False
         if req.attempts == 0:
             req.attempts = 1
         try:
@@ -714,7 +722,10 @@ class Engine:
             req.finish_reason = "length"
             self._end(req, "done")
             return
-        finish = self._take_token(req, logits)
+        finish = self._take_token_or_fail(req, logits)
+        if finish == "error":
+            self._end(req, "failed")
+            return
         if prefilled:  # once the first token is out, the prompt is worth a snapshot
             self._snapshot(session, self.resident.slot(session.slot), session.tokens, logits, "prefill")
         if finish is not None:
@@ -745,15 +756,31 @@ class Engine:
         for i, req in enumerate(reqs):
             self._confirm_restored(req.session)
             req.held.append(req.pending)
-            if self._take_token(req, logits[i]) is not None:
+            if self._take_token_or_fail(req, logits[i]) is not None:
                 done.append(req)
             elif self.kv_store is not None and self.kv_store.every > 0 and \
                     self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
                 self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
         for req in sorted(done, key=lambda r: -r.decode_slot):
-            self._end(req, "done")
+            self._end(req, "failed" if req.failure is not None else "done")
         if self.token_delay:
             time.sleep(self.token_delay)
+
+    def _take_token_or_fail(self, req: GenRequest, logits: torch.Tensor) -> str | None:
+        """`_take_token`, where anything it raises (sampling, penalties, grammar, detokenizing, stop
+        matching) is this request's failure alone: "error", with `req.failure` set; the caller ends
+        it, and the batch goes on. The batch slot and `req.held` are intact (the step itself ran)."""
+        try:
+            return self._take_token(req, logits)
+        except Exception as e:  # noqa: BLE001 - one request's bug or hostile settings: not the batch's
+            self._own_failure(req, e, "taking its next token")
+            req.pending = None
+            return "error"
+
+    def _own_failure(self, req: GenRequest, error: Exception, doing: str) -> None:
+        log.exception("engine: %s failed while %s", req.id, doing)
+        req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
+                                    f"{error}); other requests were not affected", code="internal_error")
 
     def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
         """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
@@ -841,9 +868,12 @@ class Engine:
         req.session = None
 
     def _end(self, req: GenRequest, outcome: str, stage: str = "decode") -> None:
+        """`outcome`: "done", "failed" (with `req.failure`) or "cancelled"."""
         self._release(req)
         if outcome == "done":
             self._finish(req)
+        elif outcome == "failed":
+            self._fail(req, req.failure)
         else:
             self._abort(req, stage)
 
@@ -913,8 +943,10 @@ class Engine:
         log.info("engine: reset (%s)", reason)
 
     def _recover_from_bug(self) -> None:
-        reqs = [*self.running, *([self.prefilling] if self.prefilling is not None else [])]
-        for req in reqs:
+        # A request between the two (taking its first token) is only known by its session.
+        reqs = [*self.running, *([self.prefilling] if self.prefilling is not None else []),
+                *(s.request for s in self.sessions if s.request is not None)]
+        for req in dict.fromkeys(reqs):
             self._release_quietly(req)
             self._fail(req, APIError(500, "internal error in the engine", code="internal_error"))
         self.running, self.prefilling = [], None
