@@ -126,3 +126,14 @@ def test_a_request_that_raises_fails_alone(srv, model, tok, raising_sampler):
                                                        "temperature": 0, "ignore_eos": True}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     assert srv.app.state.engine.health() is None
+
+
+def test_chat_n_above_the_queue_is_a_400_naming_n(srv, monkeypatch):
+    """n choices are queued together: more than the queue holds can never be served (a 400), while
+    n up to it is."""
+    monkeypatch.setattr(srv.app.state.config, "max_queue", 2)
+    monkeypatch.setattr(srv.app.state.engine, "max_queue", 2)
+    r = chat(srv, "Hail", n=3, max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = chat(srv, "Hail", n=2, max_tokens=2)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
