@@ -378,10 +378,13 @@ class Engine:
                     req.cancel.set()
             self._cv.notify_all()
         for req in pending:
-            self._fail(req, APIError(503, "the server is shutting down", code="server_shutting_down",
-                                     headers={"Retry-After": str(self.retry_after_s)}))
+            self._fail(req, self._shutting_down())
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _shutting_down(self) -> APIError:
+        return APIError(503, "the server is shutting down", code="server_shutting_down",
+                        headers={"Retry-After": str(self.retry_after_s)})
 
     @property
     def alive(self) -> bool:
@@ -984,6 +987,12 @@ class Engine:
             self._end(req, "cancelled")
         if self.prefilling is not None:
             self._end(self.prefilling, "cancelled", stage="prefill")
+        with self._cv:  # put back by a failure (_failed) after stop() took the queue: answer them too
+            left = list(self._queue)
+            self._queue.clear()
+            self.metrics.queue_depth.set(0)
+        for req in left:
+            self._fail(req, self._shutting_down())
         if self.kv_store is None:
             return
         for session in self.sessions:  # clean shutdown: keep the conversations on disk

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
 
 import serve.engine
+from serve.engine import Engine, GenRequest
 from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.tokenizer import StreamDecoder
@@ -137,3 +139,54 @@ def test_chat_n_above_the_queue_is_a_400_naming_n(srv, monkeypatch):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     r = chat(srv, "Hail", n=2, max_tokens=2)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+class _StopsTheServer:
+    """A disk store whose restore (run while a request is being admitted, after it left the queue
+    and before it is prefilling) stops the engine from another thread, as a shutdown would."""
+    every = 0
+
+    def __init__(self):
+        self.engine = None
+
+    def restore(self, cache, prompt_ids):
+        stopper = threading.Thread(target=self.engine.stop)
+        stopper.start()
+        deadline = time.monotonic() + TIMEOUT
+        while not self._stopping():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        return None
+
+    def _stopping(self) -> bool:
+        try:
+            self.engine.submit_all([])  # queues nothing; refused once stop() began
+        except serve.engine.EngineStopped:
+            return True
+        return False
+
+    def prepare(self, cache, token_ids, last_logits, why):
+        return None
+
+
+def test_a_request_put_back_after_stop_is_answered(model, tok):
+    """stop() answers what is queued and cancels what runs; a request between the two whose
+    prefill then fails is put back in the queue by the retry: it must still be answered (503)."""
+    store = _StopsTheServer()
+    engine = Engine(model, tok, ctx=128, prefill_chunk=CHUNK, kv_store=store)
+    store.engine = engine
+
+    def failing_prefill(*args):
+        raise RuntimeError("injected device error")
+
+    engine.replica.prefill = failing_prefill
+    engine.start()
+    events = []
+    req = GenRequest(tok.encode("Who is there?"), 4, emit=events.append)
+    engine.submit(req)
+    deadline = time.monotonic() + TIMEOUT
+    while not req.finished():
+        assert time.monotonic() < deadline, "the request was never answered"
+        time.sleep(0.005)
+    assert req.state == "failed" and events[-1][0] == "error"
+    assert events[-1][1].status == 503 and events[-1][1].code == "server_shutting_down"
