@@ -94,6 +94,7 @@ log = logging.getLogger("ds4.serve")
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
 SNAPSHOT_QUEUE = 8  # snapshots waiting for the writer; past that a new one is dropped, not queued
+SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
 
 
 class QueueFull(Exception):
@@ -241,11 +242,18 @@ class _SnapshotWriter:
         self.thread = threading.Thread(target=self._run, name="ds4-kv-writer", daemon=True)
         self.thread.start()
 
-    def submit(self, pending) -> None:
+    def submit(self, pending, wait: float | None = None) -> bool:
+        """Queue `pending`; False when dropped: at once while the writer is behind (decoding never
+        waits for the disk), or after `wait` seconds for room (shutdown)."""
         try:
-            self.queue.put_nowait(pending)
+            if wait is None:
+                self.queue.put_nowait(pending)
+            else:
+                self.queue.put(pending, timeout=max(wait, 0.0))
+            return True
         except queue.Full:
             log.warning("engine: the disk writer is behind; snapshot of %d tokens dropped", len(pending.tokens))
+            return False
 
     def _run(self) -> None:
         while True:
@@ -262,9 +270,19 @@ class _SnapshotWriter:
     def flush(self) -> None:
         self.queue.join()
 
-    def close(self, timeout: float = 30.0) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout)
+    def close(self, timeout: float = 30.0) -> list[int]:
+        """Write what is queued, then stop; the token counts of the snapshots left unwritten
+        after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.queue.put(None, timeout=max(timeout, 0.0))
+        except queue.Full:
+            pass
+        self.thread.join(max(deadline - time.monotonic(), 0.0))
+        if not self.thread.is_alive():
+            return []
+        with self.queue.mutex:  # still writing: what it has not taken yet is lost with the process
+            return [len(p.tokens) for p in self.queue.queue if p is not None]
 
 
 class _StepFailed(Exception):
@@ -367,7 +385,7 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="ds4-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = SHUTDOWN_SAVE_S + 10) -> None:
         with self._cv:
             self._stopping = True
             pending = list(self._queue)
@@ -381,6 +399,8 @@ class Engine:
             self._fail(req, self._shutting_down())
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("engine: the worker did not stop within %.0f s", timeout)
 
     def _shutting_down(self) -> APIError:
         return APIError(503, "the server is shutting down", code="server_shutting_down",
@@ -572,17 +592,21 @@ class Engine:
             session.saved_at = count
             session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
 
-    def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str) -> None:
-        """Read a sequence out for the disk store; the writer thread writes it."""
+    def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str,
+                  wait: float | None = None) -> bool:
+        """Read a sequence out for the disk store; the writer thread writes it (`wait`: see
+        `_SnapshotWriter.submit`). False only when a snapshot worth writing was dropped."""
         if self.kv_store is None or not tokens or logits is None or session.restored is not None:
-            return
+            return True
         pending = self._kv("prepare", view, list(tokens), logits, why)
         if pending is None:
-            return
-        session.saved_at = len(tokens)
+            return True
         if self._writer is None:
             self._writer = _SnapshotWriter(self.kv_store)
-        self._writer.submit(pending)
+        if not self._writer.submit(pending, wait):
+            return False
+        session.saved_at = len(tokens)
+        return True
 
     def _kv(self, method: str, *args, **kwargs):
         """Call an (optional) store method; its failures are logged, never raised."""
@@ -995,13 +1019,20 @@ class Engine:
             self._fail(req, self._shutting_down())
         if self.kv_store is None:
             return
-        for session in self.sessions:  # clean shutdown: keep the conversations on disk
+        # Clean shutdown: keep the conversations on disk, waiting for the writer (a bounded time),
+        # and name in the log any that could not be saved.
+        deadline = time.monotonic() + SHUTDOWN_SAVE_S
+        unsaved = []
+        for session in self.sessions:
             if session.tokens and session.saved_at < len(session.tokens):
-                self._snapshot(session, self.resident.slot(session.slot), session.tokens, session.last_logits,
-                               "shutdown")
+                if not self._snapshot(session, self.resident.slot(session.slot), session.tokens,
+                                      session.last_logits, "shutdown", wait=deadline - time.monotonic()):
+                    unsaved.append(len(session.tokens))
         if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
+            unsaved += self._writer.close(deadline - time.monotonic())
+        if unsaved:
+            log.warning("engine: shutdown: %d conversation(s) not saved to disk in %.0f s (tokens: %s)", len(unsaved),
+                        SHUTDOWN_SAVE_S, ", ".join(map(str, unsaved)))
         self._kv("close")
 
     # ------------------------------------------------------------------ outcomes
