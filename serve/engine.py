@@ -30,15 +30,16 @@ cache emptied) and retries every request of that step once, resuming after the t
 sent (they are prefilled again). A second failure answers 503 to that request and marks the
 engine degraded until a request succeeds. What raises while serving one request outside a step
 (sampling, penalties, grammar, detokenizing, stop matching) fails that request alone (a 500 naming
-the error) and frees its session; the batch goes on. Nothing raised in the worker ever escapes it. If the
-first step after a disk restore fails (a fault injected with `DS4_TORCH_FAULT=restore:N` is
-raised right before it), the snapshot is quarantined and that request starts over from a clean
-prefill without spending its retry.
+the error) and frees its session; the batch goes on. Nothing raised in the worker ever escapes
+it. If the first step after a disk restore fails (a fault injected with
+`DS4_TORCH_FAULT=restore:N` is raised right before it), the snapshot is quarantined and that
+request starts over from a clean prefill without spending its retry.
 
 Disk snapshots (with a store): after a prompt's prefill (once its first token is out), every
-`store.every` generated tokens, when an idle session is evicted, and at shutdown. The state is
-read out of the cache between steps (a host copy of what the sequence holds); encoding and
-writing run on a background writer thread, never between two decode steps.
+`store.every` generated tokens, when an idle session is evicted, and at shutdown (every grown
+conversation: the shutdown waits up to `SHUTDOWN_SAVE_S` for the writer, and logs any it could
+not save). The state is read out of the cache between steps (a host copy of what the sequence
+holds); encoding and writing run on a background writer thread, never between two decode steps.
 
 Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
 with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
