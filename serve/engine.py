@@ -1026,8 +1026,9 @@ class Engine:
         unsaved = []
         for session in self.sessions:
             if session.tokens and session.saved_at < len(session.tokens):
-                if not self._snapshot(session, self.resident.slot(session.slot), session.tokens,
-                                      session.last_logits, "shutdown", wait=deadline - time.monotonic()):
+                left = deadline - time.monotonic()  # checked first: `prepare` waits for the store's write
+                if left <= 0 or not self._snapshot(session, self.resident.slot(session.slot), session.tokens,
+                                                   session.last_logits, "shutdown", wait=left):
                     unsaved.append(len(session.tokens))
         if self._writer is not None:
             unsaved += self._writer.close(deadline - time.monotonic())
