@@ -1,9 +1,10 @@
 """One client cannot hurt another (issue #20): a request whose settings or serving raise fails
 alone, in its API's error shape, and frees its session; the batch and the other requests go on.
 
-Everything goes through HTTP. A failure inside the engine is injected by wrapping the sampler the
-engine calls so that it raises for requests carrying a marker setting (a stand-in for any bug or
-hostile value reaching sampling, penalties, grammar or detokenizing).
+Through HTTP, except the shutdown race (the engine directly). A failure inside the engine is
+injected by wrapping the sampler the engine calls so that it raises for requests carrying a marker
+setting (a stand-in for any bug or hostile value reaching sampling, penalties, grammar or
+detokenizing).
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import httpx
 import pytest
 
 import serve.engine
-from serve.engine import Engine, GenRequest
 from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.tokenizer import StreamDecoder
 from serve.app import ServerConfig, create_app
+from serve.engine import Engine, GenRequest
 from serve.runner import BackgroundServer
 
 MODEL = "ds4-default"
