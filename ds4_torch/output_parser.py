@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
@@ -263,6 +264,21 @@ def _reject_constant(text: str):
     raise ValueError(f"{text} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: json.loads would give inf, which no JSON can carry
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _loads(text: str):
+    """Strict JSON: no NaN/Infinity, no number beyond float range; ValueError otherwise."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _parse_invoke(cur: _Cursor) -> _Invoke:
     start = cur.pos - len(INVOKE_OPEN)
     name = cur.attribute("name")
@@ -276,7 +292,7 @@ def _parse_invoke(cur: _Cursor) -> _Invoke:
     if kind == "{":  # the whole body is one JSON object
         body = "{" + cur.until(INVOKE_CLOSE, "invoke")
         try:
-            arguments = json.loads(body, parse_constant=_reject_constant)
+            arguments = _loads(body)
         except ValueError as e:
             raise _Malformed(f"invoke {name!r}: body is not a JSON object ({e})") from None
         if not isinstance(arguments, dict):
@@ -295,7 +311,7 @@ def _parse_invoke(cur: _Cursor) -> _Invoke:
             raise _Malformed(f"invoke {name!r}: parameter {key!r} given twice")
         if flag == "false":
             try:
-                value = json.loads(value, parse_constant=_reject_constant)
+                value = _loads(value)
             except ValueError:
                 problems.append(f'parameter {key!r} has string="false" but is not JSON; kept as a string')
         arguments[key] = value

@@ -5,7 +5,8 @@ thing everywhere. Order (vLLM's): on the raw logits, the hard mask of allowed to
 outputs), the bans of `min_tokens`, `logit_bias`, then the penalties (repetition, frequency,
 presence); then the filters: temperature, top-k, top-p, min-p; then a draw from what is left with
 the request's own generator (a request's tokens never depend on what else runs beside it). Greedy
-(temperature 0) takes the argmax after the penalties and bias, before the filters.
+(temperature 0, or below `TEMPERATURE_FLOOR`) takes the argmax after the penalties and bias, before
+the filters.
 """
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ import torch
 
 BAN = -100.0  # a logit_bias this low bans the token outright (OpenAI: "-100 should result in a ban")
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range [-2, 2]
+# Below this a temperature is greedy: logits / T would overflow float32 to inf (softmax NaN).
+TEMPERATURE_FLOOR = 1e-5
+# repetition_penalty's range: a factor this far from 1 already decides every seen token, and the
+# scaled logits stay finite.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _number(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -38,12 +44,12 @@ def _token_id(name: str, value) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """`temperature` 0 is greedy (the filters are then irrelevant; penalties and bias still apply);
+    """`temperature` 0 (anything below `TEMPERATURE_FLOOR`) is greedy (the filters are then irrelevant; penalties and bias still apply);
     `top_k` 0 keeps every token; `top_p` 1 and `min_p` 0 cut nothing; `seed` None draws from fresh
     entropy.
 
     Penalties and bias (vLLM's and OpenAI's definitions), on the raw logits:
-    - `repetition_penalty` p (> 0, 1 = off): a token seen in the prompt or the output has its logit
+    - `repetition_penalty` p (in [0.01, 100], 1 = off): a token seen in the prompt or the output has its logit
       l divided by p when l > 0, multiplied by p otherwise.
     - `frequency_penalty` f, `presence_penalty` a (each in [-2, 2]): l -= c*f + (c > 0)*a, with c
       the token's count among the generated tokens.
@@ -78,9 +84,7 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
-        if math.isinf(self.repetition_penalty):
-            raise ValueError("repetition_penalty must be finite")
+        _number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         bias = self.logit_bias
         if isinstance(bias, Mapping):
             bias = bias.items()
@@ -105,7 +109,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < TEMPERATURE_FLOOR
 
     def check(self, vocab_size: int | None = None, max_tokens: int | None = None) -> None:
         """What the settings alone cannot check: token ids inside the vocabulary, `min_tokens`

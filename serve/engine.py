@@ -28,15 +28,18 @@ A failure in a step (a device error, an OOM, anything raised by the model or inj
 `DS4_TORCH_FAULT`) resets the batch (captured graphs dropped, the batch cache cleared, CUDA
 cache emptied) and retries every request of that step once, resuming after the tokens already
 sent (they are prefilled again). A second failure answers 503 to that request and marks the
-engine degraded until a request succeeds. Nothing raised in the worker ever escapes it. If the
-first step after a disk restore fails (a fault injected with `DS4_TORCH_FAULT=restore:N` is
-raised right before it), the snapshot is quarantined and that request starts over from a clean
-prefill without spending its retry.
+engine degraded until a request succeeds. What raises while serving one request outside a step
+(sampling, penalties, grammar, detokenizing, stop matching) fails that request alone (a 500 naming
+the error) and frees its session; the batch goes on. Nothing raised in the worker ever escapes
+it. If the first step after a disk restore fails (a fault injected with
+`DS4_TORCH_FAULT=restore:N` is raised right before it), the snapshot is quarantined and that
+request starts over from a clean prefill without spending its retry.
 
 Disk snapshots (with a store): after a prompt's prefill (once its first token is out), every
-`store.every` generated tokens, when an idle session is evicted, and at shutdown. The state is
-read out of the cache between steps (a host copy of what the sequence holds); encoding and
-writing run on a background writer thread, never between two decode steps.
+`store.every` generated tokens, when an idle session is evicted, and at shutdown (every grown
+conversation: the shutdown waits up to `SHUTDOWN_SAVE_S` for the writer, and logs any it could
+not save). The state is read out of the cache between steps (a host copy of what the sequence
+holds); encoding and writing run on a background writer thread, never between two decode steps.
 
 Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
 with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
@@ -92,6 +95,7 @@ log = logging.getLogger("ds4.serve")
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
 SNAPSHOT_QUEUE = 8  # snapshots waiting for the writer; past that a new one is dropped, not queued
+SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
 
 
 class QueueFull(Exception):
@@ -172,6 +176,7 @@ class GenRequest:
     constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
     plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
     prompt_tensor: torch.Tensor | None = field(default=None, repr=False)  # for the repetition penalty
+    failure: APIError | None = field(default=None, repr=False)  # its own error, once it raised (_take_token_or_fail)
 
     def wants_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and self.prompt_logprob_outs is None
@@ -238,11 +243,18 @@ class _SnapshotWriter:
         self.thread = threading.Thread(target=self._run, name="ds4-kv-writer", daemon=True)
         self.thread.start()
 
-    def submit(self, pending) -> None:
+    def submit(self, pending, wait: float | None = None) -> bool:
+        """Queue `pending`; False when dropped: at once while the writer is behind (decoding never
+        waits for the disk), or after `wait` seconds for room (shutdown)."""
         try:
-            self.queue.put_nowait(pending)
+            if wait is None:
+                self.queue.put_nowait(pending)
+            else:
+                self.queue.put(pending, timeout=max(wait, 0.0))
+            return True
         except queue.Full:
             log.warning("engine: the disk writer is behind; snapshot of %d tokens dropped", len(pending.tokens))
+            return False
 
     def _run(self) -> None:
         while True:
@@ -259,9 +271,19 @@ class _SnapshotWriter:
     def flush(self) -> None:
         self.queue.join()
 
-    def close(self, timeout: float = 30.0) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout)
+    def close(self, timeout: float = 30.0) -> list[int]:
+        """Write what is queued, then stop; the token counts of the snapshots left unwritten
+        after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.queue.put(None, timeout=max(timeout, 0.0))
+        except queue.Full:
+            pass
+        self.thread.join(max(deadline - time.monotonic(), 0.0))
+        if not self.thread.is_alive():
+            return []
+        with self.queue.mutex:  # still writing: what it has not taken yet is lost with the process
+            return [len(p.tokens) for p in self.queue.queue if p is not None]
 
 
 class _StepFailed(Exception):
@@ -364,7 +386,7 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="ds4-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = SHUTDOWN_SAVE_S + 10) -> None:
         with self._cv:
             self._stopping = True
             pending = list(self._queue)
@@ -375,10 +397,15 @@ class Engine:
                     req.cancel.set()
             self._cv.notify_all()
         for req in pending:
-            self._fail(req, APIError(503, "the server is shutting down", code="server_shutting_down",
-                                     headers={"Retry-After": str(self.retry_after_s)}))
+            self._fail(req, self._shutting_down())
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("engine: the worker did not stop within %.0f s", timeout)
+
+    def _shutting_down(self) -> APIError:
+        return APIError(503, "the server is shutting down", code="server_shutting_down",
+                        headers={"Retry-After": str(self.retry_after_s)})
 
     @property
     def alive(self) -> bool:
@@ -566,17 +593,21 @@ class Engine:
             session.saved_at = count
             session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
 
-    def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str) -> None:
-        """Read a sequence out for the disk store; the writer thread writes it."""
+    def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str,
+                  wait: float | None = None) -> bool:
+        """Read a sequence out for the disk store; the writer thread writes it (`wait`: see
+        `_SnapshotWriter.submit`). False only when a snapshot worth writing was dropped."""
         if self.kv_store is None or not tokens or logits is None or session.restored is not None:
-            return
+            return True
         pending = self._kv("prepare", view, list(tokens), logits, why)
         if pending is None:
-            return
-        session.saved_at = len(tokens)
+            return True
         if self._writer is None:
             self._writer = _SnapshotWriter(self.kv_store)
-        self._writer.submit(pending)
+        if not self._writer.submit(pending, wait):
+            return False
+        session.saved_at = len(tokens)
+        return True
 
     def _kv(self, method: str, *args, **kwargs):
         """Call an (optional) store method; its failures are logged, never raised."""
@@ -687,8 +718,13 @@ class Engine:
         req.state = "running"
         if req.t_start is None:
             req.t_start = time.perf_counter()
-            req.generator = req.sampling.generator(self.device)
-            req.text_state = _TextState(self.tokenizer, req.stop)
+            try:
+                req.generator = req.sampling.generator(self.device)
+                req.text_state = _TextState(self.tokenizer, req.stop)
+            except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
+                self._own_failure(req, e, "starting")
+                self._fail(req, req.failure)
+                return False
         if req.attempts == 0:
             req.attempts = 1
         try:
@@ -714,7 +750,10 @@ class Engine:
             req.finish_reason = "length"
             self._end(req, "done")
             return
-        finish = self._take_token(req, logits)
+        finish = self._take_token_or_fail(req, logits)
+        if finish == "error":
+            self._end(req, "failed")
+            return
         if prefilled:  # once the first token is out, the prompt is worth a snapshot
             self._snapshot(session, self.resident.slot(session.slot), session.tokens, logits, "prefill")
         if finish is not None:
@@ -745,15 +784,31 @@ class Engine:
         for i, req in enumerate(reqs):
             self._confirm_restored(req.session)
             req.held.append(req.pending)
-            if self._take_token(req, logits[i]) is not None:
+            if self._take_token_or_fail(req, logits[i]) is not None:
                 done.append(req)
             elif self.kv_store is not None and self.kv_store.every > 0 and \
                     self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
                 self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
         for req in sorted(done, key=lambda r: -r.decode_slot):
-            self._end(req, "done")
+            self._end(req, "failed" if req.failure is not None else "done")
         if self.token_delay:
             time.sleep(self.token_delay)
+
+    def _take_token_or_fail(self, req: GenRequest, logits: torch.Tensor) -> str | None:
+        """`_take_token`, where anything it raises (sampling, penalties, grammar, detokenizing, stop
+        matching) is this request's failure alone: "error", with `req.failure` set; the caller ends
+        it, and the batch goes on. The batch slot and `req.held` are intact (the step itself ran)."""
+        try:
+            return self._take_token(req, logits)
+        except Exception as e:  # noqa: BLE001 - one request's bug or hostile settings: not the batch's
+            self._own_failure(req, e, "taking its next token")
+            req.pending = None
+            return "error"
+
+    def _own_failure(self, req: GenRequest, error: Exception, doing: str) -> None:
+        log.exception("engine: %s failed while %s", req.id, doing)
+        req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
+                                    f"{error}); other requests were not affected", code="internal_error")
 
     def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
         """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
@@ -841,9 +896,12 @@ class Engine:
         req.session = None
 
     def _end(self, req: GenRequest, outcome: str, stage: str = "decode") -> None:
+        """`outcome`: "done", "failed" (with `req.failure`) or "cancelled"."""
         self._release(req)
         if outcome == "done":
             self._finish(req)
+        elif outcome == "failed":
+            self._fail(req, req.failure)
         else:
             self._abort(req, stage)
 
@@ -913,8 +971,10 @@ class Engine:
         log.info("engine: reset (%s)", reason)
 
     def _recover_from_bug(self) -> None:
-        reqs = [*self.running, *([self.prefilling] if self.prefilling is not None else [])]
-        for req in reqs:
+        # A request between the two (taking its first token) is only known by its session.
+        reqs = [*self.running, *([self.prefilling] if self.prefilling is not None else []),
+                *(s.request for s in self.sessions if s.request is not None)]
+        for req in dict.fromkeys(reqs):
             self._release_quietly(req)
             self._fail(req, APIError(500, "internal error in the engine", code="internal_error"))
         self.running, self.prefilling = [], None
@@ -952,15 +1012,29 @@ class Engine:
             self._end(req, "cancelled")
         if self.prefilling is not None:
             self._end(self.prefilling, "cancelled", stage="prefill")
+        with self._cv:  # put back by a failure (_failed) after stop() took the queue: answer them too
+            left = list(self._queue)
+            self._queue.clear()
+            self.metrics.queue_depth.set(0)
+        for req in left:
+            self._fail(req, self._shutting_down())
         if self.kv_store is None:
             return
-        for session in self.sessions:  # clean shutdown: keep the conversations on disk
+        # Clean shutdown: keep the conversations on disk, waiting for the writer (a bounded time),
+        # and name in the log any that could not be saved.
+        deadline = time.monotonic() + SHUTDOWN_SAVE_S
+        unsaved = []
+        for session in self.sessions:
             if session.tokens and session.saved_at < len(session.tokens):
-                self._snapshot(session, self.resident.slot(session.slot), session.tokens, session.last_logits,
-                               "shutdown")
+                left = deadline - time.monotonic()  # checked first: `prepare` waits for the store's write
+                if left <= 0 or not self._snapshot(session, self.resident.slot(session.slot), session.tokens,
+                                                   session.last_logits, "shutdown", wait=left):
+                    unsaved.append(len(session.tokens))
         if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
+            unsaved += self._writer.close(deadline - time.monotonic())
+        if unsaved:
+            log.warning("engine: shutdown: %d conversation(s) not saved to disk in %.0f s (tokens: %s)", len(unsaved),
+                        SHUTDOWN_SAVE_S, ", ".join(map(str, unsaved)))
         self._kv("close")
 
     # ------------------------------------------------------------------ outcomes

@@ -669,6 +669,8 @@ async def chat_completions(state, request: Request) -> Response:
     body = await state.read_json(request)
     creq, opts = parse_chat(body, state=state)
     state.check_model(opts.model)
+    if opts.n > state.config.max_queue:  # never fits, however idle the server: not a 429
+        raise bad(f"'n' ({opts.n}) is more than this server's queue of {state.config.max_queue} requests", "n")
     gen = Choices([Generation.chats(state, creq, opts.n, call_id_prefix="call_")])
     return await state.respond(request, gen, lambda: ChatView(state, opts, gen), opts.stream)
 

@@ -19,7 +19,9 @@ import pytest
 
 from ds4_torch import faults
 from serve.app import ServerConfig, create_app
-from serve.kvstore import KVStore
+import serve.engine
+from serve.engine import SNAPSHOT_QUEUE
+from serve.kvstore import WRITE_DELAY_ENV, KVStore
 from serve.runner import BackgroundServer
 from test_serve import MODEL, expected
 
@@ -250,3 +252,34 @@ def test_cli_flags_attach_a_store(tmp_path, model, tok):
     with pytest.raises(UserError, match="needs --kv-disk-dir"):
         attach_kv_store(app, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
     assert attach_kv_store(app, build_parser().parse_args([])) is None
+
+
+def test_clean_shutdown_saves_every_conversation(tmp_path, model, tok, monkeypatch):
+    """More live conversations than the writer's queue holds, each grown past its last snapshot,
+    and a slow disk: a clean shutdown waits for the writer and saves every one."""
+    prompts = [prompt(200 + i, 40) for i in range(16)]
+    with server(model, tok, tmp_path / "kv") as srv:
+        assert srv.app.state.engine.max_sessions >= len(prompts) > SNAPSHOT_QUEUE + 1
+        grown = [p + complete(srv, p, n=4)[0][:3] for p in prompts]  # the last token is not fed back
+        wait_idle(srv)
+        names = {srv.store._name(g) for g in grown}
+        assert not names & set(srv.store.entries)  # only the prompts were saved so far
+        monkeypatch.setenv(WRITE_DELAY_ENV, "0.01")  # the writer now falls behind the shutdown
+    assert names <= set(srv.store.entries)
+    assert set(snapshots(tmp_path / "kv")) >= names
+
+
+def test_a_shutdown_that_cannot_save_everything_says_so(tmp_path, model, tok, monkeypatch, caplog):
+    """No time left to save (a disk too slow for the shutdown's budget): the log names the
+    conversations not saved, and none is written."""
+    prompts = [prompt(300 + i, 40) for i in range(4)]
+    with server(model, tok, tmp_path / "kv") as srv:
+        for p in prompts:
+            complete(srv, p, n=4)
+        wait_idle(srv)
+        saved = set(snapshots(tmp_path / "kv"))
+        monkeypatch.setattr(serve.engine, "SHUTDOWN_SAVE_S", 0.0)
+        caplog.set_level("WARNING", logger="ds4.serve")
+    warned = [r.getMessage() for r in caplog.records if "not saved to disk" in r.getMessage()]
+    assert len(warned) == 1 and "4 conversation(s)" in warned[0] and "(tokens: 43, 43, 43, 43)" in warned[0], warned
+    assert set(snapshots(tmp_path / "kv")) == saved

@@ -241,6 +241,24 @@ def test_string_false_value_that_is_not_json_is_kept_as_a_string():
     assert len(c.problems) == 2 and all('string="false" but is not JSON' in p for p in c.problems)
 
 
+def _strict_json(text):
+    def reject(constant):
+        raise AssertionError(f"{constant} in the arguments")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_a_number_beyond_float_range_is_kept_as_its_text():
+    """1e400 would parse as inf, which JSON cannot carry: the value stays the text sampled, with a
+    problem noted; in range numbers beside it parse. A JSON body with one is malformed."""
+    r = parse_output(block(invoke("f", ("v", "false", "1e400"), ("w", "false", "-2.5e400"), ("x", "false", "1e300")))
+                     + EOS, thinking=False)
+    (c,) = r.tool_calls
+    assert _strict_json(c.arguments) == {"v": "1e400", "w": "-2.5e400", "x": 1e300}
+    assert len(c.problems) == 2 and all('string="false" but is not JSON' in p for p in c.problems)
+    r = parse_output(block('<｜DSML｜invoke name="f">\n{"a": [1e999]}\n</｜DSML｜invoke>') + EOS, thinking=False)
+    assert r.tool_calls == [] and "out of range" in " ".join(r.warnings)
+
+
 @pytest.mark.parametrize("body, reason", [
     (invoke("f", ("a", "true", "1"), ("a", "true", "2")), "given twice"),
     ('<｜DSML｜invoke name="">\n</｜DSML｜invoke>', "empty tool name"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4_torch.sampling import SamplingParams, adjust_logits, sample
+from ds4_torch.sampling import TEMPERATURE_FLOOR, SamplingParams, adjust_logits, sample
 
 LOGITS = [2.0, -1.0, 0.5, 3.0, 0.0]
 
@@ -88,6 +88,8 @@ def test_the_callers_logits_are_left_intact():
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=1e-30), "repetition_penalty"),  # seen logits would overflow to inf
+    (dict(repetition_penalty=101.0), "repetition_penalty"),
     (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias={5: 100.5}), "logit_bias"),
@@ -101,6 +103,17 @@ def test_the_callers_logits_are_left_intact():
 def test_bad_settings_name_their_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
+
+
+def test_a_temperature_below_the_floor_is_greedy():
+    """logits / 1e-45 overflows float32 (softmax NaN, multinomial raises): such a temperature is
+    greedy, the argmax, with no generator to draw from."""
+    logits = torch.tensor(LOGITS)
+    for t in (1e-45, TEMPERATURE_FLOOR / 2):
+        p = SamplingParams(temperature=t, seed=3)
+        assert p.greedy and p.generator("cpu") is None
+        assert sample(logits, p) == int(torch.argmax(logits))
+    assert not SamplingParams(temperature=TEMPERATURE_FLOOR).greedy
 
 
 def test_check_names_ids_outside_the_vocabulary_and_min_tokens_past_max_tokens():
