@@ -201,7 +201,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     row = functools.partial(torch.tensor, device=logits.device)
     logits = filter_logits(logits.unsqueeze(0), top_k=row([params.top_k]) if 0 < params.top_k < logits.numel() else None,
                            top_p=row([params.top_p]) if params.top_p < 1.0 else None,
-                           min_p=row([params.min_p]) if params.min_p > 0 else None)[0]
+                           min_p=row([params.min_p]) if params.min_p > 0 else None, max_top_k=params.top_k)[0]
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -223,20 +223,25 @@ def stop_token_ids(config=None, tokenizer=None, extra: int | Iterable[int] | Non
 
 # --------------------------------------------------------------------------- the batched sampler
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                  min_p: torch.Tensor | None = None) -> torch.Tensor:
+                  min_p: torch.Tensor | None = None, max_top_k: int | None = None) -> torch.Tensor:
     """The filters on temperature-scaled logits [B, V], each row with its own setting ([B] tensors;
     None: no row uses the filter), in `sample()`'s order: top-k (0 keeps all), top-p (1 cuts
     nothing), min-p (0 cuts nothing). Filtered tokens become -inf (a new tensor). Every step is a
-    per-row op, so a row's result never depends on the other rows."""
+    per-row op, so a row's result never depends on the other rows. `max_top_k`: the largest
+    top_k of any row, when the caller knows it: without top-p, the k-th values then come from a
+    top-k of that size instead of a sort of the whole vocabulary (the same values)."""
     neg_inf = float("-inf")
     if top_k is not None or top_p is not None:
-        # One stable sort serves both: ties keep index order, the same alone or in any batch.
-        ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        if top_p is None and max_top_k is not None:
+            ranked = torch.topk(logits, min(max_top_k, logits.shape[-1]), dim=-1).values  # best first
+        else:  # one stable sort serves both: ties keep index order, the same alone or in any batch
+            ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         if top_k is not None:
-            kth = ranked.gather(-1, (top_k.clamp(1, logits.shape[-1]) - 1).unsqueeze(-1))
+            kth = ranked.gather(-1, (top_k.clamp(1, ranked.shape[-1]) - 1).unsqueeze(-1))
             keep_all = (top_k <= 0).unsqueeze(-1)
             logits = logits.masked_fill(~keep_all & (logits < kth), neg_inf)
-            ranked = ranked.masked_fill(~keep_all & (ranked < kth), neg_inf)  # still sorted
+            if top_p is not None:
+                ranked = ranked.masked_fill(~keep_all & (ranked < kth), neg_inf)  # still sorted
         if top_p is not None:
             probs = torch.softmax(ranked, dim=-1)
             # Drop a token when the better ones before it already reach top_p; the best token
@@ -459,10 +464,11 @@ class BatchSampler:
             temperature = self.temperature[rows]
             greedy = temperature == 0
             scaled = x / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+            max_top_k = max(p.top_k for p in sampled)
             scaled = filter_logits(
-                scaled, top_k=self.top_k[rows] if any(p.top_k for p in sampled) else None,
+                scaled, top_k=self.top_k[rows] if max_top_k else None,
                 top_p=self.top_p[rows] if any(p.top_p < 1 for p in sampled) else None,
-                min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None)
+                min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None, max_top_k=max_top_k)
             drawn = torch.argmax(scaled + gumbel_noise(self.seeds[rows], self.generated[rows], self.vocab_size), dim=-1)
             tokens = torch.where(greedy, tokens, drawn)
         out = SampledTokens(tokens, failed, self.stop_ids[rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))

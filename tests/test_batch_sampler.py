@@ -153,6 +153,12 @@ def test_filters_keep_what_their_definitions_keep():
                         top_p=torch.tensor([p.top_p for p in ps]), min_p=torch.tensor([p.min_p for p in ps]))
     for b, p in enumerate(ps):
         assert torch.isfinite(got[b]).tolist() == py_filter(logits[b].tolist(), p), p
+    # Top-k alone, its k-th values from a top-k of the largest k (no sort): the same cut.
+    top_k = torch.tensor([0, 3, 6, 1])
+    got = filter_logits(logits[:4], top_k=top_k, max_top_k=6)
+    assert torch.equal(got, filter_logits(logits[:4], top_k=top_k))
+    for b, k in enumerate(top_k.tolist()):
+        assert torch.isfinite(got[b]).tolist() == py_filter(logits[b].tolist(), SamplingParams(top_k=k)), k
 
 
 def test_greedy_rows_equal_sample():
