@@ -6,6 +6,9 @@ outputs), the bans of `min_tokens`, `logit_bias`, then the penalties (repetition
 presence); then the filters: temperature, top-k, top-p, min-p; then a draw from what is left with
 the request's own generator (a request's tokens never depend on what else runs beside it). Greedy
 (temperature 0) takes the argmax after the penalties and bias, before the filters.
+
+`BatchSampler` applies the same rules to a whole decode batch in one call, with per-slot settings
+written at admission and seeded draws that do not depend on the batch (Gumbel-max over hashed noise).
 """
 from __future__ import annotations
 
@@ -325,23 +328,22 @@ class BatchSampler:
     a step reads a tensor back to the host: which optional ops run is decided from the admitted
     settings, and skipping one leaves every row exactly as running it with neutral values would."""
 
+    # The per-slot settings and their neutral values: a free slot's, and what a skipped op equals.
+    # `generated` counts the tokens appended so far (min_tokens, and the noise's position).
+    NEUTRAL = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "presence": 0.0, "frequency": 0.0,
+               "repetition": 1.0, "min_tokens": 0, "generated": 0}
+
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str = "cpu"):
         if max_slots < 1 or vocab_size < 1:
             raise ValueError(f"BatchSampler needs max_slots >= 1 and vocab_size >= 1, got {max_slots}, {vocab_size}")
         self.max_slots, self.vocab_size, self.device = max_slots, vocab_size, torch.device(device)
         self.params: list[SamplingParams | None] = [None] * max_slots
-        S, dev = max_slots, self.device
-        self.temperature = torch.zeros(S, device=dev)
-        self.top_k = torch.zeros(S, dtype=torch.int64, device=dev)
-        self.top_p = torch.ones(S, device=dev)
-        self.min_p = torch.zeros(S, device=dev)
-        self.presence = torch.zeros(S, device=dev)
-        self.frequency = torch.zeros(S, device=dev)
-        self.repetition = torch.ones(S, device=dev)
-        self.min_tokens = torch.zeros(S, dtype=torch.int64, device=dev)
-        self.seeds = torch.zeros(S, 2, dtype=torch.int64, device=dev)
-        self.generated = torch.zeros(S, dtype=torch.int64, device=dev)   # tokens appended so far
-        self.stop_ids = torch.zeros(S, vocab_size, dtype=torch.bool, device=dev)  # EOS (unless ignored) + stop ids
+        for name, value in self.NEUTRAL.items():  # self.temperature, self.top_k, ...: [max_slots]
+            setattr(self, name, torch.full((max_slots,), value, device=self.device,
+                                           dtype=torch.int64 if isinstance(value, int) else torch.float32))
+        self.seeds = torch.zeros(max_slots, 2, dtype=torch.int64, device=self.device)  # two 32-bit words
+        # EOS (unless ignored) and stop_token_ids: they end the request, and min_tokens bans them.
+        self.stop_ids = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=self.device)
         self._tables: dict[str, torch.Tensor] = {}  # [S, V] tables made on first use: bias, banned, counts, seen
 
     def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -396,11 +398,9 @@ class BatchSampler:
         """Forget `slot`'s request: its rows go back to neutral settings."""
         self._check_slot(slot)
         self.params[slot] = None
-        for t, value in ((self.temperature, 0.0), (self.top_k, 0), (self.top_p, 1.0), (self.min_p, 0.0),
-                         (self.presence, 0.0), (self.frequency, 0.0), (self.repetition, 1.0),
-                         (self.min_tokens, 0), (self.seeds, 0), (self.generated, 0), (self.stop_ids, False)):
-            t[slot] = value
-        for table in self._tables.values():
+        for name, value in self.NEUTRAL.items():
+            getattr(self, name)[slot] = value
+        for table in (self.seeds, self.stop_ids, *self._tables.values()):
             table[slot] = 0
 
     def _rows(self, slots, B: int) -> tuple[torch.Tensor | slice, list[SamplingParams]]:
