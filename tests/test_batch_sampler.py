@@ -319,3 +319,32 @@ def test_bad_input_names_the_problem():
         sampler.sample(torch.zeros(2, V), allowed=torch.ones(2, V - 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="slots"):
         sampler.sample(torch.zeros(3, V))
+
+
+@torch.no_grad()
+def test_a_step_reads_nothing_back_to_the_host():
+    """Traced once with make_fx (which bakes every Python value read at trace time into the graph,
+    as a CUDA-graph capture would), the step replays every later position exactly as eager runs it:
+    positions, counts and bans live in tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rows = len(FEATURES)
+    eager, traced = BatchSampler(rows, V), BatchSampler(rows, V)
+    for sampler in (eager, traced):
+        for b, p in enumerate(FEATURES):
+            sampler.admit(b, p, prompt_ids=PROMPT, eos_ids=EOS)
+
+    def step(sampler):
+        def run(logits, allowed):
+            out = sampler.sample(logits, allowed=allowed, logprobs=2)
+            sampler.append(out.tokens)
+            return out.tokens, out.top_ids
+        return run
+
+    graph = make_fx(step(traced))(random_logits(rows, 0), grammar_masks(rows, 0))  # runs step 0
+    step(eager)(random_logits(rows, 0), grammar_masks(rows, 0))
+    for t in range(1, 8):
+        want = step(eager)(random_logits(rows, t), grammar_masks(rows, t))
+        got = graph(random_logits(rows, t), grammar_masks(rows, t))
+        assert [g.tolist() for g in got] == [w.tolist() for w in want], t
+    assert torch.equal(traced.generated, eager.generated) and traced.generated[0] == 8
