@@ -22,6 +22,7 @@ from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
 from .kernels.reference import cast, rms_norm, rope_tables, rotate
+from .kernels.sinkhorn import sinkhorn
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
 # sinks, biases); we do the same so bf16 models round the same way.
@@ -483,38 +484,11 @@ class MoE(nn.Module):
 
 
 # --------------------------------------------------------------------------- mHC
-def sinkhorn(comb, iters: int, eps: float):
-    """transformers' Sinkhorn-Knopp projection of comb [..., n, n]: columns normalised, then rows
-    and columns iters-1 times, each x / (sum + eps). The N matrices are laid out [i, j, N] so that
-    each normalisation is one batched matmul (the sums, eps added by it) and one division,
-    whatever N: two ops a step instead of three, and no per-matrix matmul overhead in prefill."""
-    n = comb.shape[-1]
-    m = comb.reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [i, j, N]
-    N = m.shape[-1]
-    eps_t = m.new_full((1, 1, 1), eps)
-    ones = m.new_ones(n, 1, n)
-    one = ones[:1]
-    grad = torch.is_grad_enabled()  # autograd keeps every step's input: out of place then
-    row_sums, col_sums = m.new_empty(n, 1, N), m.new_empty(1, 1, n * N)
-
-    def normalised(x, weights, sums):  # x / (weights @ x + eps)
-        if grad:
-            return x / torch.baddbmm(eps_t, weights, x)
-        return x.div_(torch.baddbmm(eps_t, weights, x, out=sums))
-
-    # Two views of one buffer: by rows [i, j, N] (sums over j) and by columns [1, i, (j, N)] (sums
-    # over i). Dividing in place through one updates the other.
-    rows, cols = m.view(n, n, N), m.view(1, n, n * N)
-    cols = normalised(cols, one, col_sums)
-    for _ in range(iters - 1):
-        rows = normalised(cols.view(n, n, N) if grad else rows, ones, row_sums)
-        cols = normalised(rows.view(1, n, n * N) if grad else cols, one, col_sums)
-    return cols.view(n, n, N).permute(2, 0, 1).contiguous().view(comb.shape)  # back to [..., n, n]
-
-
 class HyperConnection(nn.Module):
     """Manifold-constrained hyper-connection: collapse the streams for a block (pre), expand its
     output (post) and mix the residual streams with a Sinkhorn-projected matrix (comb)."""
+
+    backend = "auto"  # which ds4::sinkhorn implementation runs: the attention backend names
 
     def __init__(self, config: DS4Config):
         super().__init__()
@@ -535,7 +509,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(torch.addcmul(pre_b, pre_w, pre_s)) + self.eps
         post = 2 * torch.sigmoid(torch.addcmul(post_b, post_w, post_s))
         comb = torch.softmax(torch.addcmul(comb_b.view(n, n), comb_w.view(B, T, n, n), comb_s), dim=-1) + self.eps
-        comb = sinkhorn(comb, self.iters, self.eps)
+        comb = sinkhorn(comb, self.iters, self.eps, self.backend)
         return post, comb, collapse(pre, streams)
 
 
@@ -616,8 +590,8 @@ class DS4ForCausalLM(nn.Module):
     @attn_backend.setter
     def attn_backend(self, name: str) -> None:
         self.ops = attention_ops(backend_name(name))
-        for module in self.modules():  # the MoE op takes the same backend names
-            if isinstance(module, Experts):
+        for module in self.modules():  # the MoE and Sinkhorn ops take the same backend names
+            if isinstance(module, (Experts, HyperConnection)):
                 module.backend = self.ops.name
 
     # ----------------------------------------------------------------- dtype / device

@@ -7,11 +7,16 @@ presence); then the filters: temperature, top-k, top-p, min-p; then a draw from 
 the request's own generator (a request's tokens never depend on what else runs beside it). Greedy
 (temperature 0, or below `TEMPERATURE_FLOOR`) takes the argmax after the penalties and bias, before
 the filters.
+
+`BatchSampler` applies the same rules to a whole decode batch in one call, with per-slot settings
+written at admission and seeded draws that do not depend on the batch (Gumbel-max over hashed noise).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -199,19 +204,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the better ones before it already reach top_p; the best token always
-        # stays (its preceding mass is 0).
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        logits[order[drop]] = float("-inf")
-    if params.min_p > 0:
-        # p_i / p_max >= min_p  <=>  l_i >= l_max + ln(min_p), on the temperature-scaled logits.
-        logits = logits.masked_fill(logits < logits.max() + math.log(params.min_p), float("-inf"))
+    row = functools.partial(torch.tensor, device=logits.device)
+    logits = filter_logits(logits.unsqueeze(0), top_k=row([params.top_k]) if 0 < params.top_k < logits.numel() else None,
+                           top_p=row([params.top_p]) if params.top_p < 1.0 else None,
+                           min_p=row([params.min_p]) if params.min_p > 0 else None, max_top_k=params.top_k)[0]
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -229,3 +225,272 @@ def stop_token_ids(config=None, tokenizer=None, extra: int | Iterable[int] | Non
     elif extra is not None:
         ids.update(int(i) for i in extra)
     return frozenset(ids)
+
+
+# --------------------------------------------------------------------------- the batched sampler
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                  min_p: torch.Tensor | None = None, max_top_k: int | None = None) -> torch.Tensor:
+    """The filters on temperature-scaled logits [B, V], each row with its own setting ([B] tensors;
+    None: no row uses the filter), in `sample()`'s order: top-k (0 keeps all), top-p (1 cuts
+    nothing), min-p (0 cuts nothing). Filtered tokens become -inf (a new tensor). Every step is a
+    per-row op, so a row's result never depends on the other rows. `max_top_k`: the largest
+    top_k of any row, when the caller knows it: without top-p, the k-th values then come from a
+    top-k of that size instead of a sort of the whole vocabulary (the same values)."""
+    neg_inf = float("-inf")
+    if top_k is not None or top_p is not None:
+        if top_p is None and max_top_k is not None:
+            ranked = torch.topk(logits, min(max_top_k, logits.shape[-1]), dim=-1).values  # best first
+        else:  # one stable sort serves both: ties keep index order, the same alone or in any batch
+            ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        if top_k is not None:
+            kth = ranked.gather(-1, (top_k.clamp(1, ranked.shape[-1]) - 1).unsqueeze(-1))
+            keep_all = (top_k <= 0).unsqueeze(-1)
+            logits = logits.masked_fill(~keep_all & (logits < kth), neg_inf)
+            if top_p is not None:
+                ranked = ranked.masked_fill(~keep_all & (ranked < kth), neg_inf)  # still sorted
+        if top_p is not None:
+            probs = torch.softmax(ranked, dim=-1)
+            # Drop a token when the better ones before it already reach top_p; the best token
+            # always stays (its preceding mass is 0). A row at 1 cuts nothing (the sum may round to 1).
+            drop = ((torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), neg_inf)
+    if min_p is not None:
+        # p_i / p_max >= min_p  <=>  l_i >= l_max + ln(min_p); ln(0) = -inf cuts nothing.
+        floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p.float()).unsqueeze(-1)
+        logits = logits.masked_fill(logits < floor, neg_inf)
+    return logits
+
+
+_WORD = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**31: a 32-bit word times it stays below 2**63, exact in int64 on any device
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanching bijection of 32-bit words held in int64 (two xorshift-multiply rounds)."""
+    x = ((x ^ (x >> 16)) * _MIX) & _WORD
+    x = ((x ^ (x >> 16)) * _MIX) & _WORD
+    return x ^ (x >> 16)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed of any size as two 32-bit words (its value modulo 2**64)."""
+    seed %= 1 << 64
+    return seed & _WORD, seed >> 32
+
+
+@functools.lru_cache(maxsize=8)
+def _token_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Each token id's own hash (the same every step: computed once per vocabulary and device)."""
+    return _mix32(torch.arange(vocab_size, device=device, dtype=torch.int64) + 0x9E3779B9)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [B, V] (float32) that is a pure function of (seed, position, token id): row b
+    from `seeds[b]` (two 32-bit words, int64 [B, 2]) and `positions[b]` (int64 [B]). The hash is
+    integer ops only, the same bits on every device; each value is -log(-log(u)) of a u in (0, 1)
+    taken from 23 of its bits (exact in float32, never 0 or 1). argmax(logits + noise) is a draw
+    from softmax(logits) (Gumbel-max): one call samples a whole batch, and a row's draw depends on
+    nothing but its own seed and position."""
+    tokens = _token_keys(vocab_size, seeds.device)
+    row = _mix32(_mix32(_mix32(seeds[:, 0]) ^ seeds[:, 1]) ^ (positions.to(torch.int64) & _WORD))
+    bits = _mix32(row.unsqueeze(-1) ^ tokens) >> 9
+    u = (bits.float() + 0.5) * 2.0 ** -23
+    return -torch.log(-torch.log(u))
+
+
+def _anything_left(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the row has a token above -inf (one pass)."""
+    return logits.amax(dim=-1) > float("-inf")
+
+
+@dataclass
+class SampledTokens:
+    """What one `BatchSampler.sample` call gives, row b for logits row b."""
+    tokens: torch.Tensor                      # [B] int64
+    failed: torch.Tensor                      # [B] bool: NaN/inf logits or nothing allowed: fail that request only
+    stop: torch.Tensor                        # [B] bool: the token ends its request (EOS unless ignored, a stop id)
+    logprob: torch.Tensor | None = None       # [B] raw log-softmax of the chosen token (when logprobs asked)
+    top_ids: torch.Tensor | None = None       # [B, k] the k best tokens by raw log-softmax, best first
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+class BatchSampler:
+    """`sample()` for a whole decode batch in one call: each request's settings live in per-slot
+    tensors written once by `admit`, and its history (for penalties and `min_tokens`) by `append`.
+
+        sampler = BatchSampler(max_slots, vocab_size, device)
+        sampler.admit(slot, params, prompt_ids=prompt, eos_ids=eos)   # once per request
+        out = sampler.sample(logits, allowed=grammar_masks, logprobs=k)   # each step, rows = slots
+        sampler.append(tokens)                                        # the tokens actually taken
+        sampler.release(slot)
+
+    Row b of `logits` is slot b (or `slots[b]` when given). The same rules as `sample()`, batched:
+    greedy rows (temperature below `TEMPERATURE_FLOOR`) take `sample()`'s argmax. A sampled row draws
+    by Gumbel-max with `gumbel_noise` of (its seed, its generated-token count): a seeded request gets
+    the same tokens alone or in any batch, and an unseeded one a seed drawn at admission. Nothing in
+    a step reads a tensor back to the host: which optional ops run is decided from the admitted
+    settings, and skipping one leaves every row exactly as running it with neutral values would."""
+
+    # The per-slot settings and their neutral values: a free slot's, and what a skipped op equals.
+    # `generated` counts the tokens appended so far (min_tokens, and the noise's position).
+    NEUTRAL = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "presence": 0.0, "frequency": 0.0,
+               "repetition": 1.0, "min_tokens": 0, "generated": 0}
+
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str = "cpu"):
+        if max_slots < 1 or vocab_size < 1:
+            raise ValueError(f"BatchSampler needs max_slots >= 1 and vocab_size >= 1, got {max_slots}, {vocab_size}")
+        self.max_slots, self.vocab_size, self.device = max_slots, vocab_size, torch.device(device)
+        self.params: list[SamplingParams | None] = [None] * max_slots
+        for name, value in self.NEUTRAL.items():  # self.temperature, self.top_k, ...: [max_slots]
+            setattr(self, name, torch.full((max_slots,), value, device=self.device,
+                                           dtype=torch.int64 if isinstance(value, int) else torch.float32))
+        self.seeds = torch.zeros(max_slots, 2, dtype=torch.int64, device=self.device)  # two 32-bit words
+        # EOS (unless ignored) and stop_token_ids: they end the request, and min_tokens bans them.
+        self.stop_ids = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=self.device)
+        self._tables: dict[str, torch.Tensor] = {}  # [S, V] tables made on first use: bias, banned, counts, seen
+
+    def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        if name not in self._tables:
+            self._tables[name] = torch.zeros(self.max_slots, self.vocab_size, dtype=dtype, device=self.device)
+        return self._tables[name]
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be an integer in [0, {self.max_slots}), got {slot!r}")
+
+    def admit(self, slot: int, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor = (),
+              output_ids: Sequence[int] | torch.Tensor = (), eos_ids: Iterable[int] = ()) -> None:
+        """Write a request's settings into `slot`: `prompt_ids` (seen by the repetition penalty),
+        `output_ids` (tokens it already generated, e.g. a resumed request), `eos_ids` (end it like
+        its `stop_token_ids`, banned until `min_tokens`; pass none when EOS is ignored). Raises
+        ValueError naming a token id outside the vocabulary."""
+        self._check_slot(slot)
+        params.check(self.vocab_size)
+        V = self.vocab_size
+        eos = [int(t) for t in eos_ids]
+        if any(not 0 <= t < V for t in eos):
+            raise ValueError(f"eos_ids must be token ids in [0, {V}), got {eos}")
+        self.release(slot)
+        self.params[slot] = params
+        greedy = params.temperature < TEMPERATURE_FLOOR
+        self.temperature[slot] = 0.0 if greedy else params.temperature
+        self.top_k[slot] = params.top_k if params.top_k < V else 0
+        self.top_p[slot], self.min_p[slot] = params.top_p, params.min_p
+        self.presence[slot], self.frequency[slot] = params.presence_penalty, params.frequency_penalty
+        self.repetition[slot], self.min_tokens[slot] = params.repetition_penalty, params.min_tokens
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self.seeds[slot] = torch.tensor(seed_words(seed))
+        stops = sorted({*eos, *params.stop_token_ids})
+        if stops:
+            self.stop_ids[slot, stops] = True
+        for token, bias in params.logit_bias:
+            if bias <= BAN:
+                self._table("banned", torch.bool)[slot, token] = True
+            else:
+                self._table("bias", torch.float32)[slot, token] = bias
+        output = torch.as_tensor(output_ids, dtype=torch.long).reshape(-1).to(self.device)
+        self.generated[slot] = output.numel()
+        if params.frequency_penalty or params.presence_penalty:
+            self._table("counts", torch.float32)[slot] = torch.bincount(output, minlength=V)[:V].float()
+        if params.repetition_penalty != 1.0:
+            seen = self._table("seen", torch.bool)
+            for ids in (prompt_ids, output):
+                seen[slot, torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)] = True
+
+    def release(self, slot: int) -> None:
+        """Forget `slot`'s request: its rows go back to neutral settings."""
+        self._check_slot(slot)
+        self.params[slot] = None
+        for name, value in self.NEUTRAL.items():
+            getattr(self, name)[slot] = value
+        for table in (self.seeds, self.stop_ids, *self._tables.values()):
+            table[slot] = 0
+
+    def _rows(self, slots, B: int) -> tuple[torch.Tensor | slice, list[SamplingParams]]:
+        """The state rows of a batch (a slice, no copy, when row b is slot b), and the settings
+        that decide which optional ops run (every admitted slot when `slots` is a tensor)."""
+        if slots is None:
+            if B > self.max_slots:
+                raise ValueError(f"a batch of {B} rows needs `slots`, or max_slots >= {B} (have {self.max_slots})")
+            index, chosen = slice(0, B), self.params[:B]
+        elif isinstance(slots, torch.Tensor):
+            index, chosen = slots.to(self.device, torch.long), self.params
+        else:
+            slots = [int(s) for s in slots]
+            for s in slots:
+                self._check_slot(s)
+            index, chosen = torch.tensor(slots, dtype=torch.long, device=self.device), [self.params[s] for s in slots]
+        return index, [p for p in chosen if p is not None]
+
+    def adjust(self, logits: torch.Tensor, rows, params: list[SamplingParams],
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """`adjust_logits` for a batch: logits [B, V] -> float32 [B, V] after the grammar mask, bias,
+        bans (lifted per row when they leave nothing) and penalties, in `adjust_logits`' order."""
+        x = logits.float()
+        if allowed is not None:
+            x = x.masked_fill(~allowed.to(x.device, torch.bool), float("-inf"))
+        if "bias" in self._tables and any(b > BAN for p in params for _, b in p.logit_bias):
+            x = x + self._tables["bias"][rows]
+        if "banned" in self._tables or any(p.min_tokens for p in params):
+            banned = self.stop_ids[rows] & (self.generated[rows] < self.min_tokens[rows]).unsqueeze(-1)
+            if "banned" in self._tables:
+                banned = banned | self._tables["banned"][rows]
+            kept = x.masked_fill(banned, float("-inf"))
+            x = torch.where(_anything_left(kept).unsqueeze(-1), kept, x)  # all banned: lift
+        if any(p.repetition_penalty != 1.0 for p in params):
+            p = self.repetition[rows].unsqueeze(-1)
+            x = torch.where(self._table("seen", torch.bool)[rows], torch.where(x > 0, x / p, x * p), x)
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            counts = self._table("counts", torch.float32)[rows]
+            x = x - counts * self.frequency[rows].unsqueeze(-1) - (counts > 0).float() * self.presence[rows].unsqueeze(-1)
+        return x
+
+    def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, logprobs: int | None = None,
+               slots: Sequence[int] | torch.Tensor | None = None) -> SampledTokens:
+        """The next token of every row of `logits` [B, V]. `allowed`: bool [B, V], the tokens each
+        row's grammar allows (all True for a row without one), never lifted. `logprobs` k: the
+        chosen token's raw logprob and the k best (k = the most any row asked for; None: none).
+        A row whose logits hold NaN or inf, or that allows no token, comes back `failed` (its
+        token is meaningless); the other rows are unaffected."""
+        if logits.dim() != 2 or logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"logits must be [batch, {self.vocab_size}], got shape {tuple(logits.shape)}")
+        B = logits.shape[0]
+        if allowed is not None and tuple(allowed.shape) != (B, self.vocab_size):
+            raise ValueError(f"allowed must be a bool mask [{B}, {self.vocab_size}], got shape {tuple(allowed.shape)}")
+        rows, params = self._rows(slots, B)
+        x = self.adjust(logits, rows, params, allowed)
+        # NaN or inf anywhere in a row shows in its max or min (two passes; isfinite().all() takes five)
+        failed = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))) | ~_anything_left(x)
+        tokens = torch.argmax(x, dim=-1)
+        sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
+        if sampled:
+            temperature = self.temperature[rows]
+            greedy = temperature == 0
+            scaled = x / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+            max_top_k = max(p.top_k for p in sampled)
+            scaled = filter_logits(
+                scaled, top_k=self.top_k[rows] if max_top_k else None,
+                top_p=self.top_p[rows] if any(p.top_p < 1 for p in sampled) else None,
+                min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None, max_top_k=max_top_k)
+            drawn = torch.argmax(scaled + gumbel_noise(self.seeds[rows], self.generated[rows], self.vocab_size), dim=-1)
+            tokens = torch.where(greedy, tokens, drawn)
+        out = SampledTokens(tokens, failed, self.stop_ids[rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+        if logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            out.logprob = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            out.top_logprobs, out.top_ids = torch.topk(lp, min(int(logprobs), self.vocab_size), dim=-1)
+        return out
+
+    def append(self, tokens: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Record the tokens the rows actually generated (the sampled ones, or what a grammar forced
+        instead): the penalties' counts, `min_tokens` and the noise position move on."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        rows, _ = self._rows(slots, tokens.numel())
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop, device=self.device)
+        self.generated.index_add_(0, rows, torch.ones_like(rows))
+        if "counts" in self._tables:
+            self._tables["counts"].index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
+                                              accumulate=True)
+        if "seen" in self._tables:
+            self._tables["seen"][rows, tokens] = True

@@ -15,7 +15,7 @@ import torch
 
 from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch.kernels import reference
-from ds4_torch.model import sinkhorn
+from ds4_torch.kernels.sinkhorn import sinkhorn_torch as sinkhorn
 from oracle import randomise
 from test_decode import SMALL
 

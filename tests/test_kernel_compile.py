@@ -54,7 +54,7 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path):
     assert {r["target"] for r in rows} == {f"sm_{cc}" for cc in TARGETS}
     assert len(rows) == len(cases) * len(TARGETS)
     assert {k for _, k in cases} == {"_attention_partial_kernel", "_attention_merge_kernel",
-                                     "_compress_rows_kernel", "_indexer_keys_kernel"}
+                                     "_compress_rows_kernel", "_indexer_keys_kernel", "_sinkhorn_kernel"}
     for r in rows:
         cc = int(r["target"][3:])
         assert int(r["shared_bytes"]) <= MAX_SHARED[cc], r  # else OutOfResources at the first launch
@@ -85,7 +85,7 @@ def v4_flash_launches():
 
     tk._sm_count = lambda device: 132  # an H100: the split counts (and merge tiles) of a real launch
     for name in ("_attention_partial_kernel", "_attention_merge_kernel", "_compress_rows_kernel",
-                 "_indexer_keys_kernel"):
+                 "_indexer_keys_kernel", "_sinkhorn_kernel"):
         setattr(tk, name, Recorder(getattr(tk, name)))
 
     def meta(*shape, dtype=torch.bfloat16):
@@ -111,6 +111,8 @@ def v4_flash_launches():
                          meta(1, 1, ROPE // 2), meta(1, 1, ROPE // 2))
     case = "indexer_decode_bf16"
     tk.indexer_keys(meta(1, 1, HI, DI), meta(1, 1, HI, dtype=torch.float32), meta(1, c_csa, DI), start, 4)
+    for case, tokens in (("mhc_decode_fp32", 64), ("mhc_prefill_fp32", 8192)):  # 4 streams, 20 iterations
+        tk.sinkhorn(meta(tokens, 4, 4, dtype=torch.float32), 20, 1e-6)
     return launches
 
 

@@ -29,6 +29,9 @@ K picks per query, L = K for CSA else C):
   rows -inf, each packed into a unique int64 sort key (order-preserving score bits << 32 |
   (2^31-1 - row)). The top-k itself is `torch.topk` on those keys: keys are unique, so the
   result is deterministic and a tie in score goes to the lower row index (the reference rule).
+- `_sinkhorn_kernel`, grid (cdiv(N, BLOCK_M),): BLOCK_M of the N mHC matrices (n x n, fp32) per
+  program, held in registers for the whole Sinkhorn loop (`sinkhorn.py`); one launch instead of
+  2 * iters - 1 normalisations of two ops each.
 
 Numerics: every load is converted right away to the compute dtype (fp32 under the interpreter,
 whose bf16 arithmetic on raw loads is garbage; the input dtype on a GPU so `tl.dot` runs on
@@ -388,3 +391,33 @@ def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
     picks = torch.topk(indexer_keys(q, head_weights, rows, start, rate), k, dim=-1, sorted=True).indices
     n_visible = (start[:, None] + torch.arange(T, device=q.device) + 1) // rate  # [B, T]
     return torch.where(picks < n_visible[..., None], picks, -1)
+
+
+# --------------------------------------------------------------------------- mHC Sinkhorn
+@triton.jit
+def _sinkhorn_kernel(x_ptr, out_ptr, N, n, iters, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_N)
+    offs = m[:, None, None] * (n * n) + i[None, :, None] * n + i[None, None, :]
+    mask = (m[:, None, None] < N) & (i[None, :, None] < n) & (i[None, None, :] < n)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # padding is 0: it adds nothing to a sum
+    x = x / (tl.sum(x, axis=1)[:, None, :] + eps)  # columns (sums over i)
+    for _ in range(iters - 1):
+        x = x / (tl.sum(x, axis=2)[:, :, None] + eps)  # rows (sums over j)
+        x = x / (tl.sum(x, axis=1)[:, None, :] + eps)
+    tl.store(out_ptr + offs, x, mask=mask)
+
+
+def sinkhorn(comb, iters: int, eps: float):
+    """Triton version of `sinkhorn.sinkhorn_torch` (fp32 [..., n, n])."""
+    n = comb.shape[-1]
+    x = comb.contiguous()
+    out = torch.empty_like(x)
+    N = x.numel() // (n * n) if n else 0
+    if N == 0:
+        return out
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, 256 // (block_n * block_n))  # 256 values a program: 16 matrices of 4 x 4
+    _sinkhorn_kernel[(triton.cdiv(N, block_m),)](x, out, N, n, iters, eps, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                 num_warps=4)
+    return out
