@@ -12,6 +12,8 @@ tools go to it as ``tools``, the thinking switch as ``thinking``/``enable_thinki
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -68,6 +70,7 @@ class ByteTokenizer(_ChatMixin):
     vocab_size = 256
     bos_token_id = None
     eos_token_id = None
+    max_token_chars = 1  # the most characters one token decodes to: a text of n has >= n / this tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -87,6 +90,13 @@ class HFTokenizer(_ChatMixin):
     @property
     def vocab_size(self) -> int:
         return len(self.hf)  # includes added (special) tokens
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to (an upper bound: a byte-level vocabulary's
+        entries spell one character per byte), so a text of n characters has at least n / this
+        tokens: a prompt too long for a context is known before it is tokenized."""
+        return max(map(len, self.hf.get_vocab()), default=1)
 
     @property
     def bos_token_id(self) -> int | None:

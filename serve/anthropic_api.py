@@ -440,4 +440,4 @@ async def count_tokens(state, request: Request) -> Response:
     body = await state.read_json(request)
     creq, model, _, _ = parse_request(body, counting=True)
     state.check_model(model)
-    return JSONResponse({"input_tokens": len(chat_prompt(state, creq))})
+    return JSONResponse({"input_tokens": len(chat_prompt(state, creq, counting=True))})

@@ -50,6 +50,7 @@ from .engine import Engine
 from .guard import BrowserGuard
 from .metrics import Metrics
 from .protocol import APIError, bad, parse_json_object, type_name
+from .request_policy import LIMITS
 from .replay import ReplayStore
 
 log = logging.getLogger("ds4.serve")
@@ -148,7 +149,12 @@ class AppState:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        body = parse_json_object(b"".join(chunks))
+        raw = b"".join(chunks)
+        # Parsing costs per value, holding the GIL: bound the values (the commas) before it.
+        if raw.count(b",") > LIMITS["array_items"]:
+            raise bad(f"the request body holds more than {LIMITS['array_items']} values; this server takes at most "
+                      f"that many", code="too_large")
+        body = parse_json_object(raw)
         request.state.model = body.get("model")
         return body
 

@@ -46,7 +46,7 @@ from ds4_torch.output_parser import (ContentDelta, MarkupDropped, MarkupFilter, 
 from ds4_torch.sampling import SamplingParams
 
 from .engine import EngineStopped, GenRequest, QueueFull, TokenOut
-from .protocol import APIError, bad, fit_context, value_error
+from .protocol import APIError, bad, check_fits, fit_context, value_error
 from .replay import ReplayStore, signature
 
 log = logging.getLogger("ds4.serve")
@@ -202,8 +202,13 @@ def _offered(creq: ChatRequest) -> list[dict]:
     return [] if creq.tool_choice.mode == "none" else creq.tools  # "none": the model is offered no tools
 
 
-def chat_prompt(state, creq: ChatRequest) -> list[int]:
-    """The prompt ids of a chat request; 400 naming the messages when they cannot be rendered."""
+def chat_prompt(state, creq: ChatRequest, counting: bool = False) -> list[int]:
+    """The prompt ids of a chat request; 400 naming the messages when they cannot be rendered,
+    or (unless only `counting` them) when their text alone cannot fit the context, which is known
+    before it is rendered and encoded."""
+    if not counting:
+        chars = sum(len(m["content"]) for m in creq.messages if isinstance(m.get("content"), str))
+        check_fits(chars // state.tokenizer.max_token_chars, state.config.ctx, creq.messages_param)
     try:
         return encode_conversation(state.tokenizer, state.replay, creq.messages, tools=_offered(creq),
                                    thinking=creq.thinking, reasoning_effort=creq.reasoning_effort)
@@ -248,11 +253,11 @@ class Channel:
         return self.drain()
 
 
-def queue_requests(engine, reqs: list[GenRequest]) -> None:
+def queue_requests(engine, reqs: list[GenRequest], continuation: bool = False) -> None:
     """Queue `reqs` in the engine together (or none); APIError 429 (queue full), 503 (stopped) or
-    400 (a setting the model cannot serve, named)."""
+    400 (a setting the model cannot serve, named). `continuation`: see `Engine.submit_all`."""
     try:
-        engine.submit_all(reqs)
+        engine.submit_all(reqs, continuation=continuation)
     except QueueFull as e:
         raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
@@ -534,7 +539,7 @@ class Generation:
         if opener:
             ids, left = self._append_opener(ids, left)
         try:
-            queue_requests(self.state.engine, [self._request(ids, left, self.stop, self.grammar)])
+            queue_requests(self.state.engine, [self._request(ids, left, self.stop, self.grammar)], continuation=True)
         except APIError as e:
             self._ended = True
             out.append(Failed(e))

@@ -439,19 +439,24 @@ class Engine:
         """Queue `req`; ValueError (naming the field) for settings the model cannot serve."""
         self.submit_all([req])
 
-    def submit_all(self, reqs: list[GenRequest]) -> None:
+    def submit_all(self, reqs: list[GenRequest], continuation: bool = False) -> None:
         """Queue `reqs` together, back to back, or none of them (the choices of one HTTP request:
-        adjacent in the queue, those with the same prompt share its prefill)."""
+        adjacent in the queue, those with the same prompt share its prefill). A `continuation` of
+        work already admitted (thinking's second phase) goes to the front and is never refused
+        for a full queue: its request was counted when it arrived."""
         for req in reqs:
             self.check(req)
         with self._cv:
             if self._stopping or not self.alive:
                 raise EngineStopped("the engine is not running")
-            if len(self._queue) + len(reqs) > self.max_queue:
+            if not continuation and len(self._queue) + len(reqs) > self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             for req in reqs:
                 req.state = "queued"
-                self._queue.append(req)
+            if continuation:
+                self._queue.extendleft(reversed(reqs))
+            else:
+                self._queue.extend(reqs)
             self.metrics.queue_depth.set(len(self._queue))
             self._cv.notify()
 

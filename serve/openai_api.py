@@ -40,7 +40,7 @@ from ds4_torch.sampling import SamplingParams
 
 from .chat import (Call, ChatRequest, Choices, Done, Generation, PromptLogprobs, Text, Token, ToolChoice,
                    json_grammar, strict_tool_grammar)
-from .protocol import (APIError, bad, fit_context, get_bool, get_list, get_number, get_object,
+from .protocol import (APIError, bad, check_fits, fit_context, get_bool, get_list, get_number, get_object,
                        get_str, type_name, value_error)
 from .request_policy import (LIMITS, UNREADABLE_INPUT, check_count, check_tools_size, drop_hosted_tools,
                              ignore_unknown, is_hosted_tool, note_ignored, parse_stop, refuse_unreadable)
@@ -336,6 +336,9 @@ def parse_prompts(body: dict, state) -> list[tuple[list[int], str]]:
     vocab_size = state.model.config.vocab_size
     out = []
     for p, param in zip(prompts, params):
+        # Too long for the context is known from the length alone, before any per-token cost.
+        check_fits(len(p) // state.tokenizer.max_token_chars if isinstance(p, str) else len(p), state.config.ctx,
+                   param)
         if isinstance(p, str):
             ids, text = state.tokenizer.encode(p), p
         elif _is_ids(p):

@@ -54,12 +54,6 @@ def parse_json_object(raw: bytes) -> dict:
     NaN/Infinity or numbers beyond float range, nesting too deep to parse, a body that is not an
     object, and text that is not valid Unicode (a lone surrogate such as "\\ud800" anywhere, named
     by its path: no such string can reach a tokenizer)."""
-    # Parsing costs per element, holding the GIL: bound the elements (the commas) before it.
-    from .request_policy import LIMITS
-
-    if raw.count(b",") > LIMITS["array_items"]:
-        raise bad(f"the request body holds more than {LIMITS['array_items']} values; this server takes at most that "
-                  f"many", code="too_large")
     try:
         body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError) as e:
@@ -186,6 +180,14 @@ def fit_context(n_prompt: int, max_tokens: int | None, ctx: int, *, prompt_param
                   f"which leaves no room for a completion", prompt_param, "context_length_exceeded")
     room = ctx - n_prompt
     return room if max_tokens is None else min(max_tokens, room)
+
+
+def check_fits(min_tokens: int, ctx: int, param: str) -> None:
+    """400 `context_length_exceeded` for a prompt known to hold at least `min_tokens` (from its
+    length, before it is tokenized or decoded: a huge prompt costs nothing)."""
+    if min_tokens >= ctx:
+        raise bad(f"This model's maximum context length is {ctx} tokens. However, your prompt is at least "
+                  f"{min_tokens} tokens, which leaves no room for a completion", param, "context_length_exceeded")
 
 
 def value_error(e: ValueError) -> APIError:

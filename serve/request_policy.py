@@ -30,7 +30,7 @@ import logging
 import threading
 from typing import Any, Iterable, Mapping
 
-from .protocol import bad, type_name
+from .protocol import bad
 
 log = logging.getLogger("ds4.serve")
 

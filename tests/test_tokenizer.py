@@ -141,7 +141,7 @@ def test_effort_profile_read_from_the_checkpoint_encoder(tmp_path):
     ([{"role": "user"}], "content must be a string"),
     ([{"role": "user", "content": 3}], "content must be a string"),
     (["hi"], r"messages\[0\] must be a dict"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "system messages must come before"),
+    ([{"role": "assistant", "content": "a"}], "an assistant message must follow"),
 ])
 def test_render_chat_rejects_bad_messages(tok_dir, messages, match):
     for tok in (load_tokenizer(tok_dir), ByteTokenizer()):
