@@ -347,10 +347,18 @@ class Engine:
     decoder = property(lambda self: self.replica.decoder)
 
     def _run(self, operation: str, *args):
-        """Run one replica operation: on every rank under tensor parallelism (sent first), else here."""
-        if self.peers is not None:
-            self.peers.send(operation, args, model=operation in MODEL_OPERATIONS)
-        return getattr(self.replica, operation)(*args)
+        """Run one replica operation: on every rank under tensor parallelism (sent first, and
+        acknowledged by every rank after: see serve.tp), else here."""
+        if self.peers is None:
+            return getattr(self.replica, operation)(*args)
+        step = self.peers.send(operation, args, model=operation in MODEL_OPERATIONS)
+        try:
+            result = getattr(self.replica, operation)(*args)
+        except BaseException:
+            self.peers.acknowledge(step, ok=False)  # a fault on every rank alike: recovered as usual
+            raise
+        self.peers.acknowledge(step, ok=True)
+        return result
 
     @property
     def cache_bytes(self) -> int:
@@ -592,8 +600,9 @@ class Engine:
         if restored is not None:
             count, logits = restored
             if self.peers is not None:  # the other ranks' caches hold what this one read from disk
-                self.peers.send("import_sequence", (session.slot, self.resident.export_sequence(session.slot, "cpu")),
-                                model=False)
+                step = self.peers.send("import_sequence",
+                                       (session.slot, self.resident.export_sequence(session.slot, "cpu")), model=False)
+                self.peers.acknowledge(step, ok=True)
             session.tokens, session.last_logits = list(seq[:count]), logits
             session.saved_at = count
             session.restored = getattr(self.kv_store, "last_restored", None) or "restored"

@@ -24,7 +24,13 @@ Failure:
   connection) or times out; they exit with status 1;
 - a step that fails on every rank alike (an injected `DS4_TORCH_FAULT`, set for all ranks by the
   launcher) is recovered as in one process: the follower logs it, and rank 0's recovery (a batch
-  reset, a cleared slot) arrives as the next operations.
+  reset, a cleared slot) arrives as the next operations;
+- every operation is acknowledged: after running it, each rank contributes (its step counter,
+  whether it succeeded) to one gather on the control group, and rank 0 compares them. A fault
+  on some ranks only (their caches now differ), or a step or acknowledgement that does not
+  match (the ranks drifted), is a group failure like a dead rank: 503s and exit. A collective
+  that timed out on rank 0 is therefore never retried as a device error while a follower is
+  still stuck in it: the acknowledgement cannot complete and the group is declared broken.
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ class Lead:
         self.heartbeat_s = heartbeat_s
         self.broken: str | None = None  # why the group failed
         self.stopped = False
+        self.step = 0  # operations sent: each is acknowledged under its number
         self.on_failure = lambda reason: None  # set by the server: end it
         self._lock = threading.Lock()
 
@@ -80,13 +87,34 @@ class Lead:
     def open(self, shape: dict) -> None:
         self._broadcast(("open", shape))
 
-    def send(self, operation: str, args: tuple, model: bool) -> None:
-        """Send one replica operation before rank 0 runs it. Once the group is broken nothing is
-        sent; an operation that runs the model (`model`) then raises GroupFailed, since its
-        collectives would wait for ranks that are gone, while cache operations go on locally."""
-        self._broadcast((operation, args))
+    def send(self, operation: str, args: tuple, model: bool) -> int:
+        """Send one replica operation before rank 0 runs it; its step number, for `acknowledge`.
+        Once the group is broken nothing is sent; an operation that runs the model (`model`) then
+        raises GroupFailed, since its collectives would wait for ranks that are gone, while cache
+        operations go on locally."""
+        self.step += 1
+        self._broadcast((operation, args, self.step))
         if model and (self.broken is not None or self.stopped):
             raise GroupFailed(self.broken or "the followers were stopped")
+        return self.step
+
+    def acknowledge(self, step: int, ok: bool) -> None:
+        """Every rank's outcome of operation `step` (this rank's: `ok`); GroupFailed when the ranks
+        disagree (a fault on some ranks only) or drifted (another step), or cannot be heard."""
+        with self._lock:
+            if self.broken is not None or self.stopped:
+                return
+            acks = [None] * dist.get_world_size(self.group)
+            try:
+                dist.all_gather_object(acks, (step, ok), group=self.group)
+            except Exception as e:  # noqa: BLE001 - gloo's closed connection or timeout: a rank is gone
+                self.broken = f"acknowledging step {step}: {type(e).__name__}: {e}"
+            else:
+                if any(a != (step, ok) for a in acks):
+                    self.broken = f"the ranks disagree on step {step}: (step, succeeded) per rank {acks}"
+            if self.broken is not None:
+                log.error("tensor parallel: %s", self.broken)
+                raise GroupFailed(self.broken)
 
     def heartbeat(self) -> None:
         self._broadcast(("heartbeat", ()))
@@ -116,18 +144,27 @@ def follow(model, group: dist.ProcessGroup) -> int:
         except Exception as e:  # noqa: BLE001 - a closed connection or the timeout
             log.error("rank %d: lost rank 0 (%s: %s); exiting", rank, type(e).__name__, e)
             return 1
-        operation, args = box[0]
+        operation, args, *step = box[0]
         if operation == "stop":
             log.info("rank %d: stopped by rank 0", rank)
             return 0
         if operation == "open":
             replica = Replica(model, **args)
             continue
+        if operation == "heartbeat":
+            continue
+        ok = True
         try:
             with torch.no_grad():
                 getattr(replica, operation)(*args)
-        except Exception as e:  # noqa: BLE001 - rank 0 met the same failure; its recovery comes next
+        except Exception as e:  # noqa: BLE001 - rank 0 compares the outcomes (acknowledge)
             log.warning("rank %d: %s failed: %s: %s", rank, operation, type(e).__name__, e)
+            ok = False
+        try:
+            dist.all_gather_object([None] * dist.get_world_size(group), (step[0], ok), group=group)
+        except Exception as e:  # noqa: BLE001 - rank 0 is gone or declared the group broken
+            log.error("rank %d: cannot acknowledge step %d (%s: %s); exiting", rank, step[0], type(e).__name__, e)
+            return 1
 
 
 def exit_soon(delay: float, status: int) -> threading.Timer:

@@ -76,12 +76,14 @@ def torchrun(tmp: Path, *args: str, env: dict | None = None) -> Ranks:
     return Ranks([proc], log)
 
 
-def launch_ranks(tmp: Path, *args: str) -> Ranks:
-    """Rank 0 and rank 1 as the test's own children, so each one's exit can be watched."""
+def launch_ranks(tmp: Path, *args: str, rank_extra_env: dict | None = None) -> Ranks:
+    """Rank 0 and rank 1 as the test's own children, so each one's exit can be watched;
+    `rank_extra_env`: rank -> more environment for that rank only."""
     log = tmp / "ranks.log"
     out, port = log.open("w"), free_port()
-    procs = [subprocess.Popen([PYTHON, *SERVE, *args], env=rank_env(rank, 2, port), stdout=out,
-                              stderr=subprocess.STDOUT) for rank in range(2)]
+    procs = [subprocess.Popen([PYTHON, *SERVE, *args], env={**rank_env(rank, 2, port),
+                                                            **(rank_extra_env or {}).get(rank, {})},
+                              stdout=out, stderr=subprocess.STDOUT) for rank in range(2)]
     return Ranks(procs, log)
 
 
@@ -192,6 +194,23 @@ def test_killed_follower_ends_the_server_with_503(tmp_path):
         ranks.kill()
 
 
+def test_a_fault_on_one_rank_only_is_a_group_failure(tmp_path):
+    """The follower alone fails its third decode step: its cache no longer matches rank 0's, so
+    retrying would go on with ranks that disagree. The acknowledgement of that step shows it (the
+    ranks disagree, or, the follower having failed before the step's collectives, rank 0's side
+    never completes): the stream ends with the API's error event, rank 0 exits 1, the follower too."""
+    ranks = launch_ranks(tmp_path, "--tp-timeout", "8", rank_extra_env={1: {faults.ENV: "decode:3"}})
+    try:
+        client = ranks.wait_ready().client()
+        with pytest.raises(openai.APIError, match="tensor-parallel group failed"):
+            ask(client, "ROMEO:", n=16, stream=True)
+        assert ranks.procs[0].wait(30) == 1, ranks.text()
+        assert ranks.procs[1].wait(30) != 0
+        assert "disagree on step" in ranks.text() or "acknowledging step" in ranks.text()
+    finally:
+        ranks.kill()
+
+
 def test_graceful_shutdown_stops_every_rank(tmp_path):
     """SIGTERM to rank 0 (a service manager stopping the server): it shuts down gracefully, tells
     the follower to stop, and exits by the signal, as uvicorn does after a graceful shutdown."""
@@ -219,7 +238,7 @@ class MirrorPeers:
     broken = None
 
     def __init__(self, model):
-        self.model, self.sent, self.follower = model, [], None
+        self.model, self.sent, self.follower, self.outcomes = model, [], None, []
 
     def open(self, shape):
         from serve.replica import Replica
@@ -228,8 +247,16 @@ class MirrorPeers:
 
     def send(self, operation, args, model):
         self.sent.append(operation)
-        with torch.no_grad():
-            getattr(self.follower, operation)(*args)
+        try:
+            with torch.no_grad():
+                getattr(self.follower, operation)(*args)
+            self.outcomes.append(True)
+        except Exception:  # noqa: BLE001 - compared with the lead's in acknowledge
+            self.outcomes.append(False)
+        return len(self.outcomes)
+
+    def acknowledge(self, step, ok):
+        assert self.outcomes[step - 1] == ok, f"the follower and the lead disagree on step {step}"
 
     def heartbeat(self):
         self.sent.append("heartbeat")
@@ -316,8 +343,10 @@ def test_checkpoint_operations_reach_the_followers():
     peers.open(lead.shape())
 
     def run(operation, *args):
-        peers.send(operation, pickle.loads(pickle.dumps(args)), model=operation in MODEL_OPERATIONS)
-        return getattr(lead, operation)(*args)
+        step = peers.send(operation, pickle.loads(pickle.dumps(args)), model=operation in MODEL_OPERATIONS)
+        result = getattr(lead, operation)(*args)
+        peers.acknowledge(step, ok=True)
+        return result
 
     def cold(tokens):  # fed in the same pieces (32, then the rest): chunking alone moves logits by ~1e-5
         cache = model.new_cache(1, 128)
