@@ -38,7 +38,7 @@ from typing import Any, Union
 
 from ds4_torch.chat_encoding import (
     INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN,
-    TOOL_CALLS_SEPARATOR, render_prompt_parts,
+    TOOL_CALLS_SEPARATOR, render_assistant_completion, render_prompt_parts,
 )
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.output_parser import (ContentDelta, MarkupDropped, MarkupFilter, ReasoningDelta, StreamingOutputParser,
@@ -554,8 +554,18 @@ class Generation:
             return  # e.g. cut at a stop string: what the client got is not what was sampled
         sig = signature("".join(self.returned_reasoning), "".join(self.returned_content),
                         [(c.name, json.loads(c.arguments)) for c in self.calls], self.thinking)
+        # Keyed by the text the client's copy of the turn renders to: when markup was kept out of
+        # what it got, that is not the sampled text, and the turn sent back must still find its ids.
+        message = {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning or None,
+                   "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                "arguments": c.arguments}}
+                                  for c in self.calls] or None}
         try:
-            replay.record(text, self.reply_ids, sig, [c.id for c in self.calls])
+            key = render_assistant_completion(message, thinking=self.thinking)
+        except ValueError:
+            key = text
+        try:
+            replay.record(key, self.reply_ids, sig, [c.id for c in self.calls])
         except Exception as e:  # noqa: BLE001 - replay is an optimisation: never fail the request
             log.warning("replay: recording failed: %s: %s", type(e).__name__, e)
 
