@@ -415,8 +415,13 @@ class Experts(nn.Module):
     def forward(self, flat, indices, weights):
         """flat [N, H], indices [N, k] expert ids, weights [N, k] -> [N, H]."""
         if type(self).expert_weights is not Experts.expert_weights:
-            # quant.py's storages: no dense parameters, weights only through expert_weights.
-            return self._forward_one_expert_at_a_time(flat, indices, weights)
+            # quant.py's storages: no dense parameters; the op reads the packed experts in place.
+            packed = self.packed_weights()
+            if packed is None:  # a layout the op does not take: weights only through expert_weights
+                return self._forward_one_expert_at_a_time(flat, indices, weights)
+            gate_up, down, gate_up_scale, down_scale = packed
+            return moe(flat, indices, weights, gate_up, down, float(self.limit), self.backend, gate_up_scale,
+                       down_scale)
         return self._moe(flat, indices, weights, self.gate_up_proj, self.down_proj)
 
     def _moe(self, flat, indices, weights, gate_up, down):
@@ -426,7 +431,8 @@ class Experts(nn.Module):
         return moe(flat, indices, weights, gate_up, down, float(self.limit), self.backend)
 
     def _forward_one_expert_at_a_time(self, flat, indices, weights):
-        """Storages that only hand out weights through `expert_weights` (quantized, see quant.py):
+        """Quantized storages whose scale grid the op does not take (an FP8 block straddling the
+        gate/up border, see `quant.QuantizedExperts.packed_weights`):
         dequantize one selected expert at a time and run the op on it alone, with every pair routed
         elsewhere marked -1 (no expert). Slot s holds the s-th distinct selected expert (-1 past
         them). The slot count min(N*k, E) is static, so this traces and captures too; it is also

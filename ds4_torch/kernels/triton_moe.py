@@ -170,8 +170,13 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float):
+def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float, gate_up_scale=None,
+        down_scale=None):
     """Triton version of `moe.moe_torch` (same arguments)."""
+    if gate_up_scale is not None:  # packed experts: not in these kernels yet, the torch loop unpacks them
+        from .moe import moe_torch
+
+        return moe_torch(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, gate_up_scale, down_scale)
     N, H = hidden.shape
     k = expert_ids.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2

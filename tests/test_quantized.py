@@ -1,0 +1,125 @@
+"""`ds4::fp8_linear` and the FP4 unpacking (kernels/quantized.py, kernels/triton_quantized.py)
+against the dense product on weights dequantized by tests/ckpt_utils' own reference
+(`fp8_reference`, `fp4_quantize`'s exact values), in float64.
+
+Tolerances: fp32 within 1e-5 of the output's largest magnitude; bf16 within 2^-7 of it (the op
+rounds its inputs' products once per block of 128 rows, the dense reference once).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ckpt_utils import fp4_quantize, fp8_quantize, fp8_reference
+from ds4_torch import quant as Q
+from ds4_torch.kernels import quantized
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+
+
+def assert_near(got, want, dtype):
+    scale = want.abs().max().item()
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"{dtype}: max error {err:.3g} against output magnitude {scale:.3g}"
+
+
+# (R, K, scale format): partial blocks on both edges, a block-aligned square, one row block
+SHAPES = [(300, 200, "float32"), (256, 384, "e8m0"), (130, 129, "uint8"), (64, 128, "e8m0")]
+
+
+@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-{s[2]}")
+@torch.no_grad()
+def test_fp8_linear_matches_dense_product(shape, backend):
+    """Decode-sized (scales on the activations) and prefill-sized (scales on the tiles) inputs,
+    2-D and 3-D, fp32 and bf16."""
+    R, K, fmt = shape
+    g = torch.Generator().manual_seed(R + K)
+    q, s = fp8_quantize(torch.randn(R, K, generator=g), fmt)
+    dense = fp8_reference(q, s).double()
+    for lead in ((1,), (5,), (2, 20)):
+        x = torch.randn(*lead, K, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            got = quantized.fp8_linear(xd, q, s, 128, 128, backend)
+            assert got.dtype == dtype and got.shape == (*lead, R)
+            assert_near(got, xd.double() @ dense.T, dtype)
+
+
+@torch.no_grad()
+def test_fp8_linear_large_scales_and_other_blocks():
+    """Scales of 2^9 and more (the tile path applies 2^120 in two steps) and 32x32 blocks."""
+    g = torch.Generator().manual_seed(1)
+    q, s = fp8_quantize(torch.randn(100, 70, generator=g) * 1e5, "e8m0")
+    assert s.float().max() >= 2 ** 8
+    x = torch.randn(40, 70, generator=g)
+    assert_near(quantized.fp8_linear(x, q, s, 128, 128, "torch"), x.double() @ fp8_reference(q, s).double().T,
+                torch.float32)
+    q, s = fp8_quantize(torch.randn(100, 70, generator=g), "e8m0", block=32)  # 32x32 blocks, partial edges
+    dense = fp8_reference(q, s, block=32).double()
+    for n in (1, 40):
+        x = torch.randn(n, 70, generator=g)
+        assert_near(quantized.fp8_linear(x, q, s, 32, 32, "torch"), x.double() @ dense.T, torch.float32)
+
+
+def test_fp8_linear_errors_name_the_problem():
+    q, s = fp8_quantize(torch.randn(130, 129))
+    x = torch.randn(2, 129)
+    with pytest.raises(ValueError, match=r"scale must be \[2, 2\]"):
+        quantized.fp8_linear(x, q, s[:1], 128, 128, "auto")
+    with pytest.raises(ValueError, match="last dim 129"):
+        quantized.fp8_linear(x[:, :5], q, s, 128, 128, "auto")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        quantized.fp8_linear(x, q.float(), s, 128, 128, "auto")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fp8_linear_passes_opcheck(backend):
+    q, s = fp8_quantize(torch.randn(130, 129))
+    # test_schema is left out: torch's schema checker cannot compare float8 tensors ("mul" is
+    # not implemented for Float8_e4m3fn); test_op_does_not_mutate_its_inputs covers it here.
+    torch.library.opcheck(torch.ops.ds4.fp8_linear.default, (torch.randn(3, 129), q, s, 128, 128, backend),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_op_does_not_mutate_its_inputs():
+    q, s = fp8_quantize(torch.randn(130, 129), "uint8")
+    x = torch.randn(3, 129)
+    before = [t.clone() for t in (x, q.view(torch.uint8), s)]
+    out = quantized.fp8_linear(x, q, s, 128, 128, "auto")
+    assert all(torch.equal(a, b) for a, b in zip(before, (x, q.view(torch.uint8), s)))
+    assert out.data_ptr() not in {x.data_ptr(), q.data_ptr(), s.data_ptr()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["e8m0", "uint8", "float32"])
+def test_fp4_rows_unpack_exactly(fmt, dtype):
+    """The (exponent, byte) lookup gives bit-for-bit what quant.dequantize_fp4 gives (float32
+    scales go through the plain formula)."""
+    g = torch.Generator().manual_seed(2)
+    packed, scale, exact = fp4_quantize(torch.randn(48, 96, generator=g) * 3, fmt)
+    got = quantized.dequantize_fp4_rows(packed, scale, dtype)
+    assert torch.equal(got, Q.dequantize(packed, scale, dtype))
+    assert torch.equal(got, exact.to(dtype))
+
+
+@torch.no_grad()
+def test_grouped_fp8_projection_matches_grouped_linear():
+    """attention's wo_a kept in FP8: each group of x through its own block rows of the weight."""
+    from ds4_torch.model import GroupedLinear
+
+    g = torch.Generator().manual_seed(3)
+    groups, in_per_group, rows = 4, 96, 128
+    dense = GroupedLinear(in_per_group, groups * rows, groups)
+    q, s = fp8_quantize(torch.randn(groups * rows, in_per_group, generator=g), "e8m0")
+    dense.weight.copy_(fp8_reference(q, s))
+    kept = Q.FP8BlockLinear.from_linear(dense, scale_shape=s.shape)
+    kept.weight.copy_(q)
+    kept.weight_scale_inv.copy_(s)
+    assert kept.groups == groups
+    x = torch.randn(3, 2, groups, in_per_group, generator=g)
+    assert_near(kept(x), dense.double()(x.double()), torch.float32)
+    with pytest.raises(ValueError, match="block border"):
+        Q.FP8BlockLinear(in_per_group, groups * 100, groups=groups)
