@@ -746,8 +746,13 @@ def load_checkpoint_into(
     progress: bool | None = None,
     allocate_meta: bool = False,
     shards: dict | None = None,
+    plan_only: bool = False,
 ) -> None:
     """Stream a safetensors checkpoint into ``model``'s existing parameters/buffers.
+
+    ``plan_only``: read the headers, check them and (``"keep"``) swap in the quantized modules,
+    allocated on ``device`` (``"meta"``: nowhere), then stop before reading any data: how
+    ``ds4_torch.footprint`` learns what a load would hold.
 
     ``device``: where tensors are read and dequantized (default CPU); results are
     copied onto each parameter's own device. ``quantized``: ``"dequantize"``
@@ -838,6 +843,8 @@ def load_checkpoint_into(
             lacking = _expected_pieces(k, state[k].shape[0]) - got
             missing.extend(_piece_name(k, p) for p in sorted(lacking))
     _raise_collected(path, missing, unexpected, mismatched, unreadable)
+    if plan_only:
+        return
     if allocate_meta:
         _allocate_meta(model, torch.device(device) if device is not None else torch.device("cpu"))
         state = model.state_dict(keep_vars=True)

@@ -123,3 +123,70 @@ def test_grouped_fp8_projection_matches_grouped_linear():
     assert_near(kept(x), dense.double()(x.double()), torch.float32)
     with pytest.raises(ValueError, match="block border"):
         Q.FP8BlockLinear(in_per_group, groups * 100, groups=groups)
+
+
+# --------------------------------------------------------------------------- whole models
+@pytest.fixture(scope="module")
+def upstream_checkpoint(tmp_path_factory):
+    """`bench quant`'s writer at small sizes: upstream names, FP8 linears (e8m0 128x128, wo_a's
+    two groups of 128 rows on block borders), FP4 experts, bf16 rest."""
+    from ds4_torch.bench.quant import write_checkpoint
+    from ds4_torch.config import CSA, DS4Config
+
+    config = DS4Config(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=2,
+                       o_lora_rank=128, sliding_window=8, layer_types=(CSA,), index_n_heads=8, index_head_dim=32,
+                       index_topk=4, mlp_layer_types=("moe",), n_routed_experts=8, num_experts_per_tok=2, hc_mult=2)
+    return write_checkpoint(tmp_path_factory.mktemp("upstream"), config)
+
+
+@torch.no_grad()
+def test_keep_and_dequantized_models_agree(upstream_checkpoint):
+    """The upstream-layout checkpoint loads both ways; keep holds FP8/FP4 (wo_a included) and
+    gives the dequantized model's logits (fp32) over a prefill and decode steps."""
+    from safetensors import safe_open
+
+    from ds4_torch.model import DS4ForCausalLM
+
+    with safe_open(str(next(upstream_checkpoint.glob("model-layer-*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+    assert {"layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "layers.0.attn.wo_a.scale",
+            "layers.0.ffn.experts.7.w3.weight", "layers.0.ffn.experts.7.w3.scale"} <= names
+    kept = DS4ForCausalLM.from_pretrained(upstream_checkpoint, quantized="keep")
+    dense = DS4ForCausalLM.from_pretrained(upstream_checkpoint, quantized="dequantize")
+    attn = kept.model.layers[0].self_attn
+    assert isinstance(attn.o_a_proj, Q.FP8BlockLinear) and attn.o_a_proj.groups == 2
+    assert isinstance(kept.model.layers[0].mlp.experts, Q.FP4Experts)
+    ids = torch.randint(2, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    caches = [m.new_cache(1, 32) for m in (kept, dense)]
+    for chunk in (ids[:, :17], ids[:, 17:18], ids[:, 18:19], ids[:, 19:]):
+        got, want = (m(chunk, cache=c) for m, c in zip((kept, dense), caches))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_info_reports_the_bytes_a_keep_load_holds(upstream_checkpoint, capsys):
+    """`info --quantized keep` (headers only) against the tensors a real keep load allocates;
+    --tp 2 per device; --memory-gb's verdict on both sides of the need."""
+    import re
+
+    from ds4_torch.cli import main
+    from ds4_torch.model import DS4ForCausalLM
+
+    kept = DS4ForCausalLM.from_pretrained(upstream_checkpoint, dtype=torch.bfloat16, quantized="keep")
+    held = sum(t.nbytes for t in {id(t): t for t in [*kept.parameters(), *kept.buffers()]}.values())
+
+    def info(*extra):
+        assert main(["info", "--model", str(upstream_checkpoint), "--dtype", "bfloat16", *extra]) == 0
+        out = capsys.readouterr().out
+        return int(re.search(r"weights held \S* \S*, \S*, --tp \d+\): ([\d,]+) bytes", out)[1].replace(",", "")), out
+
+    got, out = info("--quantized", "keep")
+    assert got == held
+    dequantized, _ = info()
+    assert dequantized > 1.5 * held
+    per_device, _ = info("--quantized", "keep", "--tp", "2")
+    assert held / 2 < per_device < held
+    need = held + kept.new_cache(1, 4096).nbytes
+    for factor, verdict in ((1.01, "yes"), (0.99, "no")):
+        out = info("--quantized", "keep", "--memory-gb", str(need / 2**30 * factor))[1]
+        assert re.search(r"fits in [\d.]+ GiB per device: (yes|no) ", out)[1] == verdict

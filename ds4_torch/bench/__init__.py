@@ -11,12 +11,13 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `kernels`    (`kernels.py`): the Triton kernels on a CUDA GPU, achieved GB/s against the peak.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
+- `quant`      (`quant.py`): a real-size FP8/FP4 checkpoint kept quantized vs dequantized to bf16.
 """
 from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "quant")
 
 
 def _threads(args) -> None:
@@ -68,6 +69,10 @@ def _run_serve(args) -> int:
 
 def _run_moe(args) -> int:
     return importlib.import_module(".moe", __name__).run(args)
+
+
+def _run_quant(args) -> int:
+    return importlib.import_module(".quant", __name__).run(args)
 
 
 def add_parser(sub) -> None:
@@ -130,3 +135,9 @@ def add_parser(sub) -> None:
     from .moe import add_arguments as add_moe_arguments  # argparse only
 
     add_moe_arguments(moe)
+
+    quant = target("quant", "a real-size FP8/FP4 checkpoint: --quantized keep vs dequantized (decode, prefill, memory)",
+                   _run_quant)
+    from .quant import add_arguments as add_quant_arguments  # argparse only
+
+    add_quant_arguments(quant)
