@@ -195,7 +195,7 @@ def run(args) -> int:
               f"{r['tensor_gib']:>11.2f} {r['bytes_per_parameter']:>12.3f} {r['layer_bytes_per_parameter']:>19.3f} "
               f"{r['peak_rss_gib']:>13.2f}")
     print(f"keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x, "
-          f"prefill {dense['prefill_tokens_per_s'] / keep['prefill_tokens_per_s']:.2f}x slower, "
+          f"prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s, "
           f"memory {keep['tensor_gib'] / dense['tensor_gib']:.2f}x; same greedy tokens: "
           f"{'yes' if keep['tokens'] == dense['tokens'] else 'no'}")
     print("(layers bytes/param: the transformer layers alone, without the bf16 embedding and head; peak RSS "
