@@ -327,13 +327,15 @@ def quantized_experts(gate_up, down, fmt):
 QUANT_CASES = [("decode", 1, 3, 4, 200, 96), ("batch", 5, 2, 4, 160, 128), ("prefill", 40, 3, 4, 136, 64)]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8", "fp8-f32"])
 @pytest.mark.parametrize("case", QUANT_CASES, ids=[c[0] for c in QUANT_CASES])
 @torch.no_grad()
-def test_op_on_quantized_experts_matches_loop(case, fmt, monkeypatch):
+def test_op_on_quantized_experts_matches_loop(case, fmt, backend, monkeypatch):
     """FP4/FP8 experts handed to the op packed, with their scales: the loop on the dequantized
-    weights, in fp32 and bf16; only the experts some pair selected are unpacked, each once per
-    call, and a pair with no expert (-1, another rank's expert) unpacks nothing."""
+    weights, in fp32 and bf16. The torch implementation unpacks only the experts some pair
+    selected, each once per call, and a pair with no expert (-1, another rank's expert) unpacks
+    nothing; the Triton kernels decode the packed bytes in registers."""
     name, N, k, E, H, I = case
     if fmt == "fp4":
         H, I = H // 32 * 32, I // 32 * 32
@@ -354,10 +356,10 @@ def test_op_on_quantized_experts_matches_loop(case, fmt, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         unpacked.clear()
         x, w = hidden.to(dtype), weights.to(dtype)
-        got = moe_module.moe(x, ids, w, gu, dn, LIMIT, "auto", gus, dns)
+        got = moe_module.moe(x, ids, w, gu, dn, LIMIT, backend, gus, dns)
         want = loop_reference(x, ids, w, gate_up_d.to(dtype), down_d.to(dtype), LIMIT)
         assert_close(got, want, dtype)
-        selected = sorted(set(ids[ids >= 0].tolist()))
+        selected = sorted(set(ids[ids >= 0].tolist())) if backend == "torch" else []
         assert sorted(e for _, e in unpacked) == sorted(selected * 2)  # gate_up and down of each
 
 
@@ -504,6 +506,18 @@ def v4_flash_launches():
             return torch.empty(*shape, dtype=dtype, device="meta")
 
         tm.moe(meta(N, H), meta(N, k, dtype=torch.int64), meta(N, k), meta(E, 2 * I, H), meta(E, H, I), 10.0)
+    # packed experts as DeepSeek ships them: FP4 with e8m0 per-32 scales, FP8 with e8m0 128x128 blocks
+    for case, N, packing in (("decode_fp4_bf16", 1, 2), ("prefill2048_fp4_bf16", 2048, 2),
+                             ("decode_fp8_bf16", 1, 1), ("prefill2048_fp8_bf16", 2048, 1)):
+        def meta(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        weights = torch.int8 if packing == 2 else torch.float8_e4m3fn
+        block = (1, 32) if packing == 2 else (128, 128)
+        tm.moe(meta(N, H), meta(N, k, dtype=torch.int64), meta(N, k), meta(E, 2 * I, H // packing, dtype=weights),
+               meta(E, H, I // packing, dtype=weights), 10.0,
+               meta(E, 2 * I // block[0], H // block[1], dtype=torch.uint8),
+               meta(E, H // block[0], I // block[1], dtype=torch.uint8))
     return launches
 
 

@@ -29,7 +29,7 @@ def assert_near(got, want, dtype):
 SHAPES = [(300, 200, "float32"), (256, 384, "e8m0"), (130, 129, "uint8"), (64, 128, "e8m0")]
 
 
-@pytest.mark.parametrize("backend", ["torch"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-{s[2]}")
 @torch.no_grad()
 def test_fp8_linear_matches_dense_product(shape, backend):
@@ -75,7 +75,7 @@ def test_fp8_linear_errors_name_the_problem():
         quantized.fp8_linear(x, q.float(), s, 128, 128, "auto")
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_fp8_linear_passes_opcheck(backend):
     q, s = fp8_quantize(torch.randn(130, 129))
     # test_schema is left out: torch's schema checker cannot compare float8 tensors ("mul" is
