@@ -471,12 +471,13 @@ def _apply_keep(model: nn.Module, tasks: list[_Task], device) -> list[_Task]:
         # --- FP8 Linear
         # (anything that does not fit is left to the dequantize path, whose checks report it)
         if (
-            _keepable_linear(module, lin)
+            isinstance(module, nn.Linear)
             and len(lin) == 1
             and lin[0].fmt == "fp8"
             and lin[0].weight.dtype == "F8_E4M3"
             and lin[0].scale_problem() is None
             and lin[0].extra["block"] is not None
+            and _keepable_linear(module, lin[0].extra["block"])
             and _sharded(lin[0].logical_shape, lin[0].extra.get("shard")) == tuple(module.weight.shape)
         ):
             t = lin[0]
@@ -518,18 +519,13 @@ def _apply_keep(model: nn.Module, tasks: list[_Task], device) -> list[_Task]:
     return out
 
 
-def _keepable_linear(module, lin: list[_Task]) -> bool:
+def _keepable_linear(module: nn.Linear, block) -> bool:
     """A plain nn.Linear, or a grouped projection (an nn.Linear subclass with `groups`, attention's
     wo_a) whose groups start on scale-block borders (each group is multiplied on its own)."""
     if type(module) is nn.Linear:
         return True
-    groups = getattr(module, "groups", None)
-    if not isinstance(module, nn.Linear) or not isinstance(groups, int) or len(lin) != 1:
-        return False
-    if lin[0].fmt != "fp8" or lin[0].scale_problem() is not None or lin[0].extra["block"] is None:
-        return False
-    rows = module.weight.shape[0]
-    return rows % groups == 0 and (rows // groups) % lin[0].extra["block"][0] == 0
+    groups, rows = getattr(module, "groups", None), module.weight.shape[0]
+    return isinstance(groups, int) and rows % groups == 0 and (rows // groups) % block[0] == 0
 
 
 def _sharded(shape: tuple, shard) -> tuple:

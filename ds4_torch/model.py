@@ -395,7 +395,10 @@ class Experts(nn.Module):
 
     The math is the `ds4::moe` op (`kernels/moe.py`): each selected expert's weights are read in
     place, once per step, for decode and prefill alike, with no host sync on CUDA (Triton) and
-    no data-dependent shape, so steps trace, compile and capture."""
+    no data-dependent shape, so steps trace, compile and capture. Kept-quantized storage
+    (`quant.FP4Experts`/`FP8Experts`, swapped in by the loader) hands the op its packed experts
+    and scales: the Triton kernels decode them in registers, the CPU path unpacks only the
+    selected ones."""
 
     # Which ds4::moe implementation runs: "auto" (Triton on CUDA, the torch loop elsewhere),
     # "torch" or "triton"; the same names and errors as the attention backends.

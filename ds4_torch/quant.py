@@ -29,7 +29,9 @@ Keep-mode contract
   loader dequantizes them.
 * Routed experts: the model's experts module must hold ``gate_up_proj``
   ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` and must fetch weights in its
-  forward ONLY through ``self.expert_weights(expert_ids)`` returning
+  forward ONLY through ``self.packed_weights()`` (the packed tensors and scales
+  the ``ds4::moe`` op multiplies in place, or None) or else
+  ``self.expert_weights(expert_ids)`` returning
   ``(gate_up [..., 2I, H], down [..., H, I])`` (dense version:
   ``self.gate_up_proj[expert_ids], self.down_proj[expert_ids]``).
   :meth:`QuantizedExperts.convert_` swaps such a module *in place* to a cached
@@ -309,13 +311,11 @@ class QuantizedExperts(nn.Module):
         """(gate_up, down, gate_up_scale, down_scale) as the ``ds4::moe`` op takes them (the
         gate_up grid: the gate grid stacked on the up grid), or None when this storage's grid
         has a block straddling the gate/up border (then only ``expert_weights`` serves it)."""
-        half = self.gate_up_proj.shape[-2] // 2
-        block = infer_block_size((half, self._logical_shape(self.gate_up_proj)[-1]),
-                                 (self.gate_up_proj_scale_inv.shape[-2] * half // self.gate_up_proj.shape[-2],
-                                  self.gate_up_proj_scale_inv.shape[-1]), self.default_block) \
-            if self.gate_up_proj_scale_inv.shape[-2] % 2 == 0 else None
-        if not self.split_gate_up and (block is None or half % block[0]):
-            return None
+        if not self.split_gate_up:  # one grid over the 2I rows: the two grids only if no block straddles
+            block = infer_block_size(self._logical_shape(self.gate_up_proj), self.gate_up_proj_scale_inv.shape,
+                                     self.default_block)
+            if (self.gate_up_proj.shape[-2] // 2) % block[0]:
+                return None
         return self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv
 
     def expert_weights(self, expert_ids: torch.Tensor, dtype: torch.dtype | None = None):

@@ -396,6 +396,26 @@ def test_quantized_experts_module_runs_the_op_packed(fmt, monkeypatch):
 
 
 @torch.no_grad()
+def test_fp8_experts_with_a_block_across_the_gate_up_border():
+    """One FP8 grid over gate_up's 2I = 192 rows (HF's stacked layout): its second 128-row block
+    holds gate and up rows, which the op's two-grid layout cannot express, so packed_weights()
+    declines and forward dequantizes one selected expert at a time; same output."""
+    from ckpt_utils import fp8_quantize, fp8_reference
+    from ds4_torch import quant as Q
+
+    module = experts_module(E=4, I=96)
+    quantized = [[fp8_quantize(w[e], "e8m0") for e in range(4)] for w in (module.gate_up_proj, module.down_proj)]
+    (gu, gus), (dn, dns) = ([torch.stack([q[i] for q in qs]) for i in range(2)] for qs in quantized)
+    module.gate_up_proj.copy_(torch.stack([fp8_reference(q, s) for q, s in quantized[0]]))
+    module.down_proj.copy_(torch.stack([fp8_reference(q, s) for q, s in quantized[1]]))
+    hidden, ids, weights, _, _ = make_inputs(3, 3, 4, 64, 96, seed=4)
+    dense = module(hidden, ids, weights)
+    Q.FP8Experts.convert_(module, gu, gus, dn, dns)
+    assert module.packed_weights() is None
+    assert_close(module(hidden, ids, weights), dense.double(), torch.float32)
+
+
+@torch.no_grad()
 def test_quantized_experts_trace_without_freezing_the_routing():
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -190,3 +190,19 @@ def test_info_reports_the_bytes_a_keep_load_holds(upstream_checkpoint, capsys):
     for factor, verdict in ((1.01, "yes"), (0.99, "no")):
         out = info("--quantized", "keep", "--memory-gb", str(need / 2**30 * factor))[1]
         assert re.search(r"fits in [\d.]+ GiB per device: (yes|no) ", out)[1] == verdict
+
+
+def test_bench_quant_runs_both_modes(upstream_checkpoint, capsys, tmp_path):
+    """`bench quant --model DIR` end to end (each mode in a child process): both rows, the keep
+    row's bytes per parameter below the dequantized one's, the CSV."""
+    import csv
+
+    from ds4_torch.cli import main
+
+    table = tmp_path / "quant.csv"
+    assert main(["bench", "quant", "--model", str(upstream_checkpoint), "--prompt-len", "8", "--new-tokens", "3",
+                 "--repeats", "1", "--threads", "1", "--csv", str(table)]) == 0
+    out = capsys.readouterr().out
+    assert "keep / dequantize: decode" in out and "same greedy tokens:" in out
+    rows = {r["quantized"]: r for r in csv.DictReader(table.open())}
+    assert float(rows["keep"]["layer_bytes_per_parameter"]) < 0.5 * float(rows["dequantize"]["layer_bytes_per_parameter"])

@@ -10,7 +10,9 @@ per byte, an e8m0 scale per 32 inputs), the rest bf16. Its layers (default one C
 routed experts (default 16 of V4-Flash's 256) are the only sizes cut down. It goes to a temporary
 directory, deleted afterwards. Weights are random: only sizes and speed matter here.
 
-Each mode runs in a child process of its own, so that its peak RSS (ru_maxrss) is its own.
+Memory: each mode loads in a child process of its own, so that its peak RSS (ru_maxrss) is its
+own. Speed: one more child loads both and times them in turns, best of `--repeats` each, so that
+both see the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--experts", type=positive_int, default=16, help="routed experts of the written checkpoint")
     parser.add_argument("--prompt-len", type=positive_int, default=64, help="prefill tokens (default 64)")
     parser.add_argument("--new-tokens", type=positive_int, default=9, help="generated tokens (default 9)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs per mode; the best prefill and decode are shown (default 3)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
@@ -128,44 +132,65 @@ def write_checkpoint(directory, config, seed: int = 0) -> Path:
 
 
 # --------------------------------------------------------------------------- one mode (child)
-def measure(path, quantized: str, prompt_len: int, new_tokens: int) -> dict:
+def _load(path, quantized: str):
+    from ..model import DS4ForCausalLM
+
+    return DS4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantized=quantized, progress=False).eval()
+
+
+def measure_memory(path, quantized: str) -> dict:
+    """Tensor bytes per parameter and peak RSS of one mode (run it in a fresh process)."""
     from ..model import DS4ForCausalLM
     from .model import bench_ours
 
-    model = DS4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantized=quantized, progress=False).eval()
+    model = _load(path, quantized)
+    with torch.no_grad():
+        bench_ours(model, [2, 3, 4, 5], 2)  # the buffers a forward allocates count too
     tensors = {t.data_ptr(): t for t in [*model.state_dict().values(), *model.buffers()]}
-    layer_tensors = {t.data_ptr(): t for t in [*model.model.layers.state_dict().values(), *model.model.layers.buffers()]}
+    layers = model.model.layers
+    layer_tensors = {t.data_ptr(): t for t in [*layers.state_dict().values(), *layers.buffers()]}
     with torch.device("meta"):
         dense = DS4ForCausalLM(model.config)
-    parameters = dense.num_parameters()
-    layer_parameters = sum(p.numel() for p in dense.model.layers.parameters())
-    prompt = torch.randint(2, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        bench_ours(model, prompt[:8].tolist(), 2)  # warm-up: first-call allocations, buffers
-        run = bench_ours(model, prompt.tolist(), new_tokens)
     tensor_bytes = sum(t.nbytes for t in tensors.values())
     return {
         "quantized": quantized,
-        "decode_ms_per_token": run["decode_s"] * 1e3 / max(len(run["tokens"]) - 1, 1),
-        "prefill_tokens_per_s": prompt_len / run["prefill_s"],
         "tensor_gib": tensor_bytes / 2**30,
-        "bytes_per_parameter": tensor_bytes / parameters,
+        "bytes_per_parameter": tensor_bytes / dense.num_parameters(),
         # the layers alone: what V4-Flash's 43 layers are made of (embedding and head stay bf16)
-        "layer_bytes_per_parameter": sum(t.nbytes for t in layer_tensors.values()) / layer_parameters,
+        "layer_bytes_per_parameter": sum(t.nbytes for t in layer_tensors.values())
+        / sum(p.numel() for p in dense.model.layers.parameters()),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
-        "tokens": run["tokens"],
     }
 
 
-def _child(path, quantized: str, args) -> dict:
+def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    """Both modes loaded in one process and timed in turns (so both see the same machine load):
+    {mode: best decode ms/token, best prefill tokens/s, the greedy tokens}."""
+    from .model import bench_ours
+
+    models = {mode: _load(path, mode) for mode in MODES}
+    prompt = torch.randint(2, models["keep"].config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {mode: [] for mode in MODES}
+    with torch.no_grad():
+        for model in models.values():
+            bench_ours(model, prompt[:8], 2)  # warm-up: first-call allocations, buffers
+        for _ in range(repeats):
+            for mode, model in models.items():
+                runs[mode].append(bench_ours(model, prompt, new_tokens))
+    return {mode: {"decode_ms_per_token": min(r["decode_s"] for r in rs) * 1e3 / max(len(rs[0]["tokens"]) - 1, 1),
+                   "prefill_tokens_per_s": prompt_len / min(r["prefill_s"] for r in rs),
+                   "tokens": rs[0]["tokens"]} for mode, rs in runs.items()}
+
+
+def _child(*argv) -> dict:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the ds4_torch this process runs
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "ds4_torch.bench.quant", "--child", str(path), quantized,
-               str(args.prompt_len), str(args.new_tokens), str(args.threads or 0)]
-    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "ds4_torch.bench.quant", "--child", *map(str, argv)], env=env,
+                         capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"bench quant: the {quantized!r} run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"bench quant: the {argv[0]} run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -181,13 +206,16 @@ def run(args) -> int:
         write_checkpoint(path, real_size_config(args.layers, args.experts))
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
-        rows = [_child(path, mode, args) for mode in MODES]
+        threads = args.threads or 0
+        speed = _child("speed", path, threads, args.prompt_len, args.new_tokens, args.repeats)
+        rows = [{**_child("memory", path, threads, mode), **speed[mode]} for mode in MODES]
     finally:
         if written is not None:
             shutil.rmtree(written)
     keep, dense = rows
     print(f"bench quant: {path} ({file_gib:.2f} GiB of safetensors), bf16, {machine()}, "
-          f"threads {args.threads or torch.get_num_threads()}, prompt {args.prompt_len}, {args.new_tokens} new tokens")
+          f"threads {args.threads or torch.get_num_threads()}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+          f"best of {args.repeats}")
     print(f"{'quantized':<11} {'decode ms/token':>16} {'prefill tok/s':>14} {'tensor GiB':>11} "
           f"{'bytes/param':>12} {'layers bytes/param':>19} {'peak RSS GiB':>13}")
     for r in rows:
@@ -208,10 +236,13 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        path, quantized, prompt_len, new_tokens, threads = argv[1:6]
+        kind, path, threads, *rest = argv[1:]
         if int(threads):
             torch.set_num_threads(int(threads))
-        print(json.dumps(measure(path, quantized, int(prompt_len), int(new_tokens))))
+        if kind == "memory":
+            print(json.dumps(measure_memory(path, rest[0])))
+        else:
+            print(json.dumps(measure_speed(path, *(int(a) for a in rest))))
         return 0
     if argv[:1] == ["--write"] and len(argv) >= 2:
         layers, experts = (int(a) for a in (argv[2:4] + ["1", "16"][len(argv[2:4]):]))
