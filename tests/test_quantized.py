@@ -29,13 +29,16 @@ def assert_near(got, want, dtype):
 SHAPES = [(300, 200, "float32"), (256, 384, "e8m0"), (130, 129, "uint8"), (64, 128, "e8m0")]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "torch-small-tiles", "triton"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}-{s[2]}")
 @torch.no_grad()
-def test_fp8_linear_matches_dense_product(shape, backend):
+def test_fp8_linear_matches_dense_product(shape, backend, monkeypatch):
     """Decode-sized (scales on the activations) and prefill-sized (scales on the tiles) inputs,
-    2-D and 3-D, fp32 and bf16."""
+    2-D and 3-D, fp32 and bf16; "small-tiles": the torch loop over several 128-row tiles."""
     R, K, fmt = shape
+    if backend == "torch-small-tiles":
+        monkeypatch.setattr(quantized, "FP8_TILE_ELEMENTS", 128 * K)
+        backend = "torch"
     g = torch.Generator().manual_seed(R + K)
     q, s = fp8_quantize(torch.randn(R, K, generator=g), fmt)
     dense = fp8_reference(q, s).double()
@@ -91,6 +94,17 @@ def test_op_does_not_mutate_its_inputs():
     out = quantized.fp8_linear(x, q, s, 128, 128, "auto")
     assert all(torch.equal(a, b) for a, b in zip(before, (x, q.view(torch.uint8), s)))
     assert out.data_ptr() not in {x.data_ptr(), q.data_ptr(), s.data_ptr()}
+
+
+@torch.no_grad()
+def test_fp4_linear_over_several_tiles(monkeypatch):
+    """quantized_linear on FP4 rows, tile by tile (5 rows a tile, 48 rows): the dense product."""
+    g = torch.Generator().manual_seed(4)
+    packed, scale, exact = fp4_quantize(torch.randn(48, 96, generator=g))
+    monkeypatch.setattr(quantized, "FP4_TILE_ELEMENTS", 5 * 96)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 96, generator=g).to(dtype)
+        assert_near(quantized.quantized_linear(x, packed, scale, (1, 32)), x.double() @ exact.double().T, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
