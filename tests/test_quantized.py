@@ -220,3 +220,19 @@ def test_bench_quant_runs_both_modes(upstream_checkpoint, capsys, tmp_path):
     assert "keep / dequantize: decode" in out and "same greedy tokens:" in out
     rows = {r["quantized"]: r for r in csv.DictReader(table.open())}
     assert float(rows["keep"]["layer_bytes_per_parameter"]) < 0.5 * float(rows["dequantize"]["layer_bytes_per_parameter"])
+
+
+@torch.no_grad()
+def test_keep_model_decodes_the_same_in_every_decode_mode(upstream_checkpoint, monkeypatch):
+    """The reused unpack buffers serve a first call under inference_mode (eager generate) and
+    later ones outside it (the graph path's tracing): same greedy tokens as eager."""
+    from ds4_torch.generation import generate
+    from ds4_torch.model import DS4ForCausalLM
+
+    monkeypatch.setattr(quantized, "_buffers", {})  # first made by the eager run below
+    monkeypatch.setattr(quantized, "_fp4_tables", {})
+
+    kept = DS4ForCausalLM.from_pretrained(upstream_checkpoint, quantized="keep")
+    prompt = [5, 6, 7, 8, 9, 10]
+    eager = list(generate(kept, prompt, 10, decode_mode="eager"))
+    assert list(generate(kept, prompt, 10, decode_mode="graph")) == eager

@@ -70,7 +70,10 @@ def _buffer(name: str, numel: int, dtype: torch.dtype, device) -> Tensor:
     key = (name, dtype, torch.device(device))
     buf = _buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        # a normal tensor even when first needed under inference_mode: later calls outside it
+        # (no_grad, tracing) write into it too, which an inference tensor refuses
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype, device=device)
         _buffers[key] = buf
     return buf[:numel]
 
@@ -172,13 +175,14 @@ def _fp4_table(dtype: torch.dtype, device) -> Tensor:
     key = (dtype, torch.device(device))
     table = _fp4_tables.get(key)
     if table is None:
-        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-        byte = torch.arange(256)
-        pair = torch.stack([values[byte & 15], values[byte >> 4]], dim=-1)  # [256, 2]
-        scales = (torch.arange(256, dtype=torch.float32) - 127).exp2()
-        table = (scales[:, None, None] * pair[None]).to(dtype)  # [256, 256, 2]
-        pair_int = {2: torch.int32, 4: torch.int64}[table.element_size()]
-        table = table.view(pair_int).reshape(-1).to(device)
+        with torch.inference_mode(False):  # a normal tensor, as in _buffer
+            values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+            byte = torch.arange(256)
+            pair = torch.stack([values[byte & 15], values[byte >> 4]], dim=-1)  # [256, 2]
+            scales = (torch.arange(256, dtype=torch.float32) - 127).exp2()
+            table = (scales[:, None, None] * pair[None]).to(dtype)  # [256, 256, 2]
+            pair_int = {2: torch.int32, 4: torch.int64}[table.element_size()]
+            table = table.view(pair_int).reshape(-1).to(device)
         _fp4_tables[key] = table
     return table
 
