@@ -8,6 +8,8 @@ rounds its inputs' products once per block of 128 rows, the dense reference once
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,7 +231,7 @@ def test_keep_model_decodes_the_same_in_every_decode_mode(upstream_checkpoint, m
     from ds4_torch.generation import generate
     from ds4_torch.model import DS4ForCausalLM
 
-    monkeypatch.setattr(quantized, "_buffers", {})  # first made by the eager run below
+    monkeypatch.setattr(quantized, "_thread_buffers", threading.local())  # first made by the eager run below
     monkeypatch.setattr(quantized, "_fp4_tables", {})
 
     kept = DS4ForCausalLM.from_pretrained(upstream_checkpoint, quantized="keep")

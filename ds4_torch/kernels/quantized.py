@@ -28,6 +28,7 @@ indexed by (scale exponent, byte) that yields both values of the byte already sc
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -62,19 +63,21 @@ _WIDE_EXPONENT_OFFSET = 120
 # products subnormal).
 _ACTIVATION_SHIFT = 64
 
-_buffers: dict = {}
+_thread_buffers = threading.local()
 
 
 def _buffer(name: str, numel: int, dtype: torch.dtype, device) -> Tensor:
-    """A flat scratch tensor reused across calls (grown, never shrunk); callers take views."""
+    """A flat scratch tensor reused across calls (grown, never shrunk); callers take views. One
+    per thread (freed with it): two threads running models at once must not share a tile."""
+    buffers = _thread_buffers.__dict__.setdefault("by_key", {})
     key = (name, dtype, torch.device(device))
-    buf = _buffers.get(key)
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         # a normal tensor even when first needed under inference_mode: later calls outside it
         # (no_grad, tracing) write into it too, which an inference tensor refuses
         with torch.inference_mode(False):
             buf = torch.empty(numel, dtype=dtype, device=device)
-        _buffers[key] = buf
+        buffers[key] = buf
     return buf[:numel]
 
 
