@@ -40,6 +40,7 @@ def test_fp8_linear_matches_dense_product(shape, backend, monkeypatch):
     R, K, fmt = shape
     if backend == "torch-small-tiles":
         monkeypatch.setattr(quantized, "FP8_TILE_ELEMENTS", 128 * K)
+        monkeypatch.setattr(quantized, "FP8_PREFILL_TILE_ELEMENTS", 128 * K)
         backend = "torch"
     g = torch.Generator().manual_seed(R + K)
     q, s = fp8_quantize(torch.randn(R, K, generator=g), fmt)
