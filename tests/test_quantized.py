@@ -239,3 +239,44 @@ def test_keep_model_decodes_the_same_in_every_decode_mode(upstream_checkpoint, m
     prompt = [5, 6, 7, 8, 9, 10]
     eager = list(generate(kept, prompt, 10, decode_mode="eager"))
     assert list(generate(kept, prompt, 10, decode_mode="graph")) == eager
+
+
+@torch.no_grad()
+def test_expert_parallel_ranks_unpack_only_their_selected_experts(monkeypatch):
+    """Two ranks of an expert-parallel split (parallel.py's id remapping, each holding 4 of 8 FP4
+    experts): each unpacks exactly the experts it owns that a token selected, no padding reads of
+    expert 0, and the two partial outputs sum to the whole layer's."""
+    from types import SimpleNamespace
+
+    from ds4_torch.kernels import moe as moe_module
+    from ds4_torch.model import Experts
+    from ds4_torch.parallel import _experts_owned
+
+    E, H, I = 8, 64, 32
+    g = torch.Generator().manual_seed(5)
+    dense = [torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6]
+    packed = [[fp4_quantize(w[e]) for e in range(E)] for w in dense]
+    (gu, gus, _), (dn, dns, _) = ([torch.stack([q[i] for q in qs]) for i in range(3)] for qs in packed)
+
+    def experts(first, count):
+        module = Experts(SimpleNamespace(hidden_size=H, moe_intermediate_size=I, n_routed_experts=count,
+                                         swiglu_limit=10.0))
+        sl = slice(first, first + count)
+        Q.FP4Experts.convert_(module, gu[sl], gus[sl], dn[sl], dns[sl], split_gate_up=True)
+        if count < E:
+            module.register_forward_pre_hook(_experts_owned(first, count))
+        return module
+
+    unpacked = []
+    original = moe_module.expert_gate_up
+    monkeypatch.setattr(moe_module, "expert_gate_up", lambda x, w, s: unpacked.append(w.data_ptr()) or original(x, w, s))
+    flat = torch.randn(3, H, generator=g)
+    ids = torch.tensor([[0, 5], [1, 0], [6, 5]])
+    weights = torch.rand(3, 2, generator=g)
+    whole = experts(0, E)(flat, ids, weights)
+    total = torch.zeros_like(whole)
+    for rank, owned in enumerate(({0, 1}, {5, 6})):
+        unpacked.clear()
+        total += experts(4 * rank, 4)(flat, ids, weights)
+        assert sorted(unpacked) == sorted(gu[e].data_ptr() for e in owned), rank
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
