@@ -223,6 +223,8 @@ def test_bench_quant_runs_both_modes(upstream_checkpoint, capsys, tmp_path):
     assert "keep / dequantize: decode" in out and "same greedy tokens:" in out
     rows = {r["quantized"]: r for r in csv.DictReader(table.open())}
     assert float(rows["keep"]["layer_bytes_per_parameter"]) < 0.5 * float(rows["dequantize"]["layer_bytes_per_parameter"])
+    # a decode step reads fewer weight bytes kept: everything but the embedding, top-k experts a layer
+    assert 0 < int(rows["keep"]["decode_weight_bytes"]) < int(rows["dequantize"]["decode_weight_bytes"])
 
 
 @torch.no_grad()

@@ -45,6 +45,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=9, help="generated tokens (default 9)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="runs per mode; the best prefill and decode are shown (default 3)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda: on a GPU the peak column is the GPU's allocated memory and "
+                             "the weight GB/s is set against the device's peak bandwidth")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
@@ -132,18 +135,35 @@ def write_checkpoint(directory, config, seed: int = 0) -> Path:
 
 
 # --------------------------------------------------------------------------- one mode (child)
-def _load(path, quantized: str):
+def _load(path, quantized: str, device: str = "cpu"):
     from ..model import DS4ForCausalLM
 
-    return DS4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantized=quantized, progress=False).eval()
+    return DS4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantized=quantized, device=device,
+                                          progress=False).eval()
 
 
-def measure_memory(path, quantized: str) -> dict:
-    """Tensor bytes per parameter and peak RSS of one mode (run it in a fresh process)."""
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode step must read at least: every tensor of the layers but the routed
+    experts, top-k experts per layer (the average expert's bytes), the final norm and the head."""
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.data_ptr() in seen or "embed_tokens" in name:
+            continue
+        seen.add(t.data_ptr())
+        if ".experts." in name and ".shared_experts." not in name:
+            total += t.nbytes * model.config.num_experts_per_tok // t.shape[0]
+        else:
+            total += t.nbytes
+    return total
+
+
+def measure_memory(path, quantized: str, device: str = "cpu") -> dict:
+    """Tensor bytes per parameter and peak memory of one mode (run it in a fresh process): RSS
+    on the CPU, the GPU's peak allocated bytes on CUDA."""
     from ..model import DS4ForCausalLM
     from .model import bench_ours
 
-    model = _load(path, quantized)
+    model = _load(path, quantized, device)
     with torch.no_grad():
         bench_ours(model, [2, 3, 4, 5], 2)  # the buffers a forward allocates count too
     tensors = {t.data_ptr(): t for t in [*model.state_dict().values(), *model.buffers()]}
@@ -159,16 +179,18 @@ def measure_memory(path, quantized: str) -> dict:
         # the layers alone: what V4-Flash's 43 layers are made of (embedding and head stay bf16)
         "layer_bytes_per_parameter": sum(t.nbytes for t in layer_tensors.values())
         / sum(p.numel() for p in dense.model.layers.parameters()),
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+        "peak_gib": (torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda"
+                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        "decode_weight_bytes": decode_weight_bytes(model),
     }
 
 
-def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu") -> dict:
     """Both modes loaded in one process and timed in turns (so both see the same machine load):
     {mode: best decode ms/token, best prefill tokens/s, the greedy tokens}."""
     from .model import bench_ours
 
-    models = {mode: _load(path, mode) for mode in MODES}
+    models = {mode: _load(path, mode, device) for mode in MODES}
     prompt = torch.randint(2, models["keep"].config.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     runs = {mode: [] for mode in MODES}
@@ -207,27 +229,39 @@ def run(args) -> int:
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
         threads = args.threads or 0
-        speed = _child("speed", path, threads, args.prompt_len, args.new_tokens, args.repeats)
-        rows = [{**_child("memory", path, threads, mode), **speed[mode]} for mode in MODES]
+        speed = _child("speed", path, args.device, threads, args.prompt_len, args.new_tokens, args.repeats)
+        rows = [{**_child("memory", path, args.device, threads, mode), **speed[mode]} for mode in MODES]
+        for r in rows:
+            r["weight_gb_s"] = r["decode_weight_bytes"] / r["decode_ms_per_token"] / 1e6
     finally:
         if written is not None:
             shutil.rmtree(written)
     keep, dense = rows
-    print(f"bench quant: {path} ({file_gib:.2f} GiB of safetensors), bf16, {machine()}, "
+    cuda = torch.device(args.device).type == "cuda"
+    where = torch.cuda.get_device_name(torch.device(args.device)) if cuda else machine()
+    print(f"bench quant: {path} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
           f"threads {args.threads or torch.get_num_threads()}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"best of {args.repeats}")
+    peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
     print(f"{'quantized':<11} {'decode ms/token':>16} {'prefill tok/s':>14} {'tensor GiB':>11} "
-          f"{'bytes/param':>12} {'layers bytes/param':>19} {'peak RSS GiB':>13}")
+          f"{'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13} {'weights GB/s':>13}")
     for r in rows:
         print(f"{r['quantized']:<11} {r['decode_ms_per_token']:>16.1f} {r['prefill_tokens_per_s']:>14.1f} "
               f"{r['tensor_gib']:>11.2f} {r['bytes_per_parameter']:>12.3f} {r['layer_bytes_per_parameter']:>19.3f} "
-              f"{r['peak_rss_gib']:>13.2f}")
+              f"{r['peak_gib']:>13.2f} {r['weight_gb_s']:>13.1f}")
     print(f"keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x, "
           f"prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s, "
           f"memory {keep['tensor_gib'] / dense['tensor_gib']:.2f}x; same greedy tokens: "
           f"{'yes' if keep['tokens'] == dense['tokens'] else 'no'}")
+    if cuda:
+        import triton
+
+        peak = triton.testing.get_dram_gbps(torch.device(args.device).index or 0)
+        print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: keep {100 * keep['weight_gb_s'] / peak:.0f}%, "
+              f"dequantized {100 * dense['weight_gb_s'] / peak:.0f}%")
     print("(layers bytes/param: the transformer layers alone, without the bf16 embedding and head; peak RSS "
-          "counts the safetensors pages mapped while loading)")
+          "counts the safetensors pages mapped while loading; weights GB/s: the weight bytes a decode step "
+          "reads at least, as stored (top-k experts a layer), per decode time)")
     if args.csv:
         write_csv([{k: v for k, v in r.items() if k != "tokens"} for r in rows], args.csv)
     return 0
@@ -236,13 +270,13 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        kind, path, threads, *rest = argv[1:]
+        kind, path, device, threads, *rest = argv[1:]
         if int(threads):
             torch.set_num_threads(int(threads))
         if kind == "memory":
-            print(json.dumps(measure_memory(path, rest[0])))
+            print(json.dumps(measure_memory(path, rest[0], device)))
         else:
-            print(json.dumps(measure_speed(path, *(int(a) for a in rest))))
+            print(json.dumps(measure_speed(path, *(int(a) for a in rest), device=device)))
         return 0
     if argv[:1] == ["--write"] and len(argv) >= 2:
         layers, experts = (int(a) for a in (argv[2:4] + ["1", "16"][len(argv[2:4]):]))
