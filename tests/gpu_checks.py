@@ -248,6 +248,28 @@ def check_quant():
                 assert_close(got.cpu(), expected.double(), dtype)
         print("ok moe packed", fmt)
 
+    # bench quant on the GPU, at small sizes: peak GPU memory and weight GB/s against the peak
+    import contextlib
+    import io
+
+    from ds4_torch.bench.quant import write_checkpoint
+    from ds4_torch.cli import main
+    from ds4_torch.config import CSA, DS4Config
+
+    config = DS4Config(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=2,
+                       o_lora_rank=128, sliding_window=8, layer_types=(CSA,), index_n_heads=8, index_head_dim=32,
+                       index_topk=4, mlp_layer_types=("moe",), n_routed_experts=8, num_experts_per_tok=2, hc_mult=2)
+    with tempfile.TemporaryDirectory() as directory:
+        write_checkpoint(directory, config)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(["bench", "quant", "--model", directory, "--device", "cuda", "--prompt-len", "8",
+                       "--new-tokens", "3", "--repeats", "1"])
+    print(out.getvalue())
+    assert rc == 0 and "peak GPU GiB" in out.getvalue() and "against the device's peak" in out.getvalue()
+    print("ok bench quant on cuda")
+
 
 CHECKS = {"kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench,
           "quant": check_quant}
