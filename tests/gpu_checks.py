@@ -254,14 +254,10 @@ def check_quant():
 
     from ds4_torch.bench.quant import write_checkpoint
     from ds4_torch.cli import main
-    from ds4_torch.config import CSA, DS4Config
+    from test_quantized import small_config
 
-    config = DS4Config(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=2,
-                       o_lora_rank=128, sliding_window=8, layer_types=(CSA,), index_n_heads=8, index_head_dim=32,
-                       index_topk=4, mlp_layer_types=("moe",), n_routed_experts=8, num_experts_per_tok=2, hc_mult=2)
     with tempfile.TemporaryDirectory() as directory:
-        write_checkpoint(directory, config)
+        write_checkpoint(directory, small_config())
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = main(["bench", "quant", "--model", directory, "--device", "cuda", "--prompt-len", "8",

@@ -143,18 +143,24 @@ def test_grouped_fp8_projection_matches_grouped_linear():
 
 
 # --------------------------------------------------------------------------- whole models
+def small_config():
+    """One CSA layer whose linears span whole and partial 128x128 blocks and whose wo_a groups
+    (2 x 128 rows) start on block borders; 8 experts."""
+    from ds4_torch.config import CSA, DS4Config
+
+    return DS4Config(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=2,
+                     o_lora_rank=128, sliding_window=8, layer_types=(CSA,), index_n_heads=8, index_head_dim=32,
+                     index_topk=4, mlp_layer_types=("moe",), n_routed_experts=8, num_experts_per_tok=2, hc_mult=2)
+
+
 @pytest.fixture(scope="module")
 def upstream_checkpoint(tmp_path_factory):
     """`bench quant`'s writer at small sizes: upstream names, FP8 linears (e8m0 128x128, wo_a's
     two groups of 128 rows on block borders), FP4 experts, bf16 rest."""
     from ds4_torch.bench.quant import write_checkpoint
-    from ds4_torch.config import CSA, DS4Config
 
-    config = DS4Config(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128, o_groups=2,
-                       o_lora_rank=128, sliding_window=8, layer_types=(CSA,), index_n_heads=8, index_head_dim=32,
-                       index_topk=4, mlp_layer_types=("moe",), n_routed_experts=8, num_experts_per_tok=2, hc_mult=2)
-    return write_checkpoint(tmp_path_factory.mktemp("upstream"), config)
+    return write_checkpoint(tmp_path_factory.mktemp("upstream"), small_config())
 
 
 @torch.no_grad()
