@@ -73,5 +73,6 @@ def capabilities(device=None) -> Capabilities:
         Capability(False, "not an MPS device"),
         yes,
         yes,
-        Capability(False, "no fp8 matmul on CPU (fp8 weights are dequantized on load)"),
+        Capability(False, "no fp8 matmul on CPU: --quantized dequantize converts FP8/FP4 weights at load; "
+                          "--quantized keep holds them packed and unpacks them tile by tile on use"),
     )

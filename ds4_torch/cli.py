@@ -13,8 +13,8 @@ import time
 import torch
 
 from .decode import MODES as DECODE_MODES
-from .runtime import (DTYPES, UserError, add_model_arguments, add_tp_argument, load_config, load_model,
-                      load_model_tokenizer, positive_int)
+from .runtime import (DTYPES, UserError, add_model_arguments, add_tp_argument, check_tokenizer_vocabulary,
+                      load_config, load_model, load_model_tokenizer, positive_float, positive_int)
 
 EXIT_USAGE = 2  # argparse's code for bad input; we use it for every user-facing error
 
@@ -22,6 +22,7 @@ EXIT_USAGE = 2  # argparse's code for bad input; we use it for every user-facing
 # --------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
     tok = load_model_tokenizer(args.model)
+    check_tokenizer_vocabulary(tok, load_config(args.model).vocab_size, args.allow_vocab_mismatch)
     model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
     tp = getattr(model, "tp", None)
     seed = args.seed
@@ -92,13 +93,40 @@ def cmd_info(args) -> int:
     for i, kind in enumerate(cfg.layer_types):
         rate = cfg.compress_rate(i)
         print(f"{i:>5}  {kind:<30} {rate if rate else '-':>5}  {cfg.mlp_layer_types[i]}")
-    print(f"parameters: {model.num_parameters():,}")
+    parameters = model.num_parameters()
+    print(f"parameters: {parameters:,}")
     per_token = model.kv_bytes_per_token(args.ctx)
     print(f"KV cache ({args.dtype}) at context {args.ctx}: {per_token:,.1f} bytes/token; "
           f"total for batch 1: {cache.nbytes:,} bytes ({cache.nbytes / 2**20:.2f} MiB)")
+    _print_weight_memory(args, parameters, cache.nbytes)
     print("capabilities of this machine:")
     print("  " + capabilities().table().replace("\n", "\n  "))
     return 0
+
+
+def _print_weight_memory(args, parameters: int, cache_bytes: int) -> None:
+    """The bytes a load would hold per device (headers only, see ds4_torch.footprint), and
+    whether weights plus one sequence's KV cache fit --memory-gb."""
+    from .default_model import DEFAULT_MODEL_DIR
+    from .footprint import has_weights, weight_bytes_per_rank
+
+    path = args.model or DEFAULT_MODEL_DIR
+    try:
+        per_rank = weight_bytes_per_rank(path, DTYPES[args.dtype], args.quantized, args.tp)
+    except (OSError, ValueError, KeyError) as e:  # a checkpoint that would not load says why here too
+        raise UserError(f"cannot plan loading {path}: {e}") from e
+    held = max(per_rank)
+    where = "per device" if args.tp > 1 else "in total"
+    source = "" if has_weights(path) else " (no weight files: the dense model's sizes)"
+    print(f"weights held{source} (--quantized {args.quantized}, {args.dtype}, --tp {args.tp}): {held:,} bytes "
+          f"({held / 2**30:.3f} GiB) {where}; {sum(per_rank) / parameters:.3f} bytes per parameter"
+          + (" (all devices together)" if args.tp > 1 else ""))
+    if args.memory_gb is not None:
+        need = held + cache_bytes
+        verdict = "yes" if need <= args.memory_gb * 2**30 else "no"
+        print(f"fits in {args.memory_gb:g} GiB per device: {verdict} (weights {held / 2**30:.2f} GiB + KV cache "
+              f"for batch 1 at context {args.ctx} {cache_bytes / 2**30:.2f} GiB = {need / 2**30:.2f} GiB; "
+              f"activations and the framework not counted)")
 
 
 def cmd_serve(args) -> int:
@@ -136,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", metavar="DIR", help="checkpoint directory; default: the built-in default model")
     i.add_argument("--ctx", type=positive_int, default=4096, help="context length for the cache size (default 4096)")
     i.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of weights and cache")
+    i.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
+                   help="how FP8/FP4 weights would be loaded (as generate/serve --quantized): the bytes held follow")
+    i.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="bytes held per device when split over N ranks (default 1)")
+    i.add_argument("--memory-gb", type=positive_float, default=None, metavar="G",
+                   help="say whether weights + one sequence's KV cache fit G GiB per device")
     i.set_defaults(func=cmd_info)
 
     from serve.cli import add_arguments as add_serve_arguments  # argparse only: serve's app loads on run

@@ -471,12 +471,13 @@ def _apply_keep(model: nn.Module, tasks: list[_Task], device) -> list[_Task]:
         # --- FP8 Linear
         # (anything that does not fit is left to the dequantize path, whose checks report it)
         if (
-            type(module) is nn.Linear
+            isinstance(module, nn.Linear)
             and len(lin) == 1
             and lin[0].fmt == "fp8"
             and lin[0].weight.dtype == "F8_E4M3"
             and lin[0].scale_problem() is None
             and lin[0].extra["block"] is not None
+            and _keepable_linear(module, lin[0].extra["block"])
             and _sharded(lin[0].logical_shape, lin[0].extra.get("shard")) == tuple(module.weight.shape)
         ):
             t = lin[0]
@@ -516,6 +517,15 @@ def _apply_keep(model: nn.Module, tasks: list[_Task], device) -> list[_Task]:
             continue
         out.extend(mtasks)
     return out
+
+
+def _keepable_linear(module: nn.Linear, block) -> bool:
+    """A plain nn.Linear, or a grouped projection (an nn.Linear subclass with `groups`, attention's
+    wo_a) whose groups start on scale-block borders (each group is multiplied on its own)."""
+    if type(module) is nn.Linear:
+        return True
+    groups, rows = getattr(module, "groups", None), module.weight.shape[0]
+    return isinstance(groups, int) and rows % groups == 0 and (rows // groups) % block[0] == 0
 
 
 def _sharded(shape: tuple, shard) -> tuple:
@@ -732,8 +742,13 @@ def load_checkpoint_into(
     progress: bool | None = None,
     allocate_meta: bool = False,
     shards: dict | None = None,
+    plan_only: bool = False,
 ) -> None:
     """Stream a safetensors checkpoint into ``model``'s existing parameters/buffers.
+
+    ``plan_only``: read the headers, check them and (``"keep"``) swap in the quantized modules,
+    allocated on ``device`` (``"meta"``: nowhere), then stop before reading any data: how
+    ``ds4_torch.footprint`` learns what a load would hold.
 
     ``device``: where tensors are read and dequantized (default CPU); results are
     copied onto each parameter's own device. ``quantized``: ``"dequantize"``
@@ -824,6 +839,8 @@ def load_checkpoint_into(
             lacking = _expected_pieces(k, state[k].shape[0]) - got
             missing.extend(_piece_name(k, p) for p in sorted(lacking))
     _raise_collected(path, missing, unexpected, mismatched, unreadable)
+    if plan_only:
+        return
     if allocate_meta:
         _allocate_meta(model, torch.device(device) if device is not None else torch.device("cpu"))
         state = model.state_dict(keep_vars=True)

@@ -396,7 +396,10 @@ class Experts(nn.Module):
 
     The math is the `ds4::moe` op (`kernels/moe.py`): each selected expert's weights are read in
     place, once per step, for decode and prefill alike, with no host sync on CUDA (Triton) and
-    no data-dependent shape, so steps trace, compile and capture."""
+    no data-dependent shape, so steps trace, compile and capture. Kept-quantized storage
+    (`quant.FP4Experts`/`FP8Experts`, swapped in by the loader) hands the op its packed experts
+    and scales: the Triton kernels decode them in registers, the CPU path unpacks only the
+    selected ones."""
 
     # Which ds4::moe implementation runs: "auto" (Triton on CUDA, the torch loop elsewhere),
     # "torch" or "triton"; the same names and errors as the attention backends.
@@ -416,8 +419,13 @@ class Experts(nn.Module):
     def forward(self, flat, indices, weights):
         """flat [N, H], indices [N, k] expert ids, weights [N, k] -> [N, H]."""
         if type(self).expert_weights is not Experts.expert_weights:
-            # quant.py's storages: no dense parameters, weights only through expert_weights.
-            return self._forward_one_expert_at_a_time(flat, indices, weights)
+            # quant.py's storages: no dense parameters; the op reads the packed experts in place.
+            packed = self.packed_weights()
+            if packed is None:  # a layout the op does not take: weights only through expert_weights
+                return self._forward_one_expert_at_a_time(flat, indices, weights)
+            gate_up, down, gate_up_scale, down_scale = packed
+            return moe(flat, indices, weights, gate_up, down, float(self.limit), self.backend, gate_up_scale,
+                       down_scale)
         return self._moe(flat, indices, weights, self.gate_up_proj, self.down_proj)
 
     def _moe(self, flat, indices, weights, gate_up, down):
@@ -427,7 +435,8 @@ class Experts(nn.Module):
         return moe(flat, indices, weights, gate_up, down, float(self.limit), self.backend)
 
     def _forward_one_expert_at_a_time(self, flat, indices, weights):
-        """Storages that only hand out weights through `expert_weights` (quantized, see quant.py):
+        """Quantized storages whose scale grid the op does not take (an FP8 block straddling the
+        gate/up border, see `quant.QuantizedExperts.packed_weights`):
         dequantize one selected expert at a time and run the op on it alone, with every pair routed
         elsewhere marked -1 (no expert). Slot s holds the s-th distinct selected expert (-1 past
         them). The slot count min(N*k, E) is static, so this traces and captures too; it is also

@@ -18,16 +18,20 @@ allowed, e.g. stacked experts ``[E, out, in]`` with scales ``[E, sr, sc]``).
 
 Keep-mode contract
 ------------------
-* :class:`FP8BlockLinear` replaces *exact* ``nn.Linear`` instances (same
-  attribute name on the parent). Buffers: ``weight`` (float8_e4m3fn
-  ``[out, in]``) and ``weight_scale_inv`` (float32 block scale); ``bias`` is the
-  original bias Parameter (or None). ``forward(x)`` dequantizes to ``x.dtype``
-  and calls ``F.linear``. ``dequantized_weight(dtype)`` is available for code
-  that needs the matrix. ``nn.Linear`` *subclasses* (custom forwards such as a
-  grouped output projection) are never swapped: the loader dequantizes them.
+* :class:`FP8BlockLinear` replaces *exact* ``nn.Linear`` instances and grouped
+  projections (``nn.Linear`` subclasses with a ``groups`` attribute, whose forward
+  maps ``[..., groups, in]`` to ``[..., groups, out/groups]``), under the same
+  attribute name on the parent. Buffers: ``weight`` (float8_e4m3fn ``[out, in]``)
+  and ``weight_scale_inv`` (float32 block scale); ``bias`` is the original bias
+  Parameter (or None). ``forward(x)`` runs the ``ds4::fp8_linear`` op (the weight
+  is never dequantized whole). ``dequantized_weight(dtype)`` is available for code
+  that needs the matrix. Other ``nn.Linear`` subclasses are never swapped: the
+  loader dequantizes them.
 * Routed experts: the model's experts module must hold ``gate_up_proj``
   ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` and must fetch weights in its
-  forward ONLY through ``self.expert_weights(expert_ids)`` returning
+  forward ONLY through ``self.packed_weights()`` (the packed tensors and scales
+  the ``ds4::moe`` op multiplies in place, or None) or else
+  ``self.expert_weights(expert_ids)`` returning
   ``(gate_up [..., 2I, H], down [..., H, I])`` (dense version:
   ``self.gate_up_proj[expert_ids], self.down_proj[expert_ids]``).
   :meth:`QuantizedExperts.convert_` swaps such a module *in place* to a cached
@@ -48,7 +52,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -165,7 +168,14 @@ def dequantize(weight, scale, dtype=torch.float32, block_size=None) -> torch.Ten
 
 
 class FP8BlockLinear(nn.Module):
-    """Linear layer with a float8_e4m3fn weight and a float32 block scale."""
+    """Linear layer with a float8_e4m3fn weight and a block scale, multiplied in place by the
+    `ds4::fp8_linear` op (no dense weight is built). `groups` > 1: a grouped projection (the
+    model's `GroupedLinear`, attention's `wo_a`): x [..., groups, in], each group through its own
+    `out/groups` rows, which must start on a block border."""
+
+    # Which ds4::fp8_linear implementation runs: "auto" (Triton on CUDA, torch elsewhere), "torch"
+    # or "triton"; the same names as the attention backends.
+    backend = "auto"
 
     def __init__(
         self,
@@ -176,8 +186,10 @@ class FP8BlockLinear(nn.Module):
         scale_shape=None,
         device=None,
         dtype: torch.dtype = torch.bfloat16,
+        groups: int = 1,
     ):
         super().__init__()
+        self.groups = groups
         self.in_features = in_features
         self.out_features = out_features
         if scale_shape is None:
@@ -185,6 +197,10 @@ class FP8BlockLinear(nn.Module):
         self.block_size = infer_block_size((out_features, in_features), scale_shape, block_size)
         self.compute_dtype = dtype
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        if groups > 1 and (out_features % groups or scale_shape[0] % groups
+                           or (out_features // groups) % self.block_size[0]):
+            raise ValueError(f"a grouped FP8 projection needs each of its {groups} groups of rows "
+                             f"({out_features} rows) to start on a {self.block_size[0]}-row block border")
         self.register_buffer("weight_scale_inv", torch.empty(*scale_shape, dtype=torch.float32, device=device))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
@@ -203,6 +219,7 @@ class FP8BlockLinear(nn.Module):
             scale_shape=scale_shape,
             device=device if device is not None else linear.weight.device,
             dtype=linear.weight.dtype,
+            groups=getattr(linear, "groups", 1),
         )
         new.bias = linear.bias  # keep the very same Parameter (or None)
         return new
@@ -211,13 +228,23 @@ class FP8BlockLinear(nn.Module):
         return dequantize_fp8(self.weight, self.weight_scale_inv, dtype or self.compute_dtype, self.block_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+        from .kernels.quantized import fp8_linear  # deferred: the kernels import this module
+
+        if self.groups > 1:  # x [..., groups, in]: group g through its own rows of the weight
+            rows, blocks = self.out_features // self.groups, self.weight_scale_inv.shape[0] // self.groups
+            out = torch.stack([
+                fp8_linear(x[..., g, :], self.weight[g * rows:(g + 1) * rows],
+                           self.weight_scale_inv[g * blocks:(g + 1) * blocks], *self.block_size, self.backend)
+                for g in range(self.groups)], dim=-2)
+        else:
+            out = fp8_linear(x, self.weight, self.weight_scale_inv, *self.block_size, self.backend)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, block_size={self.block_size}"
+            + (f", groups={self.groups}" if self.groups > 1 else "")
         )
 
 
@@ -279,6 +306,17 @@ class QuantizedExperts(nn.Module):
 
     def _logical_shape(self, w):
         return w.shape
+
+    def packed_weights(self):
+        """(gate_up, down, gate_up_scale, down_scale) as the ``ds4::moe`` op takes them (the
+        gate_up grid: the gate grid stacked on the up grid), or None when this storage's grid
+        has a block straddling the gate/up border (then only ``expert_weights`` serves it)."""
+        if not self.split_gate_up:  # one grid over the 2I rows: the two grids only if no block straddles
+            block = infer_block_size(self._logical_shape(self.gate_up_proj), self.gate_up_proj_scale_inv.shape,
+                                     self.default_block)
+            if (self.gate_up_proj.shape[-2] // 2) % block[0]:
+                return None
+        return self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv
 
     def expert_weights(self, expert_ids: torch.Tensor, dtype: torch.dtype | None = None):
         dtype = dtype or self.compute_dtype

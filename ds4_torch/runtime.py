@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -60,8 +61,11 @@ def add_model_arguments(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="dtype of weights and cache (default float32)")
     p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
                    help="FP8/FP4 weights of a quantized checkpoint (DeepSeek's release): dequantize them to "
-                        "--dtype at load, or keep them quantized (about half the memory; dequantized per "
-                        "use). No effect on an unquantized checkpoint (default dequantize)")
+                        "--dtype at load, or keep them quantized (about half the memory; multiplied packed, "
+                        "unpacked tile by tile). No effect on an unquantized checkpoint (default dequantize)")
+    p.add_argument("--allow-vocab-mismatch", action="store_true",
+                   help="load a tokenizer whose vocabulary is smaller than the model's (with a warning): token "
+                        "ids past the tokenizer's decode to no text")
 
 
 def add_tp_argument(p: argparse.ArgumentParser) -> None:
@@ -174,3 +178,22 @@ def load_model_tokenizer(model: str | None = None):
         return load_tokenizer(model_dir(model))
     except (OSError, ValueError) as e:
         raise UserError(str(e)) from e
+
+
+def check_tokenizer_vocabulary(tokenizer, model_vocab_size: int, allow_mismatch: bool = False) -> None:
+    """Refuse a tokenizer that does not cover the model's vocabulary: ids it lacks decode to no
+    text, so a sampled one would vanish from the output without a word. `allow_mismatch` (the
+    --allow-vocab-mismatch flag) turns a smaller tokenizer into a warning; a larger one can
+    encode ids the model cannot embed and is always refused."""
+    size = tokenizer.vocab_size
+    if size == model_vocab_size:
+        return
+    if size < model_vocab_size and allow_mismatch:
+        print(f"warning: the tokenizer has {size} tokens, the model {model_vocab_size}: sampled ids {size} and "
+              "above decode to no text", file=sys.stderr)
+        return
+    hint = (" (pass --allow-vocab-mismatch to use it anyway: sampled ids past the tokenizer's decode to no text)"
+            if size < model_vocab_size else " (it can encode ids the model cannot embed)")
+    raise UserError(f"the tokenizer's vocabulary ({size} tokens) does not match the model's vocab_size "
+                    f"({model_vocab_size}){hint}")
+

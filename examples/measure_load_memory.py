@@ -6,10 +6,10 @@
 (From a checkout whose ds4_torch is not the installed one: PYTHONPATH=. python examples/...;
 the measured ds4_torch is printed.)
 
-The synthetic checkpoint is shaped like DeepSeek-V4's: routed experts FP4 (e2m1 packed two per
-byte, e8m0 scale per 32 inputs, one tensor per expert and projection), every plain nn.Linear
-except the head FP8 with e8m0 128x128 block scales, the rest in the model dtype; one shard per
-layer. Weights are random bytes: only sizes matter here. It is deleted afterwards unless
+The synthetic checkpoint is shaped like DeepSeek-V4's, in its upstream layout (the writer of
+`ds4-torch bench quant`): routed experts FP4 (e2m1 packed two per byte, e8m0 scale per 32
+inputs, one tensor per expert and projection), every linear except the head FP8 with e8m0
+128x128 block scales, the rest bf16; one shard per layer. Weights are random: only sizes matter. It is deleted afterwards unless
 --keep-files.
 
 Each load runs in a fresh subprocess that first loads the 10 MB embedded model (so every lazily
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -37,8 +35,6 @@ from pathlib import Path
 import torch
 
 GIB = 2**30
-FP8_BLOCK = 128
-FP4_GROUP = 32
 
 
 def status_bytes(field: str) -> int:
@@ -67,58 +63,11 @@ def synthetic_config(layers: int, hidden: int, experts: int, intermediate: int):
     return DS4Config.from_dict(raw)
 
 
-def _e8m0(shape, g) -> torch.Tensor:
-    return torch.randint(120, 128, shape, dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+def write_synthetic_checkpoint(directory, config, seed: int = 0) -> Path:
+    """config.json + one upstream-layout shard per layer: `ds4-torch bench quant`'s writer."""
+    from ds4_torch.bench.quant import write_checkpoint
 
-
-def write_synthetic_checkpoint(directory, config, dtype=torch.bfloat16, seed: int = 0) -> Path:
-    """config.json + one safetensors shard per layer (and one for the rest) + the index."""
-    from safetensors.torch import save_file
-    from torch import nn
-
-    from ds4_torch import DS4ForCausalLM
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config.save(directory)
-    with torch.device("meta"):
-        model = DS4ForCausalLM(config)
-    model.to_dtype(dtype)  # the dtypes a checkpoint stores the unquantized tensors in
-    state = model.state_dict()
-    shards: dict[str, list[str]] = {}
-    for key in state:
-        m = re.match(r"model\.layers\.(\d+)\.", key)
-        shards.setdefault(f"layer-{int(m[1]):03d}" if m else "rest", []).append(key)
-    g = torch.Generator().manual_seed(seed)
-    weight_map = {}
-    for shard, keys in shards.items():
-        tensors = {}
-        for key in keys:
-            t = state[key]
-            owner = model.get_submodule(key.rpartition(".")[0])
-            if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                prefix = key.rpartition(".")[0]
-                for e in range(t.shape[0]):
-                    parts = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
-                    for part in parts:
-                        rows, cols = t.shape[1] // len(parts), t.shape[2]
-                        name = f"{prefix}.{e}.{part}.weight"
-                        tensors[name] = torch.randint(-128, 128, (rows, cols // 2), dtype=torch.int8, generator=g)
-                        tensors[name + "_scale_inv"] = _e8m0((rows, cols // FP4_GROUP), g)
-            elif type(owner) is nn.Linear and key.endswith(".weight") and key != "lm_head.weight":
-                rows, cols = t.shape
-                tensors[key] = (torch.randn(rows, cols, generator=g) * 0.5).to(torch.float8_e4m3fn)
-                tensors[key + "_scale_inv"] = _e8m0((math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)), g)
-            elif t.is_floating_point():
-                tensors[key] = (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype)
-            else:  # hash routing table
-                tensors[key] = torch.randint(0, config.n_routed_experts, t.shape, dtype=t.dtype, generator=g)
-        file = f"model-{shard}.safetensors"
-        save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-        del tensors
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return directory
+    return write_checkpoint(directory, config, seed)
 
 
 def measure_load(path, quantized: str, dtype: torch.dtype) -> dict:
@@ -201,7 +150,7 @@ def main(argv=None) -> None:
         written = path = Path(args.dir or tempfile.mkdtemp(prefix="ds4-load-memory-", dir="/tmp"))
         config = synthetic_config(args.layers, args.hidden, args.experts, args.intermediate)
         print(f"writing a synthetic FP8/FP4 checkpoint to {path} ...", file=sys.stderr)
-        write_synthetic_checkpoint(path, config, dtype)
+        write_synthetic_checkpoint(path, config)
     try:
         file_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         rows = [measure_in_subprocess(path, q, args.dtype) for q in ("keep", "dequantize")]

@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 
-from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, load_model, load_model_tokenizer,
-                               non_negative_int, positive_float, positive_int, resolve_device)
+from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, check_tokenizer_vocabulary, load_config,
+                               load_model, load_model_tokenizer, non_negative_int, positive_float, positive_int,
+                               resolve_device)
 
 KV_DISK_DEFAULT_MB = 1024
 KV_DISK_DEFAULT_EVERY = 512
@@ -78,6 +79,7 @@ def load(args):
     from .app import ServerConfig
 
     tokenizer = load_model_tokenizer(args.model)
+    check_tokenizer_vocabulary(tokenizer, load_config(args.model).vocab_size, args.allow_vocab_mismatch)
     model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
     if args.max_sessions is not None and args.max_sessions < args.max_batch:
         raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "

@@ -2,7 +2,7 @@
 (the test session sets it before triton is imported, which makes every kernel an interpreted one).
 Each check raises on the first mismatch and prints one `ok` line per part it passed.
 
-    python tests/gpu_checks.py kernels | graph | model | bench
+    python tests/gpu_checks.py kernels | graph | model | bench | quant
 """
 
 from __future__ import annotations
@@ -212,7 +212,63 @@ def check_bench():
     print("ok bench kernels")
 
 
-CHECKS = {"kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench}
+def check_quant():
+    """The quantized-weight kernels natively: ds4::fp8_linear at V4-Flash shapes and the MoE
+    reading packed FP4/FP8 experts, in every dtype, against the torch implementations on the same
+    packed weights (float64 for fp8_linear), and the op free of host syncs."""
+    from ckpt_utils import fp8_quantize, fp8_reference
+    from ds4_torch.kernels import triton_quantized as tq
+    from ds4_torch.kernels.moe import moe_torch
+    from test_moe import LIMIT, make_inputs, quantized_experts
+
+    assert not tq.INTERPRETED, "the kernels must be compiled for the GPU, not interpreted"
+    g = torch.Generator().manual_seed(0)
+    for name, R, K, fmt in (("q_b_proj", 32768, 1024, "e8m0"), ("wo_b", 4096, 8192, "uint8"),
+                            ("odd", 300, 200, "float32")):
+        q, s = fp8_quantize(torch.randn(R, K, generator=g), fmt)
+        dense = fp8_reference(q, s).double()
+        for N in (1, 7, 300):
+            for dtype in DTYPES:
+                x = torch.randn(N, K, generator=g).to(dtype)
+                got = torch.ops.ds4.fp8_linear(*cuda((x, q, s)), 128, 128, "auto")
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                torch.ops.ds4.fp8_linear(*cuda((x, q, s)), 128, 128, "auto")
+                torch.cuda.set_sync_debug_mode("default")
+                assert_close(got.cpu(), x.double() @ dense.T, dtype)
+        print("ok fp8_linear", name)
+    for fmt in ("fp4", "fp8"):
+        for N in (1, 64):
+            hidden, ids, weights, gate_up, down = make_inputs(N, 6, 16, 4096, 2048, seed=N)
+            packed, _ = quantized_experts(gate_up, down, fmt)
+            for dtype in DTYPES[1:]:
+                args = (hidden.to(dtype), ids, weights.to(dtype))
+                expected = moe_torch(*args, *packed[:2], LIMIT, *packed[2:])
+                got = torch.ops.ds4.moe(*cuda(args), *cuda(packed[:2]), LIMIT, "auto", *cuda(packed[2:]))
+                assert_close(got.cpu(), expected.double(), dtype)
+        print("ok moe packed", fmt)
+
+    # bench quant on the GPU, at small sizes: peak GPU memory and weight GB/s against the peak
+    import contextlib
+    import io
+
+    from ds4_torch.bench.quant import write_checkpoint
+    from ds4_torch.cli import main
+    from test_quantized import small_config
+
+    with tempfile.TemporaryDirectory() as directory:
+        write_checkpoint(directory, small_config())
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(["bench", "quant", "--model", directory, "--device", "cuda", "--prompt-len", "8",
+                       "--new-tokens", "3", "--repeats", "1"])
+    print(out.getvalue())
+    assert rc == 0 and "peak GPU GiB" in out.getvalue() and "against the device's peak" in out.getvalue()
+    print("ok bench quant on cuda")
+
+
+CHECKS = {"kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench,
+          "quant": check_quant}
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -232,3 +232,43 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"ds4-torch {__version__}"
+
+
+# --------------------------------------------------------------------------- tokenizer vocabulary
+@pytest.fixture
+def padded_vocab_dir(tmp_path):
+    """The default model's tokenizer next to a config whose vocabulary is 62 ids larger."""
+    import shutil
+
+    from ds4_torch.default_model import DEFAULT_MODEL_DIR
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, tmp_path / name)
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    config["vocab_size"] += 62
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_generate_and_serve_refuse_a_smaller_tokenizer(capsys, padded_vocab_dir):
+    """Ids past the tokenizer would decode to nothing: both commands say so before loading weights."""
+    from serve.cli import build_parser as serve_parser, load
+
+    rc, _, err = run_cli(capsys, "generate", "--model", str(padded_vocab_dir), "-p", "x")
+    assert_one_line_error(rc, err, "vocabulary (1038 tokens)", "vocab_size (1100)", "--allow-vocab-mismatch")
+    from ds4_torch.runtime import UserError
+
+    with pytest.raises(UserError, match=r"vocabulary \(1038 tokens\).*--allow-vocab-mismatch"):
+        load(serve_parser().parse_args(["--model", str(padded_vocab_dir)]))
+
+
+def test_vocab_mismatch_allowed_warns_and_a_larger_tokenizer_is_refused(capsys):
+    from ds4_torch.runtime import UserError, check_tokenizer_vocabulary
+
+    tok = default_tokenizer()
+    check_tokenizer_vocabulary(tok, tok.vocab_size)
+    assert capsys.readouterr().err == ""
+    check_tokenizer_vocabulary(tok, tok.vocab_size + 62, allow_mismatch=True)
+    assert "warning" in capsys.readouterr().err
+    with pytest.raises(UserError, match="cannot embed"):
+        check_tokenizer_vocabulary(tok, tok.vocab_size - 1, allow_mismatch=True)

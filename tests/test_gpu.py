@@ -5,7 +5,8 @@
 - a real CUDA-graph capture of the decode step replayed across the window, emit, top-k and
   ring-wrap boundaries, one sequence and a staggered batch, against eager decoding;
 - the model end to end on CUDA against transformers (fp32, logits within 1e-4);
-- `ds4-torch bench kernels` reporting GB/s against the device's peak.
+- `ds4-torch bench kernels` reporting GB/s against the device's peak;
+- ds4::fp8_linear and the MoE reading packed FP4/FP8 experts, natively, in every dtype.
 The checks live in `gpu_checks.py` and run as child processes: this session sets TRITON_INTERPRET
 (conftest), which would turn every kernel into an interpreted one.
 
@@ -50,6 +51,13 @@ def test_cuda_graph_decode_across_boundaries():
 def test_model_on_cuda_matches_transformers():
     out = run_checks("model")
     assert "ok prefill +" in out
+
+
+@pytest.mark.gpu
+def test_quantized_weight_kernels_natively():
+    """ds4::fp8_linear and the MoE on packed FP4/FP8 experts, compiled, in every dtype."""
+    out = run_checks("quant")
+    assert "ok fp8_linear q_b_proj" in out and "ok moe packed fp4" in out
 
 
 @pytest.mark.gpu

@@ -54,7 +54,8 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path):
     assert {r["target"] for r in rows} == {f"sm_{cc}" for cc in TARGETS}
     assert len(rows) == len(cases) * len(TARGETS)
     assert {k for _, k in cases} == {"_attention_partial_kernel", "_attention_merge_kernel",
-                                     "_compress_rows_kernel", "_indexer_keys_kernel", "_sinkhorn_kernel"}
+                                     "_compress_rows_kernel", "_indexer_keys_kernel", "_sinkhorn_kernel",
+                                     "_fp8_linear_kernel"}
     for r in rows:
         cc = int(r["target"][3:])
         assert int(r["shared_bytes"]) <= MAX_SHARED[cc], r  # else OutOfResources at the first launch
@@ -62,7 +63,8 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path):
         assert 0 < registers <= MAX_REGISTERS_PER_THREAD, r
         assert registers * threads <= MAX_REGISTERS_PER_BLOCK, r  # else the launch fails
         assert int(r["spill_stores"]) == 0 and int(r["spill_loads"]) == 0, r  # spills go to local memory: slow
-        if "bf16" in r["case"] and r["kernel"] in ("_attention_partial_kernel", "_indexer_keys_kernel"):
+        if "bf16" in r["case"] and r["kernel"] in ("_attention_partial_kernel", "_indexer_keys_kernel",
+                                                   "_fp8_linear_kernel"):
             assert r["tensor_cores"] == "True", r  # bf16 dots must reach mma / wgmma
 
 
@@ -73,6 +75,7 @@ def v4_flash_launches():
     import torch
 
     from ds4_torch.kernels import triton_kernels as tk
+    from ds4_torch.kernels import triton_quantized as tq
 
     launches = []
 
@@ -87,6 +90,7 @@ def v4_flash_launches():
     for name in ("_attention_partial_kernel", "_attention_merge_kernel", "_compress_rows_kernel",
                  "_indexer_keys_kernel", "_sinkhorn_kernel"):
         setattr(tk, name, Recorder(getattr(tk, name)))
+    tq._fp8_linear_kernel = Recorder(tq._fp8_linear_kernel)
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
@@ -113,6 +117,12 @@ def v4_flash_launches():
     tk.indexer_keys(meta(1, 1, HI, DI), meta(1, 1, HI, dtype=torch.float32), meta(1, c_csa, DI), start, 4)
     for case, tokens in (("mhc_decode_fp32", 64), ("mhc_prefill_fp32", 8192)):  # 4 streams, 20 iterations
         tk.sinkhorn(meta(tokens, 4, 4, dtype=torch.float32), 20, 1e-6)
+    # ds4::fp8_linear: q_b_proj (1024 -> 32768) in decode, wo_b (8192 -> 4096) in a prefill; e8m0 scales
+    for case, N, R, K, dtype in (("fp8_linear_decode_bf16", 1, H * D, 1024, torch.bfloat16),
+                                 ("fp8_linear_prefill_bf16", 512, 4096, 8192, torch.bfloat16),
+                                 ("fp8_linear_decode_fp32", 1, H * D, 1024, torch.float32)):
+        tq.fp8_linear(meta(N, K, dtype=dtype), meta(R, K, dtype=torch.float8_e4m3fn),
+                      meta(R // 128, K // 128, dtype=torch.uint8), 128, 128)
     return launches
 
 
@@ -121,7 +131,7 @@ def specialise(kernel, args, kwargs):
     import torch
 
     pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-               torch.int32: "*i32"}
+               torch.int32: "*i32", torch.uint8: "*u8"}
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = {**dict(zip(kernel.arg_names, args)), **kwargs}

@@ -300,41 +300,119 @@ def test_experts_module_trains():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("N", [1, 2, 40], ids=["decode", "decode_batch", "prefill"])
+def quantized_experts(gate_up, down, fmt):
+    """(gate_up, down, gate_up_scale, down_scale) packed as the op takes them (the gate_up grid: the
+    gate grid on the up grid), and the exact dequantized weights, with tests/ckpt_utils' own
+    quantizers: fmt "fp4" (e8m0 per 32), "fp8" (e8m0 128x128 blocks) or "fp8-f32" (float32 scales)."""
+    from ckpt_utils import fp4_quantize, fp8_quantize, fp8_reference
+
+    I = gate_up.shape[1] // 2
+    packed = {"gate_up": [], "down": []}
+    for e in range(gate_up.shape[0]):
+        for name, parts in (("gate_up", (gate_up[e, :I], gate_up[e, I:])), ("down", (down[e],))):
+            if fmt == "fp4":
+                quantized = [fp4_quantize(w) for w in parts]
+            else:
+                quantized = [(q, s, fp8_reference(q, s)) for q, s in
+                             (fp8_quantize(w, "float32" if fmt == "fp8-f32" else "e8m0") for w in parts)]
+            packed[name].append([torch.cat([q[i] for q in quantized]) for i in range(3)])
+    (gu, gus, gud), (dn, dns, dnd) = ([torch.stack([p[i] for p in packed[n]]) for i in range(3)]
+                                      for n in ("gate_up", "down"))
+    return (gu, dn, gus, dns), (gud, dnd)
+
+
+# (name, N, k, E, H, I): partial FP8 blocks (H, I not multiples of 128) and gate/up grids that
+# meet off a block border (I = 96); decode, a small batch, a prefill above the activation-scaling
+# row count (the op then scales the unpacked tiles instead).
+QUANT_CASES = [("decode", 1, 3, 4, 200, 96), ("batch", 5, 2, 4, 160, 128), ("prefill", 40, 3, 4, 136, 64)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "fp8-f32"])
+@pytest.mark.parametrize("case", QUANT_CASES, ids=[c[0] for c in QUANT_CASES])
 @torch.no_grad()
-def test_quantized_experts_dequantize_one_expert_at_a_time(N):
-    """FP4 storage (quant.py swaps the class in place): forward fetches weights only through
-    expert_weights, one expert per call, min(N*k, E) calls, and matches the dense module holding
-    the dequantized weights."""
+def test_op_on_quantized_experts_matches_loop(case, fmt, backend, monkeypatch):
+    """FP4/FP8 experts handed to the op packed, with their scales: the loop on the dequantized
+    weights, in fp32 and bf16. The torch implementation unpacks only the experts some pair
+    selected, each once per call, and a pair with no expert (-1, another rank's expert) unpacks
+    nothing; the Triton kernels decode the packed bytes in registers."""
+    name, N, k, E, H, I = case
+    if fmt == "fp4":
+        H, I = H // 32 * 32, I // 32 * 32
+    hidden, ids, weights, gate_up, down = make_inputs(N, k, E, H, I, seed=N)
+    ids[0, 0] = -1
+    packed, (gate_up_d, down_d) = quantized_experts(gate_up, down, fmt)
+    unpacked = []
+    for fn in ("expert_gate_up", "expert_down"):
+        original = getattr(moe_module, fn)
+
+        def spy(x, weight, scale, original=original, stack=packed[0] if fn == "expert_gate_up" else packed[1]):
+            unpacked.append((stack.dim(), (weight.data_ptr() - stack.data_ptr()) // stack.stride(0)
+                             // stack.element_size()))
+            return original(x, weight, scale)
+
+        monkeypatch.setattr(moe_module, fn, spy)
+    gu, dn, gus, dns = packed
+    for dtype in (torch.float32, torch.bfloat16):
+        unpacked.clear()
+        x, w = hidden.to(dtype), weights.to(dtype)
+        got = moe_module.moe(x, ids, w, gu, dn, LIMIT, backend, gus, dns)
+        want = loop_reference(x, ids, w, gate_up_d.to(dtype), down_d.to(dtype), LIMIT)
+        assert_close(got, want, dtype)
+        selected = sorted(set(ids[ids >= 0].tolist())) if backend == "torch" else []
+        assert sorted(e for _, e in unpacked) == sorted(selected * 2)  # gate_up and down of each
+
+
+def test_quantized_op_errors_name_the_problem():
+    hidden, ids, weights, gate_up, down = make_inputs(2, 2, 4, 64, 32, seed=0)
+    (gu, dn, gus, dns), _ = quantized_experts(gate_up, down, "fp4")
+    with pytest.raises(ValueError, match="both gate_up_scale and down_scale"):
+        moe_module.moe(hidden, ids, weights, gu, dn, LIMIT, "auto", gus, None)
+    with pytest.raises(ValueError, match="down must be"):
+        moe_module.moe(hidden, ids, weights, gu, dn[:, :32], LIMIT, "auto", gus, dns)
+    with pytest.raises(ValueError, match="gate_up_scale must be"):
+        moe_module.moe(hidden, ids, weights, gu, dn, LIMIT, "auto", gus[:, :3], dns)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@torch.no_grad()
+def test_quantized_experts_module_runs_the_op_packed(fmt, monkeypatch):
+    """quant.py's storage swapped into the model's Experts: forward hands the packed experts to
+    the op (expert_weights is never called) and matches the dense module holding the dequantized
+    weights."""
     from ds4_torch import quant as Q
-    from ckpt_utils import fp4_quantize
 
     module = experts_module()
     E = module.num_experts
-    packed = [[fp4_quantize(w[e]) for e in range(E)] for w in (module.gate_up_proj, module.down_proj)]
-    gate_up_q, down_q = ([torch.stack([p[i] for p in ws]) for i in range(3)] for ws in packed)
-    with torch.no_grad():  # the dense twin holds exactly what the quantized one dequantizes to
-        module.gate_up_proj.copy_(gate_up_q[2])
-        module.down_proj.copy_(down_q[2])
-    hidden, ids, weights, _, _ = make_inputs(N, 3, E, 64, 32, seed=N)
-    if N > 1:
-        ids[0, 0] = -1  # a pair with no expert
+    (gu, dn, gus, dns), (gate_up_d, down_d) = quantized_experts(module.gate_up_proj, module.down_proj, fmt)
+    module.gate_up_proj.copy_(gate_up_d)
+    module.down_proj.copy_(down_d)
+    hidden, ids, weights, _, _ = make_inputs(3, 3, E, 64, 32, seed=3)
     dense = module(hidden, ids, weights)
+    storage = Q.FP4Experts if fmt == "fp4" else Q.FP8Experts
+    storage.convert_(module, gu, gus, dn, dns, split_gate_up=True)
+    monkeypatch.setattr(module, "expert_weights", lambda *a, **k: pytest.fail("dequantized a whole expert"))
+    assert_close(module(hidden, ids, weights), dense.double(), torch.float32)
 
-    Q.FP4Experts.convert_(module, gate_up_q[0], gate_up_q[1], down_q[0], down_q[1])
-    assert isinstance(module, Q.FP4Experts) and module.gate_up_proj.dtype == torch.int8
-    calls = []
-    original = module.expert_weights
 
-    def spy(expert_ids, dtype=None):
-        calls.append(expert_ids.numel())
-        return original(expert_ids, dtype)
+@torch.no_grad()
+def test_fp8_experts_with_a_block_across_the_gate_up_border():
+    """One FP8 grid over gate_up's 2I = 192 rows (HF's stacked layout): its second 128-row block
+    holds gate and up rows, which the op's two-grid layout cannot express, so packed_weights()
+    declines and forward dequantizes one selected expert at a time; same output."""
+    from ckpt_utils import fp8_quantize, fp8_reference
+    from ds4_torch import quant as Q
 
-    module.expert_weights = spy
-    got = module(hidden, ids, weights)
-    assert calls == [1] * min(ids.numel(), E)
-    assert_close(got, dense.double(), torch.float32)
-    assert_close(got, loop_reference(hidden, ids, weights, gate_up_q[2], down_q[2], LIMIT), torch.float32)
+    module = experts_module(E=4, I=96)
+    quantized = [[fp8_quantize(w[e], "e8m0") for e in range(4)] for w in (module.gate_up_proj, module.down_proj)]
+    (gu, gus), (dn, dns) = ([torch.stack([q[i] for q in qs]) for i in range(2)] for qs in quantized)
+    module.gate_up_proj.copy_(torch.stack([fp8_reference(q, s) for q, s in quantized[0]]))
+    module.down_proj.copy_(torch.stack([fp8_reference(q, s) for q, s in quantized[1]]))
+    hidden, ids, weights, _, _ = make_inputs(3, 3, 4, 64, 96, seed=4)
+    dense = module(hidden, ids, weights)
+    Q.FP8Experts.convert_(module, gu, gus, dn, dns)
+    assert module.packed_weights() is None
+    assert_close(module(hidden, ids, weights), dense.double(), torch.float32)
 
 
 @torch.no_grad()
@@ -448,6 +526,18 @@ def v4_flash_launches():
             return torch.empty(*shape, dtype=dtype, device="meta")
 
         tm.moe(meta(N, H), meta(N, k, dtype=torch.int64), meta(N, k), meta(E, 2 * I, H), meta(E, H, I), 10.0)
+    # packed experts as DeepSeek ships them: FP4 with e8m0 per-32 scales, FP8 with e8m0 128x128 blocks
+    for case, N, packing in (("decode_fp4_bf16", 1, 2), ("prefill2048_fp4_bf16", 2048, 2),
+                             ("decode_fp8_bf16", 1, 1), ("prefill2048_fp8_bf16", 2048, 1)):
+        def meta(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        weights = torch.int8 if packing == 2 else torch.float8_e4m3fn
+        block = (1, 32) if packing == 2 else (128, 128)
+        tm.moe(meta(N, H), meta(N, k, dtype=torch.int64), meta(N, k), meta(E, 2 * I, H // packing, dtype=weights),
+               meta(E, H, I // packing, dtype=weights), 10.0,
+               meta(E, 2 * I // block[0], H // block[1], dtype=torch.uint8),
+               meta(E, H // block[0], I // block[1], dtype=torch.uint8))
     return launches
 
 

@@ -75,8 +75,8 @@ def moe_source():
 @pytest.fixture(scope="module")
 def fp4_checkpoint(moe_source, tmp_path_factory):
     """Upstream names, FP8 linears (float32 block scales), FP4 experts (e8m0 scales), the rest
-    float32. o_a_proj (a grouped nn.Linear subclass, which keep mode dequantizes) stays float32,
-    so every tensor of this checkpoint is held as stored by a keep-mode float32 model."""
+    float32. o_a_proj (a grouped projection whose 16-row groups do not start on the 128-row
+    block borders, which keep mode would dequantize) is stored float32, so every tensor of this checkpoint is held as stored by a keep-mode float32 model."""
     ckpt, _ = fp8_checkpoint(moe_source, "float32", upstream=True)
     fp4, _, _ = fp4_upstream_checkpoint(moe_source)
     ckpt = {k: v for k, v in ckpt.items() if ".experts." not in k or "shared" in k}
@@ -123,6 +123,7 @@ def test_keep_load_holds_the_file_bytes_and_matches_dequantize(fp4_checkpoint):
     attn = kept.model.layers[1].self_attn
     assert isinstance(attn.q_a_proj, Q.FP8BlockLinear) and attn.q_a_proj.weight.dtype == torch.float8_e4m3fn
     with torch.no_grad():
-        for length in (8, 40):  # the gather path and the per-expert loop of Experts.forward
+        for length in (8, 40):  # activation-scaled (decode-sized) and tile-scaled FP8 products
             ids = torch.randint(2, 97, (1, length), generator=torch.Generator().manual_seed(length))
-            torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=0)
+            # the ops multiply the packed weights in their own summation order: fp32 rounding apart
+            torch.testing.assert_close(kept(ids), dense(ids), rtol=1e-4, atol=1e-4)

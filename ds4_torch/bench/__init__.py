@@ -13,12 +13,13 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
 - `checkpoint` (`checkpoint.py`): cache checkpoints (take, restore, branch, import) at V4-Flash's
   layout vs copying the whole sequence.
+- `quant`      (`quant.py`): a real-size FP8/FP4 checkpoint kept quantized vs dequantized to bf16.
 """
 from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint", "quant")
 
 
 def _threads(args) -> None:
@@ -80,6 +81,10 @@ def _run_checkpoint(args) -> int:
                                                          resolve_device(args.device), repeats=args.repeats,
                                                          csv_path=args.csv)
     return 0
+
+
+def _run_quant(args) -> int:
+    return importlib.import_module(".quant", __name__).run(args)
 
 
 def add_parser(sub) -> None:
@@ -150,3 +155,9 @@ def add_parser(sub) -> None:
     c.add_argument("--device", default="cpu", help="cpu, cuda, ... (default cpu)")
     c.add_argument("--repeats", type=positive_int, default=5, help="timed runs per cell; the median is shown")
     common(c)
+
+    quant = target("quant", "a real-size FP8/FP4 checkpoint: --quantized keep vs dequantized (decode, prefill, memory)",
+                   _run_quant)
+    from .quant import add_arguments as add_quant_arguments  # argparse only
+
+    add_quant_arguments(quant)

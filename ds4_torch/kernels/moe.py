@@ -1,14 +1,22 @@
 """The routed-experts op: `torch.ops.ds4.moe`, one op for decode and prefill.
 
     ds4::moe(hidden [N, H], expert_ids [N, k] int64, routing_weights [N, k],
-             gate_up [E, 2I, H], down [E, H, I], swiglu_limit: float, backend: str) -> [N, H]
+             gate_up [E, 2I, H], down [E, H, I], swiglu_limit: float, backend: str,
+             gate_up_scale: Tensor? = None, down_scale: Tensor? = None) -> [N, H]
 
 For each (token n, slot j) pair with e = expert_ids[n, j]:
     gate, up = (hidden[n] @ gate_up[e].T).chunk(2)                      # in hidden's dtype
     y        = (silu(gate.clamp(max=L)) * up.clamp(-L, L)) @ down[e].T
     out[n]  += y * routing_weights[n, j].to(hidden.dtype)               # sum over j in fp32, rounded once
 the semantics of the model's `Experts` (and transformers' DeepseekV4Experts). `hidden`, `gate_up`
-and `down` share one floating dtype, the compute dtype. A pair whose id is outside [0, E) (e.g.
+and `down` share one floating dtype, the compute dtype.
+
+Quantized experts (`quant.FP8Experts` / `quant.FP4Experts` storage) come with their scales:
+`gate_up`/`down` float8_e4m3fn (128x128 blocks) or FP4 bytes (int8, two e2m1 codes each, the last
+dim halved, an e8m0 scale per 32 inputs), and `gate_up_scale` [E, 2*SR, SC] the gate grid stacked
+on the up grid, `down_scale` [E, SR', SC']. The math is the dense one on the dequantized weights
+(`quant.dequantize`), in hidden's dtype; no dense copy of an expert outlives its use, and an
+expert no pair selected is never read. A pair whose id is outside [0, E) (e.g.
 -1) picks no expert and adds nothing, in every implementation; that is how a caller hands the op
 only part of the experts (`Experts` with quantized storage feeds one dequantized expert at a time).
 
@@ -16,7 +24,8 @@ Implementations (chosen as for the attention ops, `ops.kernel_for`; backend "aut
 "triton"):
 - every device without a kernel of its own (CPU, MPS), and "torch": `moe_torch` below, a loop
   over the experts actually selected that multiplies each expert's token group by *views* of its
-  weights (never a gathered copy of the selected set). It reads the expert counts on the host; as
+  weights (never a gathered copy of the selected set). Quantized experts are unpacked there, only
+  when selected, tile by tile into a reused buffer (`quantized.py`). It reads the expert counts on the host; as
   one opaque op under `make_fx` / `torch.compile` that sync is not part of any traced graph.
 - CUDA ("auto" / "triton"), or CPU under TRITON_INTERPRET=1 with "triton": the fused Triton kernels
   of `triton_moe.py`, with no host sync and no data-dependent shape (CUDA-graph capturable).
@@ -25,17 +34,21 @@ The op never mutates its inputs and returns a fresh tensor.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..quant import is_fp4_packed_dtype
 from .ops import kernel_for
+from .quantized import expert_block, expert_down, expert_gate_up
 
 __all__ = ["moe", "moe_torch", "swiglu", "check_moe_inputs"]
 
 
 def check_moe_inputs(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor,
-                     down: Tensor) -> None:
+                     down: Tensor, gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> None:
     """Shapes and dtypes only (no data is read): raises ValueError naming the mismatch."""
     if hidden.dim() != 2:
         raise ValueError(f"moe: hidden must be [tokens, hidden], got shape {tuple(hidden.shape)}")
@@ -47,6 +60,14 @@ def check_moe_inputs(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor
     if routing_weights.shape != expert_ids.shape or not routing_weights.is_floating_point():
         raise ValueError(f"moe: routing_weights must be floating with expert_ids' shape {tuple(expert_ids.shape)}, "
                          f"got {routing_weights.dtype} {tuple(routing_weights.shape)}")
+    if (gate_up_scale is None) != (down_scale is None):
+        raise ValueError("moe: quantized experts need both gate_up_scale and down_scale")
+    quantized = gate_up_scale is not None
+    if quantized:
+        check_quantized_experts(H, gate_up, down, gate_up_scale, down_scale)
+        if not hidden.is_floating_point():
+            raise ValueError(f"moe: hidden must be floating, got {hidden.dtype}")
+        return
     if gate_up.dim() != 3 or gate_up.shape[2] != H or gate_up.shape[1] % 2:
         raise ValueError(f"moe: gate_up must be [experts, 2*intermediate, {H}], got shape {tuple(gate_up.shape)}")
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
@@ -55,6 +76,26 @@ def check_moe_inputs(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor
     if not (hidden.dtype == gate_up.dtype == down.dtype) or not hidden.is_floating_point():
         raise ValueError(f"moe: hidden, gate_up and down must share one floating dtype, got "
                          f"{hidden.dtype}, {gate_up.dtype}, {down.dtype}")
+
+
+def check_quantized_experts(H: int, gate_up: Tensor, down: Tensor, gate_up_scale: Tensor, down_scale: Tensor) -> None:
+    """Quantized storage (see the module docstring): raises ValueError naming the mismatch."""
+    fp8 = gate_up.dtype == torch.float8_e4m3fn
+    if not (fp8 or is_fp4_packed_dtype(gate_up.dtype)) or down.dtype != gate_up.dtype:
+        raise ValueError(f"moe: quantized experts must be float8_e4m3fn or FP4 bytes (int8), got gate_up "
+                         f"{gate_up.dtype} and down {down.dtype}")
+    per_byte = 1 if fp8 else 2
+    if gate_up.dim() != 3 or gate_up.shape[2] * per_byte != H or gate_up.shape[1] % 2:
+        raise ValueError(f"moe: gate_up must be [experts, 2*intermediate, {H // per_byte}] ({gate_up.dtype}), "
+                         f"got shape {tuple(gate_up.shape)}")
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    if tuple(down.shape) != (E, H, I // per_byte):
+        raise ValueError(f"moe: down must be [{E}, {H}, {I // per_byte}] to match gate_up, got {tuple(down.shape)}")
+    for name, w, s, rows in (("gate_up", gate_up, gate_up_scale, I), ("down", down, down_scale, H)):
+        if s.dim() != 3 or s.shape[0] != E or (name == "gate_up" and s.shape[1] % 2):
+            raise ValueError(f"moe: {name}_scale must be [{E}, rows, cols] (gate_up: the gate grid on the up "
+                             f"grid), got {tuple(s.shape)}")
+        expert_block(w[0], s[0], rows)  # raises ValueError when the grid fits no block size
 
 
 def swiglu(gate_up: Tensor, limit: float) -> Tensor:
@@ -84,8 +125,9 @@ def _linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
-              swiglu_limit: float) -> Tensor:
-    """The torch implementation (see the module docstring); also differentiable, for training."""
+              swiglu_limit: float, gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+    """The torch implementation (see the module docstring); also differentiable, for training
+    (dense weights)."""
     N, H = hidden.shape
     k = expert_ids.shape[1]
     E = gate_up.shape[0]
@@ -104,8 +146,13 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
             continue
         end = begin + n
         x = hidden if N == 1 and n == 1 else hidden.index_select(0, tokens[begin:end])
-        h = swiglu(_linear(x, gate_up[e]), swiglu_limit)
-        pair_out.index_copy_(0, order[begin:end], _linear(h, down[e]) * sorted_weights[begin:end, None])
+        if gate_up_scale is None:
+            h = swiglu(_linear(x, gate_up[e]), swiglu_limit)
+            y = _linear(h, down[e])
+        else:  # unpacked here, for this expert's tokens only
+            h = swiglu(expert_gate_up(x, gate_up[e], gate_up_scale[e]), swiglu_limit)
+            y = expert_down(h, down[e], down_scale[e])
+        pair_out.index_copy_(0, order[begin:end], y * sorted_weights[begin:end, None])
         begin = end
     return pair_out.view(N, k, H).sum(1)
 
@@ -121,18 +168,23 @@ def _implementation(backend: str, device: torch.device):
 # --------------------------------------------------------------------------- the op
 @torch.library.custom_op("ds4::moe", mutates_args=())
 def moe(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
-        swiglu_limit: float, backend: str) -> Tensor:
-    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down)
-    return _implementation(backend, hidden.device)(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit)
+        swiglu_limit: float, backend: str, gate_up_scale: Optional[Tensor] = None,
+        down_scale: Optional[Tensor] = None) -> Tensor:
+    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
+    return _implementation(backend, hidden.device)(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit,
+                                                   gate_up_scale, down_scale)
 
 
 @moe.register_kernel("cuda")
-def _moe_cuda(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend):
-    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down)
-    return _implementation(backend, hidden.device)(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit)
+def _moe_cuda(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend, gate_up_scale=None,
+              down_scale=None):
+    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
+    return _implementation(backend, hidden.device)(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit,
+                                                   gate_up_scale, down_scale)
 
 
 @moe.register_fake
-def _moe_fake(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend):
-    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down)
+def _moe_fake(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend, gate_up_scale=None,
+              down_scale=None):
+    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
     return hidden.new_empty(hidden.shape)

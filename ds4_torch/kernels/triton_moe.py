@@ -29,15 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantized import expert_block
+from .triton_quantized import DENSE, FP4, FP8, dot_dtype, is_e8m0_scale, load_weight_tile, scale_argument
+
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, pairs_ptr, block_expert_ptr, h_ptr,
-    P, TOP_K, H, I, limit,
+    x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
+    P, TOP_K, H, I, limit, BR, BC, UP_SCALE_ROW0,
     s_xn,  # hidden [N, H], last dim contiguous
-    s_we, s_wr,  # gate_up [E, 2I, H], last dim contiguous
+    s_we, s_wr,  # gate_up [E, 2I, H] (packed: bytes), last dim contiguous
+    s_se, s_sr,  # gate_up scale [E, 2*SR, SC]: the gate grid, then the up grid from row UP_SCALE_ROW0
     s_hm,  # h [rows, I]
-    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -55,6 +60,8 @@ def _moe_gate_up_kernel(
     w_expert = w_ptr + expert.to(tl.int64) * s_we  # int64: E*2I*H passes 2^31 at V4-Flash sizes
     gate_cols = w_expert + cols.to(tl.int64)[None, :] * s_wr  # [1, BLOCK_N], rows 0..I-1
     up_cols = gate_cols + I * s_wr  # rows I..2I-1
+    gate_scales = s_ptr + expert.to(tl.int64) * s_se
+    up_scales = gate_scales + UP_SCALE_ROW0 * s_sr
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -62,8 +69,14 @@ def _moe_gate_up_kernel(
         kmask = kk < H
         x = tl.load(x_rows + kk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0).to(COMPUTE)
         wmask = kmask[:, None] & cmask[None, :]
-        w_gate = tl.load(gate_cols + kk[:, None], mask=wmask, other=0.0).to(COMPUTE)  # [BLOCK_K, BLOCK_N]
-        w_up = tl.load(up_cols + kk[:, None], mask=wmask, other=0.0).to(COMPUTE)
+        if QUANT == 0:
+            w_gate = tl.load(gate_cols + kk[:, None], mask=wmask, other=0.0).to(COMPUTE)  # [BLOCK_K, BLOCK_N]
+            w_up = tl.load(up_cols + kk[:, None], mask=wmask, other=0.0).to(COMPUTE)
+        else:  # packed FP8/FP4: decoded and scaled in registers
+            w_gate = load_weight_tile(gate_cols, gate_scales, cols[None, :], kk[:, None], wmask, s_sr, BR, BC,
+                                      QUANT, SCALE_E8M0).to(COMPUTE)
+            w_up = load_weight_tile(up_cols, up_scales, cols[None, :], kk[:, None], wmask, s_sr, BR, BC,
+                                    QUANT, SCALE_E8M0).to(COMPUTE)
         acc_gate = tl.dot(x, w_gate, acc_gate, input_precision="ieee")
         acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
 
@@ -76,12 +89,14 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, pairs_ptr, block_expert_ptr, rw_ptr, out_ptr,
-    P, H, I,
+    h_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, rw_ptr, out_ptr,
+    P, H, I, BR, BC,
     s_hm,  # h [rows, I]
-    s_we, s_wr,  # down [E, H, I], last dim contiguous
+    s_we, s_wr,  # down [E, H, I] (packed: bytes), last dim contiguous
+    s_se, s_sr,  # down scale [E, SR, SC]
     s_on,  # pair_out [P, H]
-    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, QUANT: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -96,12 +111,17 @@ def _moe_down_kernel(
 
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * s_hm
     w_cols = w_ptr + expert.to(tl.int64) * s_we + cols.to(tl.int64)[None, :] * s_wr
+    scales = s_ptr + expert.to(tl.int64) * s_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + ks
         kmask = kk < I
         h = tl.load(h_rows + kk[None, :], mask=kmask[None, :], other=0.0).to(COMPUTE)
-        w = tl.load(w_cols + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0).to(COMPUTE)
+        if QUANT == 0:
+            w = tl.load(w_cols + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0).to(COMPUTE)
+        else:
+            w = load_weight_tile(w_cols, scales, cols[None, :], kk[:, None], kmask[:, None] & cmask[None, :], s_sr,
+                                 BR, BC, QUANT, SCALE_E8M0).to(COMPUTE)
         acc = tl.dot(h, w, acc, input_precision="ieee")
 
     weight = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
@@ -111,18 +131,6 @@ def _moe_down_kernel(
 
 
 # --------------------------------------------------------------------------- launcher
-# True when the decorators above produced interpreter functions (TRITON_INTERPRET=1 at import).
-INTERPRETED = not isinstance(_moe_gate_up_kernel, triton.runtime.JITFunction)
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """Dtype of the dot operands (and of h): fp32 under the interpreter (its bf16 arithmetic is
-    broken) and for fp32 inputs; otherwise the input dtype, for tensor cores with fp32 accumulation."""
-    if INTERPRETED or dtype == torch.float32:
-        return tl.float32
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
 def moe_config(pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps, from shapes only (not tuned on a GPU yet). BLOCK_M follows the mean
     pairs per expert (decode: 16, the smallest tensor-core M; long prefills: up to 64). With
@@ -170,11 +178,22 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float):
+def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float, gate_up_scale=None,
+        down_scale=None):
     """Triton version of `moe.moe_torch` (same arguments)."""
     N, H = hidden.shape
     k = expert_ids.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    if gate_up_scale is None:
+        quant, gate_up_block, down_block = DENSE, (1, 1), (1, 1)
+        gate_up_scale = down_scale = hidden.new_empty(1, 1, 1, dtype=torch.float32)  # never read
+    else:  # packed experts: the kernels read their bytes and decode them in registers
+        quant = FP8 if gate_up.dtype == torch.float8_e4m3fn else FP4
+        gate_up_block = expert_block(gate_up[0], gate_up_scale[0], I)
+        down_block = expert_block(down[0], down_scale[0], H)
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+    e8m0 = is_e8m0_scale(gate_up_scale)
+    gate_up_scale, down_scale = scale_argument(gate_up_scale), scale_argument(down_scale)
     P = N * k
     if P == 0 or E == 0:
         return hidden.new_zeros(N, H)
@@ -183,7 +202,7 @@ def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float)
     block_m = config["BLOCK_M"]
     pairs, block_expert = sort_pairs_by_expert(expert_ids, E, block_m)
     blocks = block_expert.numel()
-    compute = _dot_dtype(hidden.dtype)
+    compute = dot_dtype(hidden.dtype)
     h = torch.empty(blocks * block_m, I, device=hidden.device,
                     dtype=torch.float32 if compute == tl.float32 else hidden.dtype)
     # The reference multiplies by the weight in the input dtype: round it the same way here.
@@ -191,14 +210,16 @@ def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float)
     pair_out = torch.zeros(P, H, dtype=torch.float32, device=hidden.device)  # rows of skipped pairs stay 0
 
     _moe_gate_up_kernel[(blocks, triton.cdiv(I, config["BLOCK_N"]))](
-        hidden, gate_up, pairs, block_expert, h,
-        P, k, H, I, float(swiglu_limit),
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        COMPUTE=compute, **config,
+        hidden, gate_up, gate_up_scale, pairs, block_expert, h,
+        P, k, H, I, float(swiglu_limit), *gate_up_block, gate_up_scale.shape[1] // 2,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        h.stride(0),
+        COMPUTE=compute, QUANT=quant, SCALE_E8M0=e8m0, **config,
     )
     _moe_down_kernel[(blocks, triton.cdiv(H, config["BLOCK_N"]))](
-        h, down, pairs, block_expert, pair_weights, pair_out,
-        P, H, I, h.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
-        COMPUTE=compute, **config,
+        h, down, down_scale, pairs, block_expert, pair_weights, pair_out,
+        P, H, I, *down_block, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
+        down_scale.stride(1), pair_out.stride(0),
+        COMPUTE=compute, QUANT=quant, SCALE_E8M0=e8m0, **config,
     )
     return pair_out.view(N, k, H).sum(1).to(hidden.dtype)

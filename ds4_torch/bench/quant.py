@@ -1,0 +1,291 @@
+"""`ds4-torch bench quant`: one quantized checkpoint loaded kept quantized (`--quantized keep`)
+and dequantized to bf16, in the same run: decode ms/token, prefill tokens/s, tensor bytes per
+parameter and peak RSS, and whether both decode the same greedy tokens.
+
+Without `--model` it first writes a checkpoint with V4-Flash's real tensor sizes in DeepSeek's
+upstream layout (`write_checkpoint`, also `python -m ds4_torch.bench.quant --write DIR`): names as
+DeepSeek ships them (`layers.0.attn.wq_a.weight` + `.scale`, `layers.0.ffn.experts.3.w1.weight`),
+every linear but the head FP8 e4m3 with e8m0 128x128 block scales, routed experts FP4 (e2m1 two
+per byte, an e8m0 scale per 32 inputs), the rest bf16. Its layers (default one CSA layer) and
+routed experts (default 16 of V4-Flash's 256) are the only sizes cut down. It goes to a temporary
+directory, deleted afterwards. Weights are random: only sizes and speed matter here.
+
+Memory: each mode loads in a child process of its own, so that its peak RSS (ru_maxrss) is its
+own. Speed: one more child loads both and times them in turns, best of `--repeats` each, so that
+both see the same load on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+MODES = ("keep", "dequantize")
+FP8_BLOCK = 128
+FP4_GROUP = 32
+
+
+def add_arguments(parser) -> None:
+    from ..runtime import positive_int
+
+    parser.add_argument("--model", metavar="DIR", help="a quantized checkpoint; default: write a real-size one")
+    parser.add_argument("--layers", type=positive_int, default=1, help="layers of the written checkpoint (CSA, HCA, ...)")
+    parser.add_argument("--experts", type=positive_int, default=16, help="routed experts of the written checkpoint")
+    parser.add_argument("--prompt-len", type=positive_int, default=64, help="prefill tokens (default 64)")
+    parser.add_argument("--new-tokens", type=positive_int, default=9, help="generated tokens (default 9)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs per mode; the best prefill and decode are shown (default 3)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda: on a GPU the peak column is the GPU's allocated memory and "
+                             "the weight GB/s is set against the device's peak bandwidth")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+
+
+# --------------------------------------------------------------------------- the checkpoint
+def upstream_name(hf_key: str) -> str:
+    """The DeepSeek upstream name of a model key: the loader's renames (`loading.RENAMES`) run
+    backwards, checked by running them forwards."""
+    from ..loading import RENAMES, rename_checkpoint_key
+
+    key = hf_key.removeprefix("model.")
+    for pattern, replacement in reversed(RENAMES):
+        source = pattern.pattern.replace("\\", "")
+        head, tail = source.startswith("^"), source.endswith("$")
+        source = source.strip("^$")
+        if head and tail:
+            key = source if key == replacement else key
+        elif tail:
+            key = key[:-len(replacement)] + source if key.endswith(replacement) else key
+        elif head:
+            key = source + key[len(replacement):] if key.startswith(replacement) else key
+        else:
+            key = key.replace(replacement, source, 1)
+    if rename_checkpoint_key(key) != hf_key.removeprefix("model."):
+        raise ValueError(f"no upstream name found for {hf_key}")
+    return key
+
+
+def real_size_config(layers: int, experts: int):
+    """V4-Flash's sizes (`DS4Config` defaults) with `layers` CSA/HCA layers and `experts` experts."""
+    from ..config import CSA, HCA, DS4Config
+
+    return DS4Config(num_hidden_layers=layers, layer_types=tuple((CSA, HCA)[i % 2] for i in range(layers)),
+                     mlp_layer_types=("moe",) * layers, n_routed_experts=experts)
+
+
+def write_checkpoint(directory, config, seed: int = 0) -> Path:
+    """config.json + one upstream-layout safetensors shard per layer (and one for the rest)."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from ..model import DS4ForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save(directory)
+    with torch.device("meta"):
+        model = DS4ForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+
+    def e8m0(shape):  # scales 2^-11 .. 2^-6: weights of magnitude ~0.01..1
+        return torch.randint(116, 122, shape, dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+
+    shards: dict[str, dict] = {}
+    for key, t in model.state_dict().items():
+        layer = re.match(r"model\.layers\.(\d+)\.", key)
+        tensors = shards.setdefault(f"layer-{int(layer[1]):03d}" if layer else "rest", {})
+        owner = model.get_submodule(key.rpartition(".")[0])
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            prefix = upstream_name(key.rpartition(".")[0] + ".0.w1.weight").rpartition(".0.w1.weight")[0]
+            parts = ("w1", "w3") if key.endswith("gate_up_proj") else ("w2",)
+            rows, cols = t.shape[1] // len(parts), t.shape[2]
+            for e in range(t.shape[0]):
+                for part in parts:
+                    name = f"{prefix}.{e}.{part}"
+                    tensors[name + ".weight"] = torch.randint(-128, 128, (rows, cols // 2), dtype=torch.int8, generator=g)
+                    tensors[name + ".scale"] = e8m0((rows, cols // FP4_GROUP))
+        elif isinstance(owner, nn.Linear) and key.endswith(".weight") and key != "lm_head.weight":
+            rows, cols = t.shape
+            name = upstream_name(key).removesuffix(".weight")
+            tensors[name + ".weight"] = (torch.randn(rows, cols, generator=g) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            tensors[name + ".scale"] = e8m0((math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)))
+        elif t.is_floating_point():
+            scale = 1.0 if key.endswith("norm.weight") else 0.02
+            tensors[upstream_name(key)] = (torch.randn(t.shape, generator=g) * scale).to(torch.bfloat16)
+        else:  # the hash-routing table
+            tensors[upstream_name(key)] = torch.randint(0, config.n_routed_experts, t.shape, dtype=t.dtype, generator=g)
+    weight_map = {}
+    for shard, tensors in shards.items():
+        file = f"model-{shard}.safetensors"
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+# --------------------------------------------------------------------------- one mode (child)
+def _load(path, quantized: str, device: str = "cpu"):
+    from ..model import DS4ForCausalLM
+
+    return DS4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantized=quantized, device=device,
+                                          progress=False).eval()
+
+
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode step must read at least: every tensor of the layers but the routed
+    experts, top-k experts per layer (the average expert's bytes), the final norm and the head."""
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.data_ptr() in seen or "embed_tokens" in name:
+            continue
+        seen.add(t.data_ptr())
+        if ".experts." in name and ".shared_experts." not in name:
+            total += t.nbytes * model.config.num_experts_per_tok // t.shape[0]
+        else:
+            total += t.nbytes
+    return total
+
+
+def measure_memory(path, quantized: str, device: str = "cpu") -> dict:
+    """Tensor bytes per parameter and peak memory of one mode (run it in a fresh process): RSS
+    on the CPU, the GPU's peak allocated bytes on CUDA."""
+    from ..model import DS4ForCausalLM
+    from .model import bench_ours
+
+    model = _load(path, quantized, device)
+    with torch.no_grad():
+        bench_ours(model, [2, 3, 4, 5], 2)  # the buffers a forward allocates count too
+    tensors = {t.data_ptr(): t for t in [*model.state_dict().values(), *model.buffers()]}
+    layers = model.model.layers
+    layer_tensors = {t.data_ptr(): t for t in [*layers.state_dict().values(), *layers.buffers()]}
+    with torch.device("meta"):
+        dense = DS4ForCausalLM(model.config)
+    tensor_bytes = sum(t.nbytes for t in tensors.values())
+    return {
+        "quantized": quantized,
+        "tensor_gib": tensor_bytes / 2**30,
+        "bytes_per_parameter": tensor_bytes / dense.num_parameters(),
+        # the layers alone: what V4-Flash's 43 layers are made of (embedding and head stay bf16)
+        "layer_bytes_per_parameter": sum(t.nbytes for t in layer_tensors.values())
+        / sum(p.numel() for p in dense.model.layers.parameters()),
+        "peak_gib": (torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda"
+                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+        "decode_weight_bytes": decode_weight_bytes(model),
+    }
+
+
+def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu") -> dict:
+    """Both modes loaded in one process and timed in turns (so both see the same machine load):
+    {mode: best decode ms/token, best prefill tokens/s, the greedy tokens}."""
+    from .model import bench_ours
+
+    models = {mode: _load(path, mode, device) for mode in MODES}
+    prompt = torch.randint(2, models["keep"].config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {mode: [] for mode in MODES}
+    with torch.no_grad():
+        for model in models.values():
+            bench_ours(model, prompt[:8], 2)  # warm-up: first-call allocations, buffers
+        for _ in range(repeats):
+            for mode, model in models.items():
+                runs[mode].append(bench_ours(model, prompt, new_tokens))
+    return {mode: {"decode_ms_per_token": min(r["decode_s"] for r in rs) * 1e3 / max(len(rs[0]["tokens"]) - 1, 1),
+                   "prefill_tokens_per_s": prompt_len / min(r["prefill_s"] for r in rs),
+                   "tokens": rs[0]["tokens"]} for mode, rs in runs.items()}
+
+
+def _child(*argv) -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # the ds4_torch this process runs
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-m", "ds4_torch.bench.quant", "--child", *map(str, argv)], env=env,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench quant: the {argv[0]} run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> int:
+    from .report import machine, write_csv
+
+    written = None
+    path = Path(args.model) if args.model else None
+    if path is None:
+        written = path = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))
+        print(f"bench quant: writing a real-size {args.layers}-layer, {args.experts}-expert upstream-layout "
+              f"checkpoint to {path} ...", file=sys.stderr)
+        write_checkpoint(path, real_size_config(args.layers, args.experts))
+    try:
+        file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
+        threads = args.threads or 0
+        speed = _child("speed", path, args.device, threads, args.prompt_len, args.new_tokens, args.repeats)
+        rows = [{**_child("memory", path, args.device, threads, mode), **speed[mode]} for mode in MODES]
+        for r in rows:
+            r["weight_gb_s"] = r["decode_weight_bytes"] / r["decode_ms_per_token"] / 1e6
+    finally:
+        if written is not None:
+            shutil.rmtree(written)
+    keep, dense = rows
+    cuda = torch.device(args.device).type == "cuda"
+    where = torch.cuda.get_device_name(torch.device(args.device)) if cuda else machine()
+    print(f"bench quant: {path} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
+          f"threads {args.threads or torch.get_num_threads()}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+          f"best of {args.repeats}")
+    peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
+    print(f"{'quantized':<11} {'decode ms/token':>16} {'prefill tok/s':>14} {'tensor GiB':>11} "
+          f"{'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13} {'weights GB/s':>13}")
+    for r in rows:
+        print(f"{r['quantized']:<11} {r['decode_ms_per_token']:>16.1f} {r['prefill_tokens_per_s']:>14.1f} "
+              f"{r['tensor_gib']:>11.2f} {r['bytes_per_parameter']:>12.3f} {r['layer_bytes_per_parameter']:>19.3f} "
+              f"{r['peak_gib']:>13.2f} {r['weight_gb_s']:>13.1f}")
+    print(f"keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x, "
+          f"prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s, "
+          f"memory {keep['tensor_gib'] / dense['tensor_gib']:.2f}x; same greedy tokens: "
+          f"{'yes' if keep['tokens'] == dense['tokens'] else 'no'}")
+    if cuda:
+        import triton
+
+        peak = triton.testing.get_dram_gbps(torch.device(args.device).index or 0)
+        print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: keep {100 * keep['weight_gb_s'] / peak:.0f}%, "
+              f"dequantized {100 * dense['weight_gb_s'] / peak:.0f}%")
+    print("(layers bytes/param: the transformer layers alone, without the bf16 embedding and head; peak RSS "
+          "counts the safetensors pages mapped while loading; weights GB/s: the weight bytes a decode step "
+          "reads at least, as stored (top-k experts a layer), per decode time)")
+    if args.csv:
+        write_csv([{k: v for k, v in r.items() if k != "tokens"} for r in rows], args.csv)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        kind, path, device, threads, *rest = argv[1:]
+        if int(threads):
+            torch.set_num_threads(int(threads))
+        if kind == "memory":
+            print(json.dumps(measure_memory(path, rest[0], device)))
+        else:
+            print(json.dumps(measure_speed(path, *(int(a) for a in rest), device=device)))
+        return 0
+    if argv[:1] == ["--write"] and len(argv) >= 2:
+        layers, experts = (int(a) for a in (argv[2:4] + ["1", "16"][len(argv[2:4]):]))
+        print(write_checkpoint(argv[1], real_size_config(layers, experts)))
+        return 0
+    print("usage: python -m ds4_torch.bench.quant --write DIR [LAYERS [EXPERTS]]   (or: ds4-torch bench quant)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
