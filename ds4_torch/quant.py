@@ -228,8 +228,9 @@ class FP8BlockLinear(nn.Module):
         return dequantize_fp8(self.weight, self.weight_scale_inv, dtype or self.compute_dtype, self.block_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels.quantized import fp8_linear  # deferred: the kernels import this module
-
+        # The registered op (ds4_torch.kernels.quantized, imported with the model): the kernels
+        # import this module's formats, so this module does not import them.
+        fp8_linear = torch.ops.ds4.fp8_linear
         if self.groups > 1:  # x [..., groups, in]: group g through its own rows of the weight
             rows, blocks = self.out_features // self.groups, self.weight_scale_inv.shape[0] // self.groups
             out = torch.stack([

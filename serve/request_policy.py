@@ -90,6 +90,12 @@ _lock = threading.Lock()
 _logged: set[tuple[str, str]] = set()
 
 
+def forget_logged() -> None:
+    """Log every ignored thing once more (what a new server process starts with; for tests)."""
+    with _lock:
+        _logged.clear()
+
+
 def note_ignored(api: str, what: str, detail: str = "") -> None:
     """Log, once per (api, what), that something the client sent was ignored."""
     key = (api, what)

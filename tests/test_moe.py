@@ -149,7 +149,7 @@ def test_weights_are_read_in_place_not_copied(monkeypatch):
 def test_cpu_linear_fast_paths_compute_the_product():
     """`_linear` swaps kernels by shape (one bf16 row as two, fp32 row blocks on oneDNN): each
     still computes x @ w.T, and autograd still flows (it then takes F.linear)."""
-    from ds4_torch.kernels.moe import _ONEDNN_LINEAR, _linear
+    from ds4_torch.kernels.linear import ONEDNN_LINEAR as _ONEDNN_LINEAR, fastest_linear as _linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g) / 8

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import metric
 from serve.app import ServerConfig, create_app
-from serve.request_policy import REFUSED
+from serve.request_policy import REFUSED, forget_logged
 from serve.runner import BackgroundServer
 
 CTX = 1024
@@ -58,6 +58,7 @@ def prompt_ids(srv, messages, tools=None):
 
 # --------------------------------------------------------------------------- unknown and refused fields
 def test_unknown_fields_are_ignored_and_logged_once(srv, caplog):
+    forget_logged()  # as in a fresh process (earlier tests may have sent these)
     chat = {"model": "m", "max_tokens": 2, "frobnicate_top": 1, "tools": [{**CHAT_TOOL, "frob_tool": 1}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "frob_part": 1}],
                           "frob_message": 1}]}
@@ -175,6 +176,7 @@ def test_max_tokens_beyond_the_room_is_clamped_in_all_three_apis(srv, oai, tok):
 
 # --------------------------------------------------------------------------- tools
 def test_hosted_tools_are_left_out_of_the_prompt(srv, caplog):
+    forget_logged()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     want = prompt_ids(srv, messages, [CHAT_TOOL])
     with caplog.at_level(logging.WARNING, logger="ds4.serve"):

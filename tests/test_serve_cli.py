@@ -66,5 +66,5 @@ def test_python_m_serve_process():
     lines.append(out)
     log = "".join(lines)
     assert proc.returncode == 0, log
-    assert re.search(r"ds4\.serve: /v1/chat/completions 200 .*prompt_tokens=\d+ cached_tokens=0 "
+    assert re.search(r"ds4\.serve: 127\.0\.0\.1:\d+ \"POST /v1/chat/completions\" 200 .*prompt_tokens=\d+ cached_tokens=0 "
                      r"generated_tokens=3 finish=length", log), log

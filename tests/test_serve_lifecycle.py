@@ -48,7 +48,7 @@ def raw_post(srv, path, body) -> socket.socket:
     """An HTTP request on a raw socket, so a test can drop the connection at any moment."""
     data = json.dumps(body).encode()
     s = socket.create_connection((srv.host, srv.port))
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {srv.host}:{srv.port}\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
 

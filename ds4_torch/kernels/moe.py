@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ..quant import is_fp4_packed_dtype
 from .ops import kernel_for
+from .linear import fastest_linear as _linear
 from .quantized import expert_block, expert_down, expert_gate_up
 
 __all__ = ["moe", "moe_torch", "swiglu", "check_moe_inputs"]
@@ -104,24 +105,6 @@ def swiglu(gate_up: Tensor, limit: float) -> Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-# oneDNN's fp32 matmul, the op inductor's CPU fusions call; None where torch was built without it.
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-
-
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear, routed to the fastest CPU kernel measured for the shape (one thread, AMD EPYC
-    with AVX-512 and AVX512-BF16, 4096x4096 weight):
-    - one bf16 row goes in as two: torch's 1-row bf16 product takes a slow path (4.2 ms) while two
-      rows run oneDNN's bf16 kernel (2.6 ms); the duplicate row costs nothing next to the weight;
-    - fp32 with two rows or more goes to oneDNN instead of the BLAS sgemm (6 rows 8.1 vs 10.6 ms,
-      96 rows 160 vs 248 ms); one row stays on the BLAS gemv, as fast (3.3 ms).
-    Autograd only goes through F.linear (training)."""
-    if x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        if x.dtype == torch.bfloat16 and x.shape[0] == 1:
-            return F.linear(x.expand(2, -1), weight)[:1]
-        if x.dtype == torch.float32 and x.shape[0] > 1 and _ONEDNN_LINEAR is not None:
-            return _ONEDNN_LINEAR(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
 
 
 def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,

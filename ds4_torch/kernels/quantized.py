@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..quant import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, infer_block_size, is_fp8_dtype, scale_to_float
+from .linear import fastest_linear as _linear
 from .ops import kernel_for
 
 __all__ = ["fp8_linear", "fp8_linear_torch", "dequantize_fp4_rows", "quantized_linear", "expert_block",
@@ -163,12 +164,6 @@ def fp8_linear_torch(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, 
     if on_activations:
         out = out.permute(1, 0, 2).reshape(N, blocks * bm)[:, :R] * 2.0 ** (_WIDE_EXPONENT_OFFSET - _ACTIVATION_SHIFT)
     return out.to(x.dtype).reshape(*lead, R)
-
-
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    from .moe import _linear as fastest_linear  # deferred: moe.py imports this module
-
-    return fastest_linear(x, weight)
 
 
 # --------------------------------------------------------------------------- FP4

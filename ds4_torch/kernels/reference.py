@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# oneDNN's fp32 matmul: 1.2-1.5x the BLAS sgemm for the indexer's [rows, 128] x [128, 64] blocks.
+from .linear import ONEDNN_LINEAR
+
 
 def cast(x, dtype):
     """`x` in `dtype`, with no call when it already is: a no-op `.to()` still costs a dispatch
@@ -171,17 +174,12 @@ def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
 # Rows of compressed keys scored per block: the block's [rows, queries x heads] fp32 scores (1 MiB)
 # stay in cache between the matmul, the relu and the head-weighted sum.
 SCORE_BLOCK_BYTES = 1 << 20
-# oneDNN's fp32 matmul (what inductor's CPU fusions call): 1.2-1.5x the BLAS sgemm for the
-# indexer's [rows, 128] x [128, 64] blocks on an AVX-512 CPU. None where torch lacks oneDNN.
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-
-
 def _relu_dots(rows, queries):
     """relu(rows . queries) in fp32: [B, c, dI] x [B, Q, dI] -> [B, c, Q]; big blocks through
     oneDNN with the relu fused (small ones: its call costs more than the BLAS one)."""
-    if (_ONEDNN_LINEAR is not None and rows.device.type == "cpu" and not torch.is_grad_enabled()
+    if (ONEDNN_LINEAR is not None and rows.device.type == "cpu" and not torch.is_grad_enabled()
             and rows.shape[1] * queries.shape[1] >= 1 << 16):
-        dots = [_ONEDNN_LINEAR(r, qb, None, "relu", [], "") for r, qb in zip(rows, queries)]
+        dots = [ONEDNN_LINEAR(r, qb, None, "relu", [], "") for r, qb in zip(rows, queries)]
         return dots[0][None] if len(dots) == 1 else torch.stack(dots)
     return torch.bmm(rows, queries.transpose(1, 2)).relu_()
 
