@@ -12,6 +12,7 @@ from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, 
                                resolve_device)
 
 KV_DISK_DEFAULT_MB = 1024
+REPLAY_SHARE = 8  # the exact-replay records may take 1/8 of --kv-disk-space-mb (the snapshots make room)
 KV_DISK_DEFAULT_EVERY = 512
 KV_DISK_DEFAULT_MIN_TOKENS = 32
 API_KEY_ENV = "DS4_TORCH_API_KEY"
@@ -168,8 +169,14 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
 
     from .app import create_app
 
-    app = create_app(model, tokenizer, config, peers=peers)
-    attach_kv_store(app, args)
+    from .replay import ReplayStore
+
+    # Exact-replay records go to the KV directory only once its lock is this process's.
+    app = create_app(model, tokenizer, config, peers=peers, replay=ReplayStore())
+    store = attach_kv_store(app, args)
+    if store is not None:
+        app.state.replay.max_disk_bytes = store.budget // REPLAY_SHARE
+        app.state.replay.open_directory(args.kv_disk_dir)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
                                                args.host)

@@ -14,7 +14,8 @@ A snapshot may carry checkpoints of its sequence (`save(..., checkpoints=)`); a 
 them, checked like the rest, in `restored_checkpoints` for branching.
 
 Budget: every byte this store owns under DIR (snapshots, temporary files, quarantine, the stats
-file) stays within `space_mb`. To make room it deletes quarantined files first (oldest first),
+file, and the exact-replay records of `serve.replay`, which the server keeps there) stays within
+`space_mb`. To make room it deletes quarantined files first (oldest first),
 then snapshots of other models/layouts, then its own snapshots with the lowest score
 `(1 + hits) * tokens / (1 + age / 10 min)`: old, rarely hit, cheap-to-recompute ones go first.
 Room is made only after a new file is durably in place, so a write that fails (a full disk, an
@@ -39,6 +40,7 @@ import torch
 
 from ds4_torch.cache import DS4Cache
 
+from .replay import FILE_NAME as REPLAY_FILE
 from .snapshot import (REASONS, SUFFIX, TMP_PREFIX, Layout, SnapshotError, encode_snapshot, file_name, fsync_dir,
                        model_fingerprint, name_prefix, read_snapshot, write_atomically)
 
@@ -100,6 +102,13 @@ class _PromMetrics:
 
 
 @dataclass
+class LoadedSnapshot:
+    """A stored snapshot read and checked (`KVStore.load`), not yet in a cache (`KVStore.apply`)."""
+    entry: Entry
+    snapshot: object  # serve.snapshot.Snapshot
+
+
+@dataclass
 class PendingSnapshot:
     """A snapshot read out of the cache, not yet written (see `KVStore.prepare`)."""
     name: str
@@ -135,7 +144,8 @@ class KVStore:
         self.last_rejection: tuple[str, str, str] | None = None   # (file, reason, detail)
         self._restored: str | None = None       # file of the last restore, until its first step passes
         self.restored_checkpoints: dict = {}     # the last restore's checkpoints (position -> CPU tensors)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()         # the index (`entries`): held briefly, never across a write
+        self._write_lock = threading.Lock()    # the background writer's: encoding, writing, evicting
         self._lockfile = None
         os.makedirs(self.qdir, exist_ok=True)
         self._take_lock()
@@ -211,40 +221,69 @@ class KVStore:
     def restore(self, cache: DS4Cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
         """Load the longest stored prefix of `prompt_ids` into sequence 0 of `cache`; return
         (tokens restored, logits of the next token) or None. Snapshots that fail validation are
-        quarantined and the next longest is tried; `cache` is only written once one passed."""
+        quarantined and the next longest is tried; `cache` is only written once one passed.
+        `load` then `apply`, on one thread."""
+        with self._lock:
+            self._restored, self.restored_checkpoints = None, {}
+        if not self._check_cache(cache):
+            return None
+        loaded = self.load(prompt_ids)
+        while loaded is not None:
+            restored = self.apply(cache, loaded)
+            if restored is not None:
+                return restored
+            loaded = self.load(prompt_ids)  # `apply` quarantined it: the next longest
+        return None
+
+    def load(self, prompt_ids: list[int]) -> "LoadedSnapshot | None":
+        """The longest stored prefix of `prompt_ids`, read and fully checked into host memory, or
+        None (a miss). Any thread; the file is read without holding the index lock. Snapshots that
+        fail validation are quarantined and the next longest is tried."""
+        with self._lock:
+            candidates = sorted((e for e in self.entries.values()
+                                 if e.n <= len(prompt_ids) and prompt_ids[:e.n] == e.tokens),
+                                key=lambda e: e.n, reverse=True)
+        for entry in candidates:
+            error = None
+            try:
+                snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
+                if snap.tokens != entry.tokens:
+                    raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
+            except SnapshotError as e:
+                error = e
+            except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
+                error = SnapshotError("state", f"{type(e).__name__}: {e}")
+            if error is None:
+                return LoadedSnapshot(entry, snap)
+            with self._lock:
+                if entry.name in self.entries:  # else evicted meanwhile: nothing wrong with it
+                    self._quarantine(entry.name, error)
+        self._count("misses")
+        return None
+
+    def apply(self, cache: DS4Cache, loaded: "LoadedSnapshot") -> tuple[int, torch.Tensor] | None:
+        """Copy a loaded snapshot into sequence 0 of `cache` (all the engine thread does of a
+        restore); (tokens restored, logits of the next token), or None when the cache refused it
+        (the snapshot is quarantined)."""
+        entry, snap = loaded.entry, loaded.snapshot
         with self._lock:
             self._restored, self.restored_checkpoints = None, {}
             if not self._check_cache(cache):
                 return None
-            candidates = sorted((e for e in self.entries.values()
-                                 if e.n <= len(prompt_ids) and prompt_ids[:e.n] == e.tokens),
-                                key=lambda e: e.n, reverse=True)
-            for entry in candidates:
-                try:
-                    snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
-                    if snap.tokens != entry.tokens:
-                        raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
-                except SnapshotError as e:
-                    self._quarantine(entry.name, e)
-                    continue
-                except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
-                    self._quarantine(entry.name, SnapshotError("state", f"{type(e).__name__}: {e}"))
-                    continue
-                try:  # checks every name, shape and dtype before it writes anything into the live cache
-                    cache.import_sequence(0, snap.state)
-                except ValueError as e:  # any other error (a device failing) is not the file's: the engine's
+            try:  # checks every name, shape and dtype before it writes anything into the live cache
+                cache.import_sequence(0, snap.state)
+            except ValueError as e:  # any other error (a device failing) is not the file's: the engine's
+                if entry.name in self.entries:
                     self._quarantine(entry.name, SnapshotError("state", f"the cache refused it: {e}"))
-                    continue
-                entry.hits += 1
-                entry.last_used = time.time()
-                _touch(os.path.join(self.dir, entry.name))
-                self._restored, self.restored_checkpoints = entry.name, snap.checkpoints
-                self._count("hits")
-                self._count("restored_tokens", entry.n)
-                log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
-                return entry.n, snap.logits.to(cache.device).clone()
-            self._count("misses")
-            return None
+                return None
+            entry.hits += 1
+            entry.last_used = time.time()
+            self._restored, self.restored_checkpoints = entry.name, snap.checkpoints
+            self._count("hits")
+            self._count("restored_tokens", entry.n)
+        _touch(os.path.join(self.dir, entry.name))
+        log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
+        return entry.n, snap.logits.to(cache.device).clone()
 
     @property
     def last_restored(self) -> str | None:
@@ -298,12 +337,15 @@ class KVStore:
                                     for c, checkpoint in (checkpoints or {}).items()})
 
     def write(self, pending: "PendingSnapshot") -> bool:
-        """Encode and write a prepared snapshot; evict only once it is safely on disk."""
+        """Encode and write a prepared snapshot; evict only once it is safely on disk. The lock the
+        engine's `prepare` and `restore` take is held only to read and update the index, never
+        while encoding or writing: snapshots never stall decoding."""
+        t0 = time.perf_counter()
+        name, n = pending.name, len(pending.tokens)
         with self._lock:
-            t0 = time.perf_counter()
-            name, n = pending.name, len(pending.tokens)
             if name in self.entries:
                 return False
+        with self._write_lock:  # one write (and its eviction) at a time
             try:
                 head, payloads = encode_snapshot(self.model_fp, self.layout, pending.tokens, pending.logits,
                                                  pending.state, pending.checkpoints)
@@ -325,8 +367,9 @@ class KVStore:
                 return False
             self._make_room()  # only now: a failed write must not cost other snapshots
             now = time.time()
-            self.entries[name] = Entry(name, pending.tokens, size, now, now)
-            self._count("saves")
+            with self._lock:
+                self.entries[name] = Entry(name, pending.tokens, size, now, now)
+                self._count("saves")
             self._update_gauges()
             log.info("kvstore: saved %d tokens (%s, %.1f KiB, %.0f ms)", n, pending.why, size / 1024,
                      1000 * (time.perf_counter() - t0))
@@ -383,16 +426,23 @@ class KVStore:
         victims = [os.path.join(self.qdir, n) for n in self._quarantine_files()]
         foreign = [n for n in os.listdir(self.dir) if n.endswith(SUFFIX) and not n.startswith(self.prefix)]
         victims += sorted((os.path.join(self.dir, n) for n in foreign), key=_mtime)
-        victims += [os.path.join(self.dir, e.name) for e in sorted(self.entries.values(), key=lambda e: e.score(now))]
+        with self._lock:
+            ours = sorted(self.entries.values(), key=lambda e: e.score(now))
+        victims += [os.path.join(self.dir, e.name) for e in ours]
         for path in victims:
             if self.usage() <= self.budget:
                 break
             name = os.path.basename(path)
-            _unlink(path)
             if os.path.dirname(path) == self.qdir:
+                _unlink(path)
                 _unlink(path + ".why")
-            elif self.entries.pop(name, None) is not None:
-                self._count("evictions")
+                continue
+            with self._lock:  # out of the index first: a restore no longer picks it
+                evicted = self.entries.pop(name, None) is not None
+                if evicted:
+                    self._count("evictions")
+            _unlink(path)
+            if evicted:
                 log.info("kvstore: evicted %s", name)
 
     def _quarantine_files(self, by_age: bool = True) -> list[str]:
@@ -452,7 +502,9 @@ class KVStore:
 
 
 def _owned(name: str, in_quarantine: bool) -> bool:
-    return in_quarantine or name.endswith(SUFFIX) or name.startswith(TMP_PREFIX) or name in (STATS, LOCK)
+    # The exact-replay records (serve.replay) share the directory and its budget.
+    return in_quarantine or name.endswith(SUFFIX) or name.startswith(TMP_PREFIX) or name in (STATS, LOCK) \
+        or name.startswith(REPLAY_FILE)
 
 
 def _mtime(path: str) -> float:

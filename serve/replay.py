@@ -22,9 +22,17 @@ the tokens of the previous prompt plus the reply, and the cache is reused to the
 Bounds: in memory, the most recently used `max_records` turns holding at most `max_tokens`
 ids. With a directory (the server's ``--kv-disk-dir``), every record is also written to
 ``DIR/replay.sqlite3`` (one SQLite transaction each, so a crash keeps the file consistent),
-trimmed to the `max_disk_records` most recently used turns, and read back on a memory miss:
-replay survives a restart, as the disk KV snapshots do. A store error never fails a request: it
-is logged and the prompt is encoded as text.
+trimmed to the most recently used turns within `max_disk_records` and `max_disk_bytes`, and read
+back on a memory miss: replay survives a restart, as the disk KV snapshots do. Disk writes run
+on a thread of their own, never on the caller's (the server's event loop). The server opens the
+file only once it holds the KV directory's lock, and counts it in the disk budget. A file that
+is busy ("database is locked": another process) is retried, then left alone (records stay in
+memory); only a damaged one is moved aside. A store error never fails a request: it is logged
+and the prompt is encoded as text.
+
+Tenants (the server's API keys, when it has several): a record is found only by requests of the
+tenant that made it (`tenant` scopes every key), so a tokenization one client planted (with
+`logit_bias` or a grammar) never shapes another client's prompt.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import sqlite3
 import threading
 import time
@@ -42,6 +51,7 @@ from typing import Iterable
 log = logging.getLogger("ds4.serve.replay")
 
 FILE_NAME = "replay.sqlite3"
+OPEN_ATTEMPTS = 5   # a busy file (another process holds it) is retried this many times, a second apart
 
 
 @dataclass(frozen=True)
@@ -58,42 +68,80 @@ def signature(reasoning: str | None, content: str, calls: Iterable[tuple[str, di
                        [[name, args] for name, args in calls]], sort_keys=True, ensure_ascii=False)
 
 
-def _key(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+def _key(text: str, tenant: str | None = None) -> str:
+    scoped = text if tenant is None else f"{tenant}\0{text}"
+    return hashlib.sha256(scoped.encode("utf-8")).hexdigest()
+
+
+def _call_key(call_id: str, tenant: str | None) -> str:
+    return call_id if tenant is None else f"{tenant}\0{call_id}"
+
+
+def _busy(e: sqlite3.OperationalError) -> bool:
+    return "locked" in str(e) or "busy" in str(e)
 
 
 class ReplayStore:
     def __init__(self, directory: str | None = None, *, max_records: int = 4096, max_tokens: int = 2_000_000,
-                 max_disk_records: int = 20_000):
+                 max_disk_records: int = 20_000, max_disk_bytes: int = 64 * 2**20):
         self.max_records, self.max_tokens, self.max_disk_records = max_records, max_tokens, max_disk_records
+        self.max_disk_bytes = max_disk_bytes
         self._turns: collections.OrderedDict[str, Turn] = collections.OrderedDict()
         self._calls: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._tokens = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()                 # the records in memory
+        self._db_lock = threading.Lock()              # the connection (the writer thread's and readers')
         self._db: sqlite3.Connection | None = None
         self._writes = 0
+        self._pending: queue.Queue = queue.Queue()   # disk writes, for the writer thread
+        self._writer: threading.Thread | None = None
         if directory is not None:
-            self._open(os.path.join(directory, FILE_NAME))
+            self.open_directory(directory)
 
     # ------------------------------------------------------------------ disk
+    def open_directory(self, directory: str) -> None:
+        """Keep the records in `directory` too (read back, written from now on)."""
+        path = os.path.join(directory, FILE_NAME)
+        for attempt in range(OPEN_ATTEMPTS):
+            try:
+                self._open(path)
+                return
+            except sqlite3.OperationalError as e:  # busy or locked: not damage
+                if attempt + 1 == OPEN_ATTEMPTS:
+                    log.warning("replay: %s stays busy (%s): replay records stay in memory only", path, e)
+                    return
+                time.sleep(1.0)
+
     def _open(self, path: str) -> None:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             self._db = self._connect(path)
-        except sqlite3.DatabaseError as e:  # a damaged file: keep it aside, start a new one
-            log.warning("replay: %s is unreadable (%s); moved aside, starting empty", path, e)
-            try:
-                os.replace(path, path + f".damaged-{int(time.time())}")
-                self._db = self._connect(path)
-            except (OSError, sqlite3.Error) as e2:
-                log.warning("replay: cannot open %s (%s): replay records stay in memory only", path, e2)
+        except sqlite3.OperationalError as e:
+            if _busy(e):
+                raise
+            self._damaged(path, e)
+        except sqlite3.DatabaseError as e:
+            self._damaged(path, e)
         except OSError as e:
             log.warning("replay: cannot open %s (%s): replay records stay in memory only", path, e)
 
+    def _damaged(self, path: str, e: Exception) -> None:
+        """A damaged file: keep it aside, start a new one."""
+        log.warning("replay: %s is unreadable (%s); moved aside, starting empty", path, e)
+        try:
+            os.replace(path, path + f".damaged-{int(time.time())}")
+            self._db = self._connect(path)
+        except (OSError, sqlite3.Error) as e2:
+            log.warning("replay: cannot open %s (%s): replay records stay in memory only", path, e2)
+
     @staticmethod
     def _connect(path: str) -> sqlite3.Connection:
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA quick_check").fetchall()  # raises DatabaseError on a damaged file
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=2.0)
+        try:
+            db.execute("PRAGMA quick_check").fetchall()  # raises DatabaseError on a damaged file
+        except sqlite3.Error:
+            db.close()
+            raise
         db.execute("CREATE TABLE IF NOT EXISTS turns (key TEXT PRIMARY KEY, text TEXT NOT NULL, ids TEXT NOT NULL,"
                    " signature TEXT NOT NULL, used REAL NOT NULL)")
         db.execute("CREATE TABLE IF NOT EXISTS calls (call_id TEXT PRIMARY KEY, key TEXT NOT NULL)")
@@ -101,19 +149,40 @@ class ReplayStore:
         return db
 
     def _disk(self, what: str, fn):
-        if self._db is None:
-            return None
         try:
-            return fn(self._db)
+            with self._db_lock:
+                return None if self._db is None else fn(self._db)
         except sqlite3.Error as e:
             log.warning("replay: %s failed: %s", what, e)
             return None
 
+    def flush(self) -> None:
+        """Wait until every record handed to the disk writer is written."""
+        self._pending.join()
+
     def close(self) -> None:
-        with self._lock:
+        self.flush()
+        with self._db_lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+
+    def _write_behind(self, write) -> None:
+        """Run `write(db)` on the writer thread (started on first use)."""
+        if self._db is None:
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="ds4-replay-writer", daemon=True)
+            self._writer.start()
+        self._pending.put(write)
+
+    def _write_loop(self) -> None:
+        while True:
+            write = self._pending.get()
+            try:
+                self._disk("write", write)
+            finally:
+                self._pending.task_done()
 
     # ------------------------------------------------------------------ memory
     def _remember(self, key: str, turn: Turn) -> None:
@@ -128,7 +197,7 @@ class ReplayStore:
         while len(self._calls) > 8 * self.max_records:
             self._calls.popitem(last=False)
 
-    def _get(self, key: str) -> Turn | None:
+    def _get(self, key: str, tenant: str | None) -> Turn | None:
         turn = self._turns.get(key)
         if turn is not None:
             self._turns.move_to_end(key)
@@ -142,18 +211,20 @@ class ReplayStore:
         except (ValueError, TypeError) as e:
             log.warning("replay: a damaged record was ignored: %s", e)
             return None
-        if _key(turn.text) != key:
+        if _key(turn.text, tenant) != key:
             return None
-        self._disk("touch", lambda db: db.execute("UPDATE turns SET used = ? WHERE key = ?", (time.time(), key)))
+        used = time.time()
+        self._write_behind(lambda db: db.execute("UPDATE turns SET used = ? WHERE key = ?", (used, key)))
         self._remember(key, turn)
         return turn
 
     # ------------------------------------------------------------------ API
-    def record(self, text: str, ids: Iterable[int], signature: str, call_ids: Iterable[str] = ()) -> None:
+    def record(self, text: str, ids: Iterable[int], signature: str, call_ids: Iterable[str] = (),
+               tenant: str | None = None) -> None:
         """Remember a finished reply: its sampled text and ids, what it says, its calls' ids."""
         turn = Turn(text, tuple(int(i) for i in ids), signature)
-        key = _key(text)
-        call_ids = list(call_ids)
+        key = _key(text, tenant)
+        call_ids = [_call_key(c, tenant) for c in call_ids]
         with self._lock:
             self._remember(key, turn)
             for call_id in call_ids:
@@ -174,27 +245,33 @@ class ReplayStore:
                 if self._writes % 64 == 0:
                     self._trim(db)
 
-            self._disk("write", write)
+            self._write_behind(write)
 
     def _trim(self, db: sqlite3.Connection) -> None:
-        (count,) = db.execute("SELECT COUNT(*) FROM turns").fetchone()
-        if count <= self.max_disk_records:
+        """Keep the most recently used turns within `max_disk_records` and `max_disk_bytes`."""
+        rows = db.execute("SELECT key, length(text) + length(ids) + length(signature) FROM turns "
+                          "ORDER BY used DESC").fetchall()
+        total, keep = 0, 0
+        for _, size in rows:
+            if keep == self.max_disk_records or total + size > self.max_disk_bytes:
+                break
+            total, keep = total + size, keep + 1
+        if keep == len(rows):
             return
         db.execute("BEGIN")
-        db.execute("DELETE FROM turns WHERE key IN (SELECT key FROM turns ORDER BY used LIMIT ?)",
-                   (count - self.max_disk_records,))
+        db.executemany("DELETE FROM turns WHERE key = ?", [(key,) for key, _ in rows[keep:]])
         db.execute("DELETE FROM calls WHERE key NOT IN (SELECT key FROM turns)")
         db.execute("COMMIT")
 
-    def by_text(self, text: str) -> Turn | None:
+    def by_text(self, text: str, tenant: str | None = None) -> Turn | None:
         with self._lock:
-            return self._get(_key(text))
+            return self._get(_key(text, tenant), tenant)
 
-    def by_calls(self, call_ids: Iterable[str], sig: str) -> Turn | None:
+    def by_calls(self, call_ids: Iterable[str], sig: str, tenant: str | None = None) -> Turn | None:
         """The turn these call ids were issued in, if it says what `sig` says."""
         with self._lock:
             keys = set()
-            for call_id in call_ids:
+            for call_id in (_call_key(c, tenant) for c in call_ids):
                 key = self._calls.get(call_id)
                 if key is None:
                     row = self._disk("read", lambda db: db.execute(
@@ -205,7 +282,7 @@ class ReplayStore:
                 keys.add(key)
             if len(keys) != 1:
                 return None
-            turn = self._get(keys.pop())
+            turn = self._get(keys.pop(), tenant)
             return turn if turn is not None and turn.signature == sig else None
 
     def __len__(self) -> int:

@@ -23,6 +23,7 @@ import serve.engine
 from serve.engine import SNAPSHOT_QUEUE
 from serve.kvstore import WRITE_DELAY_ENV, KVStore
 from serve.runner import BackgroundServer
+from helpers import wait_for
 from test_serve import MODEL, expected
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,6 +224,7 @@ def test_budget_holds_through_the_server(tmp_path, model, tok):
     with server(model, tok, tmp_path / "kv", space_mb=0.3) as srv:
         for i in range(14):
             complete(srv, prompt(100 + i, 40 + 9 * i), n=2)
+            wait_idle(srv)  # a write may exceed the budget by its file until its eviction
             assert srv.store.usage() <= srv.store.budget
         wait_idle(srv)
         metrics = httpx.get(srv.url + "/metrics").text
@@ -283,3 +285,19 @@ def test_a_shutdown_that_cannot_save_everything_says_so(tmp_path, model, tok, mo
     warned = [r.getMessage() for r in caplog.records if "not saved to disk" in r.getMessage()]
     assert len(warned) == 1 and "4 conversation(s)" in warned[0] and "(tokens: 43, 43, 43, 43)" in warned[0], warned
     assert set(snapshots(tmp_path / "kv")) == saved
+
+
+def test_a_slow_snapshot_write_stalls_no_request(tmp_path, model, tok, monkeypatch):
+    d = tmp_path / "kv"
+    a, b = prompt(31), prompt(32)
+    want, _ = expected(model, tok, b, 8)
+    monkeypatch.setenv(WRITE_DELAY_ENV, "0.2")  # seconds between the sections of a write
+    with server(model, tok, d) as srv:
+        complete(srv, a, n=2)
+        wait_for(lambda: temps(d), what="a's snapshot being written")
+        # b looks for a stored prefix, prefills and has its own snapshot prepared while a's is written.
+        assert complete(srv, b) == (want, 0)
+        assert srv.store.counts.saves == 0 and temps(d), "b waited for a's snapshot to be written"
+        monkeypatch.delenv(WRITE_DELAY_ENV)
+        wait_idle(srv)
+        assert srv.store.counts.saves == 2

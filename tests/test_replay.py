@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
+import threading
 
 from ds4_torch.chat_encoding import (EOS, render_assistant_completion, render_prompt)
 from serve.chat import encode_conversation
@@ -115,6 +117,48 @@ def test_disk_is_bounded(tmp_path):
     store = ReplayStore(str(tmp_path), max_records=1, max_disk_records=10)
     for k in range(200):
         store.record(f"t{k}", [k], "s", [f"call_{k}"])
+    store.flush()
     (count,) = store._db.execute("SELECT COUNT(*) FROM turns").fetchone()
     assert count <= 10 + 64  # trimmed every 64 writes
     assert store.by_text("t199").ids == (199,) and store.by_text("t0") is None
+
+
+def test_disk_is_bounded_in_bytes(tmp_path):
+    store = ReplayStore(str(tmp_path), max_records=1, max_disk_bytes=20_000)
+    text = "x" * 1000
+    for k in range(200):
+        store.record(f"{k:04d}" + text, [k] * 20, "s")
+    store.close()
+    db = sqlite3.connect(tmp_path / FILE_NAME)
+    (stored,) = db.execute("SELECT SUM(length(text) + length(ids) + length(signature)) FROM turns").fetchone()
+    db.close()
+    assert stored <= 20_000 + 64 * 1200  # trimmed every 64 writes
+    again = ReplayStore(str(tmp_path))
+    assert again.by_text("0199" + text).ids == (199,) * 20 and again.by_text("0000" + text) is None
+
+
+def test_a_busy_file_is_waited_for_not_moved_aside(tmp_path):
+    ReplayStore(str(tmp_path)).close()
+    other = sqlite3.connect(tmp_path / FILE_NAME, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN EXCLUSIVE")  # another process writing: "database is locked"
+    threading.Timer(2.5, other.execute, ("COMMIT",)).start()
+    store = ReplayStore(str(tmp_path))
+    store.record("hello", [5, 6], "s")
+    store.close()
+    other.close()
+    assert os.listdir(tmp_path) == [FILE_NAME]
+    assert ReplayStore(str(tmp_path)).by_text("hello").ids == (5, 6)
+
+
+def test_records_are_found_by_their_tenant_only(tmp_path):
+    store = ReplayStore(str(tmp_path))
+    store.record("hello", [5, 6], "s", ["call_1"], tenant="a")
+    store.record("bye", [7], "s", ["call_2"])
+    for reopen in (False, True):  # in memory, then from disk
+        if reopen:
+            store.close()
+            store = ReplayStore(str(tmp_path))
+        assert store.by_text("hello", "a").ids == (5, 6) and store.by_calls(["call_1"], "s", "a").ids == (5, 6)
+        assert store.by_text("hello") is None and store.by_text("hello", "b") is None
+        assert store.by_calls(["call_1"], "s") is None and store.by_calls(["call_1"], "s", "b") is None
+        assert store.by_text("bye").ids == (7,) and store.by_text("bye", "a") is None
