@@ -86,12 +86,13 @@ from ds4_torch.tokenizer import StreamDecoder
 from .metrics import Metrics
 from .protocol import APIError
 from .replica import MODEL_OPERATIONS, Replica
+from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
+                       SnapshotWriter as _SnapshotWriter)
 
 log = logging.getLogger("ds4.serve")
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
-SNAPSHOT_QUEUE = 8  # snapshots waiting for the writer; past that a new one is dropped, not queued
 
 
 class QueueFull(Exception):
@@ -141,6 +142,8 @@ class GenRequest:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None   # k: each prompt token's logprob and its k best (event "prompt_logprobs")
     grammar: Any = None                  # a ds4_torch.structured.Grammar: the output follows it
+    tenant: Any = None                   # who asked (the API key): prefix reuse never crosses tenants
+    boundaries: tuple[int, ...] = ()     # prompt positions worth a checkpoint (message ends, client hints)
     emit: Callable[[tuple], None] = lambda event: None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -148,6 +151,7 @@ class GenRequest:
     generated: list[int] = field(default_factory=list)
     text: str = ""
     cached_tokens: int = 0
+    prefilled_tokens: int = 0          # tokens run through prefill (recomputed), retries included
     prefill_chunks: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -184,18 +188,6 @@ class GenRequest:
         return self.prompt_ids + self.generated
 
 
-@dataclass(eq=False)
-class Session:
-    """One resident conversation: slot `slot` of the resident cache holds `tokens`."""
-    slot: int
-    tokens: list[int] = field(default_factory=list)
-    last_logits: torch.Tensor | None = None   # the next token's logits: a prompt equal to `tokens` needs no step
-    last_used: float = 0.0
-    request: GenRequest | None = None        # the request using it, if any
-    saved_at: int = 0                        # tokens at its last disk snapshot
-    restored: str | None = None              # the snapshot it was restored from, until a step confirms it
-
-
 class _TextState:
     """Detokenizes the stream and cuts it at stop strings, holding back any tail that could
     still become a stop string."""
@@ -229,41 +221,6 @@ class _TextState:
         return buf[:len(buf) - hold]
 
 
-class _SnapshotWriter:
-    """Writes prepared snapshots on its own thread, so disk I/O never sits between two steps."""
-
-    def __init__(self, store):
-        self.store = store
-        self.queue: queue.Queue = queue.Queue(SNAPSHOT_QUEUE)
-        self.thread = threading.Thread(target=self._run, name="ds4-kv-writer", daemon=True)
-        self.thread.start()
-
-    def submit(self, pending) -> None:
-        try:
-            self.queue.put_nowait(pending)
-        except queue.Full:
-            log.warning("engine: the disk writer is behind; snapshot of %d tokens dropped", len(pending.tokens))
-
-    def _run(self) -> None:
-        while True:
-            pending = self.queue.get()
-            try:
-                if pending is None:
-                    return
-                self.store.write(pending)
-            except Exception as e:  # noqa: BLE001 - the disk cache must never fail anything
-                log.warning("engine: kv store write failed: %s: %s", type(e).__name__, e)
-            finally:
-                self.queue.task_done()
-
-    def flush(self) -> None:
-        self.queue.join()
-
-    def close(self, timeout: float = 30.0) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout)
-
-
 class _StepFailed(Exception):
     """A prefill chunk or decode step failed; `requests` were in it."""
 
@@ -271,7 +228,9 @@ class _StepFailed(Exception):
 class Engine:
     def __init__(self, model, tokenizer, *, ctx: int = 4096, prefill_chunk: int = 256, decode_mode: str = "auto",
                  max_queue: int = 64, max_batch: int = DEFAULT_MAX_BATCH, max_sessions: int | None = None,
-                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None):
+                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
+                 checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+                 checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         max_sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
@@ -287,7 +246,6 @@ class Engine:
         self.max_batch = max_batch
         self.max_sessions = max_sessions
         self.metrics = metrics or Metrics()
-        self.kv_store = kv_store
         self.device = model.device
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
 
@@ -298,7 +256,8 @@ class Engine:
         self.peers = peers
         if peers is not None:
             peers.open(self.replica.shape())
-        self.sessions = [Session(i) for i in range(max_sessions)]
+        self.sessions = Sessions(self.replica, self._run, self.metrics, max_sessions, interval=checkpoint_interval,
+                                 memory_bytes=int(checkpoint_memory_mb * 2**20), kv_store=kv_store, peers=peers)
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
 
@@ -311,7 +270,6 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._writer: _SnapshotWriter | None = None
         self.served = 0
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
@@ -323,6 +281,19 @@ class Engine:
     resident = property(lambda self: self.replica.resident)
     batch = property(lambda self: self.replica.batch)
     decoder = property(lambda self: self.replica.decoder)
+
+    # The disk store and its writer live with the sessions (serve.sessions); attached after start by serve.cli.
+    @property
+    def kv_store(self) -> KVStore | None:
+        return self.sessions.kv_store
+
+    @kv_store.setter
+    def kv_store(self, store: KVStore | None) -> None:
+        self.sessions.kv_store = store
+
+    @property
+    def _writer(self) -> _SnapshotWriter | None:
+        return self.sessions.writer
 
     def _run(self, operation: str, *args):
         """Run one replica operation: on every rank under tensor parallelism (sent first), else here."""
@@ -502,97 +473,25 @@ class Engine:
         self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
 
     # ------------------------------------------------------------------ sessions
+    # Sessions, their checkpoints and the disk store are serve.sessions'; these names stay for the loop.
     def _claim_session(self, req: GenRequest) -> int:
         """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
-        seq = req.sequence()
-        if req.wants_prompt_logprobs():
-            # Cached tokens have no logits: prefill the whole prompt in a fresh session.
-            session = self._free_session()
-            req.plp = []
-            session.request = req
-            session.last_used = time.monotonic()
-            req.session = session
-            return 0
-        best = None
-        for s in self.sessions:
-            n = len(s.tokens)
-            if n and n <= len(seq) and (n < len(seq) or s.last_logits is not None) and seq[:n] == s.tokens \
-                    and (best is None or n > len(best.tokens)):
-                best = s
-        if best is not None and best.request is None:
-            session = best
-        else:
-            session = self._free_session()
-            if best is not None:  # busy with another request: fork its state
-                self._run("copy", "resident", session.slot, best.slot, "resident")
-                session.tokens = list(best.tokens)
-                session.last_logits = best.last_logits
-            elif self.kv_store is not None and not req.no_restore:
-                self._restore(session, seq)
-        session.request = req
-        session.last_used = time.monotonic()
-        req.session = session
-        return len(session.tokens)
+        return self.sessions.claim(req)
 
     def _free_session(self) -> Session:
-        """An empty session: a free one, else the least recently used idle one, evicted."""
-        for s in self.sessions:
-            if s.request is None and not s.tokens:
-                return s
-        idle = [s for s in self.sessions if s.request is None]
-        victim = min(idle, key=lambda s: s.last_used)  # max_sessions >= max_batch: never empty
-        self._snapshot(victim, self.resident.slot(victim.slot), victim.tokens, victim.last_logits, "evicted")
-        self._clear(victim)
-        self.metrics.session_evictions.inc()
-        return victim
+        return self.sessions.free_session()
 
     def _clear(self, session: Session) -> None:
-        self._run("reset", "resident", session.slot)
-        session.tokens, session.last_logits, session.saved_at, session.restored = [], None, 0, None
-
-    def _restore(self, session: Session, seq: list[int]) -> None:
-        try:
-            restored = self.kv_store.restore(self.resident.slot(session.slot), seq)
-        except Exception as e:  # noqa: BLE001 - a store bug: serve without it
-            log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
-            self._clear(session)
-            return
-        if restored is not None:
-            count, logits = restored
-            if self.peers is not None:  # the other ranks' caches hold what this one read from disk
-                self.peers.send("import_sequence", (session.slot, self.resident.export_sequence(session.slot, "cpu")),
-                                model=False)
-            session.tokens, session.last_logits = list(seq[:count]), logits
-            session.saved_at = count
-            session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
+        self.sessions.clear(session)
 
     def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str) -> None:
-        """Read a sequence out for the disk store; the writer thread writes it."""
-        if self.kv_store is None or not tokens or logits is None or session.restored is not None:
-            return
-        pending = self._kv("prepare", view, list(tokens), logits, why)
-        if pending is None:
-            return
-        session.saved_at = len(tokens)
-        if self._writer is None:
-            self._writer = _SnapshotWriter(self.kv_store)
-        self._writer.submit(pending)
+        self.sessions.snapshot(session, view, tokens, logits, why)
 
     def _kv(self, method: str, *args, **kwargs):
-        """Call an (optional) store method; its failures are logged, never raised."""
-        fn = getattr(self.kv_store, method, None)
-        if fn is None:
-            return None
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the disk cache must never fail a request
-            log.warning("engine: kv store %s failed: %s: %s", method, type(e).__name__, e)
-            return None
+        return self.sessions.kv(method, *args, **kwargs)
 
     def _confirm_restored(self, session: Session) -> None:
-        if session.restored is not None:
-            name, session.restored = session.restored, None
-            self._kv("restore_ok", name)
+        self.sessions.confirm_restored(session)
 
     # ------------------------------------------------------------------ admission and prefill
     def _next_waiting(self) -> GenRequest | None:
@@ -620,7 +519,8 @@ class Engine:
         session = req.session
         seq = req.sequence()
         start = len(session.tokens)
-        piece = seq[start:start + self.prefill_chunk]
+        # A chunk ends where a checkpoint is due: its end state is the checkpoint's.
+        piece = seq[start:self.sessions.next_stop(req, start, min(len(seq), start + self.prefill_chunk))]
         try:
             if session.restored is not None:
                 fault_point("restore")
@@ -632,9 +532,12 @@ class Engine:
             self._failed([req], e, "prefill")
             return
         self._confirm_restored(session)
-        session.tokens.extend(piece)
-        session.last_logits = logits
+        self.sessions.extend(session, piece, logits)
         req.prefill_chunks += 1
+        req.prefilled_tokens += len(piece)
+        boundary = self.sessions.wanted(req, len(session.tokens))
+        if boundary is not None:
+            self._take_checkpoint(session, "resident", session.slot, len(session.tokens), logits, boundary)
         self.metrics.prefill_chunks.inc()
         if self.chunk_delay:
             time.sleep(self.chunk_delay)
@@ -747,13 +650,26 @@ class Engine:
             req.held.append(req.pending)
             if self._take_token(req, logits[i]) is not None:
                 done.append(req)
-            elif self.kv_store is not None and self.kv_store.every > 0 and \
+                continue
+            boundary = self.sessions.wanted(req, len(req.held))
+            if boundary is not None:  # between steps, on its batch slot: joins the session when it leaves
+                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), logits[i], boundary,
+                                      pending=True)
+            if self.kv_store is not None and self.kv_store.every > 0 and \
                     self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
                 self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
         for req in sorted(done, key=lambda r: -r.decode_slot):
             self._end(req, "done")
         if self.token_delay:
             time.sleep(self.token_delay)
+
+    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
+                         pending: bool = False) -> None:
+        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
+        try:
+            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
+        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
+            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
 
     def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
         """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
@@ -822,7 +738,8 @@ class Engine:
             slot, last = req.decode_slot, len(self.running) - 1
             try:
                 self._run("copy", "resident", session.slot, slot, "batch")
-                session.tokens, session.last_logits = list(req.held), req.logits
+                self.sessions.extend(session, req.held[len(session.tokens):], req.logits)
+                self.sessions.settle_pending(session)
             except BaseException as e:  # noqa: BLE001 - lose this session, not the engine
                 log.warning("engine: cannot keep %s's session: %s: %s", req.id, type(e).__name__, e)
                 self._clear(session)
@@ -874,6 +791,7 @@ class Engine:
             if session is not None:
                 if stage != "decode" or blame_snapshot:
                     self._clear(session)  # half-written, or restored from a snapshot now suspect
+                self.sessions.drop_pending(session)  # taken on the batch slot, reset
                 session.request = None
                 req.session = None
             if self.prefilling is req:
