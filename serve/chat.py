@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
+import hashlib
 import json
 import logging
 import uuid
@@ -38,7 +40,7 @@ from typing import Any, Union
 
 from ds4_torch.chat_encoding import (
     INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN,
-    TOOL_CALLS_SEPARATOR, render_prompt_parts,
+    TOOL_CALLS_SEPARATOR, render_prompt_parts, USER, ASSISTANT,
 )
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.output_parser import (ContentDelta, MarkupDropped, MarkupFilter, ReasoningDelta, StreamingOutputParser,
@@ -138,9 +140,50 @@ class Usage:
     reasoning_tokens: int = 0
 
 
+# --------------------------------------------------------------------------- tenants
+# Who sent the request being handled: set by `AppState.check_auth` when the server has several API
+# keys (else None: one tenant). Prefix reuse and exact replay never cross tenants.
+TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ds4_tenant", default=None)
+
+
+def tenant_of(api_key: str) -> str:
+    """A key's tenant name: stable across restarts (replay records persist), not the key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
 # --------------------------------------------------------------------------- the prompt
+def message_boundaries(tokenizer, ids: list[int]) -> tuple[int, ...]:
+    """Positions in `ids` where a message starts (right after a user marker, and right after an
+    assistant marker and its think tag): where agents' conversations diverge (a new conversation
+    after the system prompt, an edited user message, a regenerated reply), so the engine
+    checkpoints there. Found on the ids, so replayed turns and client templates count alike."""
+    markers = _markers(tokenizer)
+    if markers is None:
+        return ()
+    user, assistant = markers
+    out = []
+    for i, t in enumerate(ids):
+        if t == user:
+            out.append(i + 1)
+        elif t == assistant and i + 2 < len(ids):
+            out.append(i + 2)
+    return tuple(out)
+
+
+def _markers(tokenizer) -> tuple[int, int] | None:
+    cached = getattr(tokenizer, "_ds4_markers", False)
+    if cached is False:
+        user, assistant = (tokenizer.encode(m, add_special_tokens=False) for m in (USER, ASSISTANT))
+        cached = (user[0], assistant[0]) if len(user) == 1 and len(assistant) == 1 else None
+        try:
+            tokenizer._ds4_markers = cached
+        except AttributeError:  # a tokenizer that takes no attributes: found again next time
+            pass
+    return cached
+
+
 def encode_conversation(tokenizer, replay: ReplayStore | None, messages, *, tools=None, thinking: bool = False,
-                        reasoning_effort: str | None = None) -> list[int]:
+                        reasoning_effort: str | None = None, tenant: str | None = None) -> list[int]:
     """Prompt ids of a conversation ending in a generation prompt. Assistant turns this server
     generated contribute the ids it sampled (see `serve.replay`); the rest is encoded as text. A
     tokenizer with its own chat template renders with it (no replay). ValueError on bad input."""
@@ -158,9 +201,9 @@ def encode_conversation(tokenizer, replay: ReplayStore | None, messages, *, tool
             sig = signature(m.reasoning, m.content, [(c.name, c.arguments) for c in m.tool_calls], part.with_reasoning)
             call_ids = [c.id for c in m.tool_calls if c.id]
             if call_ids and len(call_ids) == len(m.tool_calls):
-                turn = replay.by_calls(call_ids, sig)
+                turn = replay.by_calls(call_ids, sig, tenant)
             if turn is None:
-                turn = replay.by_text(part.text)
+                turn = replay.by_text(part.text, tenant)
         if turn is None:
             text.append(part.text)
             continue
@@ -206,7 +249,8 @@ def chat_prompt(state, creq: ChatRequest) -> list[int]:
     """The prompt ids of a chat request; 400 naming the messages when they cannot be rendered."""
     try:
         return encode_conversation(state.tokenizer, state.replay, creq.messages, tools=_offered(creq),
-                                   thinking=creq.thinking, reasoning_effort=creq.reasoning_effort)
+                                   thinking=creq.thinking, reasoning_effort=creq.reasoning_effort,
+                                   tenant=TENANT.get())
     except ValueError as e:
         raise bad(str(e), creq.messages_param) from None
 
@@ -280,6 +324,8 @@ class Generation:
         self.sampling, self.stop, self.logprobs, self.ignore_eos = sampling, stop, logprobs, ignore_eos
         self.thinking, self.schemas, self.tool_choice = thinking, schemas, tool_choice
         self.call_id_prefix = call_id_prefix
+        self.tenant = TENANT.get()
+        self.boundaries: tuple[int, ...] = ()   # where the prompt's messages start (chat requests)
         self.parser = StreamingOutputParser(thinking=thinking) if parse else None
         self.markup = MarkupFilter() if not parse else None   # a completion's raw text
         self.opener = _forced_opener(tool_choice) if parse else ""
@@ -311,6 +357,7 @@ class Generation:
         schemas = _check_tool_choice(creq)
         ids = chat_prompt(state, creq)
         tools = _offered(creq)
+        boundaries = message_boundaries(state.tokenizer, ids)
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
         gens = []
         for i in range(n):
@@ -319,6 +366,7 @@ class Generation:
                       schemas=schemas if tools else None, tool_choice=creq.tool_choice,
                       call_id_prefix=call_id_prefix, grammar=creq.grammar)
             gen.usage.prompt_tokens = len(ids)
+            gen.boundaries = boundaries
             gens.append(gen)
         return gens
 
@@ -342,7 +390,7 @@ class Generation:
                  prompt_logprobs: int | None = None) -> GenRequest:
         req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=stop, logprobs=self.logprobs,
                          ignore_eos=self.ignore_eos, grammar=grammar, prompt_logprobs=prompt_logprobs,
-                         emit=self.channel.push)
+                         emit=self.channel.push, tenant=self.tenant, boundaries=self.boundaries)
         self.requests.append(req)
         return req
 
@@ -550,7 +598,7 @@ class Generation:
         sig = signature("".join(self.returned_reasoning), "".join(self.returned_content),
                         [(c.name, json.loads(c.arguments)) for c in self.calls], self.thinking)
         try:
-            replay.record(text, self.reply_ids, sig, [c.id for c in self.calls])
+            replay.record(text, self.reply_ids, sig, [c.id for c in self.calls], self.tenant)
         except Exception as e:  # noqa: BLE001 - replay is an optimisation: never fail the request
             log.warning("replay: recording failed: %s: %s", type(e).__name__, e)
 

@@ -58,8 +58,13 @@ def signature(reasoning: str | None, content: str, calls: Iterable[tuple[str, di
                        [[name, args] for name, args in calls]], sort_keys=True, ensure_ascii=False)
 
 
-def _key(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+def _key(text: str, tenant: str | None = None) -> str:
+    # A tenant's records are its own (several API keys): its name is hashed in; one tenant: the text alone.
+    return hashlib.sha256((text if tenant is None else f"{tenant}\0{text}").encode("utf-8")).hexdigest()
+
+
+def _call_key(call_id: str, tenant: str | None = None) -> str:
+    return call_id if tenant is None else f"{tenant}\0{call_id}"
 
 
 class ReplayStore:
@@ -149,11 +154,13 @@ class ReplayStore:
         return turn
 
     # ------------------------------------------------------------------ API
-    def record(self, text: str, ids: Iterable[int], signature: str, call_ids: Iterable[str] = ()) -> None:
-        """Remember a finished reply: its sampled text and ids, what it says, its calls' ids."""
+    def record(self, text: str, ids: Iterable[int], signature: str, call_ids: Iterable[str] = (),
+               tenant: str | None = None) -> None:
+        """Remember a finished reply: its sampled text and ids, what it says, its calls' ids (found
+        again only by the same `tenant`)."""
         turn = Turn(text, tuple(int(i) for i in ids), signature)
-        key = _key(text)
-        call_ids = list(call_ids)
+        key = _key(text, tenant)
+        call_ids = [_call_key(c, tenant) for c in call_ids]
         with self._lock:
             self._remember(key, turn)
             for call_id in call_ids:
@@ -186,15 +193,15 @@ class ReplayStore:
         db.execute("DELETE FROM calls WHERE key NOT IN (SELECT key FROM turns)")
         db.execute("COMMIT")
 
-    def by_text(self, text: str) -> Turn | None:
+    def by_text(self, text: str, tenant: str | None = None) -> Turn | None:
         with self._lock:
-            return self._get(_key(text))
+            return self._get(_key(text, tenant))
 
-    def by_calls(self, call_ids: Iterable[str], sig: str) -> Turn | None:
-        """The turn these call ids were issued in, if it says what `sig` says."""
+    def by_calls(self, call_ids: Iterable[str], sig: str, tenant: str | None = None) -> Turn | None:
+        """The turn these call ids were issued in (for `tenant`), if it says what `sig` says."""
         with self._lock:
             keys = set()
-            for call_id in call_ids:
+            for call_id in (_call_key(c, tenant) for c in call_ids):
                 key = self._calls.get(call_id)
                 if key is None:
                     row = self._disk("read", lambda db: db.execute(

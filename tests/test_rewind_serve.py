@@ -1,0 +1,160 @@
+"""Branch and rewind through HTTP: a request diverging from a resident conversation resumes at
+the best checkpoint at or below the divergence (branching into another slot, or rewinding an
+idle session in place), and its greedy output is exactly `ds4_torch.generate`'s on a cold cache.
+
+The embedded model: a sliding window of 32, CSA blocks of 4, HCA blocks of 16. Checkpoints every
+K = 20 tokens (off the block grid, so a divergence can sit right before or after a block closing
+without sitting on a checkpoint)."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+
+import httpx
+import pytest
+
+from ds4_torch.default_model import default_tokenizer
+from ds4_torch.generation import generate
+from serve.app import ServerConfig, create_app
+from serve.runner import BackgroundServer
+from helpers import metric, wait_for
+
+MODEL = "ds4-default"
+CTX = 256
+CHUNK = 64
+K = 20
+N = 6  # tokens generated per request
+
+
+@contextlib.contextmanager
+def server(model, kv_store=None, **config):
+    config.setdefault("ctx", CTX)
+    config.setdefault("prefill_chunk", CHUNK)
+    config.setdefault("checkpoint_interval", K)
+    app = create_app(model, default_tokenizer(), ServerConfig(**config), kv_store=kv_store)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+def ids(n, salt):
+    return [(i * 13 + salt * 31) % 997 + 2 for i in range(n)]
+
+
+def complete(srv, prompt, n=N, key=None):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {key}"} if key else {})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    return data["choices"][0]["token_ids"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+_cold = {}
+
+
+def cold(model, prompt, n=N):
+    key = (tuple(prompt), n)
+    if key not in _cold:
+        _cold[key] = list(generate(model, prompt, n))
+    return _cold[key]
+
+
+BASE = ids(120, 1)
+# Divergences: right before / after an HCA block closes (48) and a CSA block (52), inside the
+# first window (10), at a checkpoint exactly (60), K-1 tokens after one (79), and one at the end
+# of the first block of 16 the prefix index hashes (16).
+DIVERGENCES = [10, 16, 47, 49, 51, 53, 60, 79]
+
+
+def diverged(d, salt):
+    return BASE[:d] + ids(17, salt)
+
+
+@pytest.mark.parametrize("max_sessions", [16, 1], ids=["branch", "rewind"])
+def test_divergence_points_exact(model, max_sessions):
+    """With free slots the request branches (the source stays whole); with one slot the idle
+    session is rewound in place. Either way: the cold output, and cached >= the checkpoint."""
+    with server(model, max_sessions=max_sessions, max_batch=1) as srv:
+        for salt, d in enumerate(DIVERGENCES, start=100):
+            out, cached = complete(srv, BASE)
+            assert out == cold(model, BASE)
+            prompt = diverged(d, salt)
+            out, cached = complete(srv, prompt)
+            assert out == cold(model, prompt), d
+            assert d - K < (d // K) * K <= cached <= d, (d, cached)
+        kind = "ds4_branches_total" if max_sessions > 1 else "ds4_rewinds_total"
+        assert metric(srv, kind) >= len([d for d in DIVERGENCES if d >= K])
+        assert metric(srv, "ds4_checkpoint_bytes") > 0
+
+
+def test_regenerate_and_retry(model):
+    """The same prompt again (a regenerate) resumes at its end; a prompt ending where a reply
+    began resumes there too: no token is prefilled twice."""
+    with server(model) as srv:
+        prompt = ids(90, 7)
+        first, _ = complete(srv, prompt, 12)
+        again, cached = complete(srv, prompt, 12)
+        assert again == first == cold(model, prompt, 12)
+        assert cached >= len(prompt) - 1
+        # A prompt that continues into the reply and past a decode-time checkpoint.
+        longer = prompt + first[:10] + ids(5, 8)
+        out, cached = complete(srv, longer)
+        assert out == cold(model, longer)
+        assert cached >= len(prompt) + 10 - K
+
+
+def test_branch_from_a_busy_session_under_batching(model):
+    """Requests diverging from a conversation that is still decoding branch from it (it is not
+    disturbed), and several branches decode in one batch, each exactly as alone."""
+    with server(model, max_batch=4) as srv:
+        complete(srv, BASE, 2)
+        engine = srv.app.state.engine
+        engine.token_delay = 0.02
+        prompts = [diverged(d, 200 + d) for d in (33, 61, 95)]
+        try:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                long = pool.submit(complete, srv, BASE + ids(3, 9), 40)
+                wait_for(lambda: engine.running, what="the source decoding")
+                outs = list(pool.map(lambda p: complete(srv, p), prompts))
+                long_out, _ = long.result()
+        finally:
+            engine.token_delay = 0.0
+        assert long_out == cold(model, BASE + ids(3, 9), 40)
+        for p, (out, cached) in zip(prompts, outs):
+            assert out == cold(model, p)
+            assert cached >= ((len(p) - 17) // K) * K
+
+
+def test_checkpoints_off_reuse_only_exact_extensions(model):
+    with server(model, checkpoint_interval=0) as srv:
+        complete(srv, BASE)
+        prompt = diverged(60, 300)
+        out, cached = complete(srv, prompt)
+        assert out == cold(model, prompt) and cached == 0
+        assert metric(srv, "ds4_checkpoint_bytes") == 0
+
+
+def test_memory_budget_keeps_boundaries(model):
+    """A budget of a few checkpoints: interval ones go first, the prompt end stays."""
+    engine_bytes = create_app(model, default_tokenizer(), ServerConfig(ctx=CTX)).state.engine.sessions.checkpoint_nbytes
+    with server(model, checkpoint_memory_mb=2.5 * engine_bytes / 2**20) as srv:
+        complete(srv, BASE)
+        assert metric(srv, "ds4_checkpoint_bytes") == 2 * engine_bytes
+        out, cached = complete(srv, BASE)  # regenerate: its prompt end was kept
+        assert cached >= len(BASE) - 1 and out == cold(model, BASE)
+
+
+def test_tenants_never_share(model):
+    """With several API keys, a prefix cached for one key is not reused for another."""
+    with server(model, api_key=("key-a", "key-b")) as srv:
+        prompt = ids(80, 11)
+        out_a, _ = complete(srv, prompt, key="key-a")
+        out_b, cached_b = complete(srv, prompt, key="key-b")
+        assert out_a == out_b == cold(model, prompt)
+        assert cached_b == 0
+        _, cached_a = complete(srv, prompt, key="key-a")
+        assert cached_a >= len(prompt) - 1
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                       headers={"Authorization": "Bearer key-c"})
+        assert r.status_code == 401
