@@ -158,3 +158,94 @@ def test_tenants_never_share(model):
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
                        headers={"Authorization": "Bearer key-c"})
         assert r.status_code == 401
+
+
+# --------------------------------------------------------------------------- conversations, three APIs
+SYSTEM = ("You are the stage manager of a company of players. " * 12).strip()
+USERS = ["Who plays the ghost tonight?", "And who holds the book?", "Is the trap in the stage repaired?",
+         "What of the drum for the second act?"]
+
+
+def send(srv, api, system, turns, n=8):
+    """One request of a conversation (turns alternate user, assistant) through `api`: its reply text."""
+    if api == "chat":
+        msgs = [{"role": "system", "content": system}] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        body = {"model": MODEL, "messages": msgs, "max_tokens": n, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"] or ""
+    if api == "responses":
+        items = [{"type": "message", "role": "user" if i % 2 == 0 else "assistant", "content": t}
+                 for i, t in enumerate(turns)]
+        body = {"model": MODEL, "instructions": system, "input": items, "max_output_tokens": n, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return "".join(c["text"] for item in r.json()["output"] if item["type"] == "message"
+                       for c in item["content"])
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    # A cache_control breakpoint is a hint the server may use; reuse never depends on it.
+    body = {"model": MODEL, "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            "messages": msgs, "max_tokens": n, "temperature": 0}
+    r = httpx.post(srv.url + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return "".join(b.get("text", "") for b in r.json()["content"])
+
+
+def agent_session(srv, api):
+    """A new conversation, a second one sharing the system prompt, a follow-up, a regenerate, an
+    edited last user message, a retry without the last assistant turn: every reply, and for each
+    request (its prompt ids, the tokens it reused, the longest common prefix with what came before,
+    whether the divergence is a message start)."""
+    engine = srv.app.state.engine
+    submitted = []
+    submit_all = engine.submit_all
+    engine.submit_all = lambda reqs: (submitted.extend(reqs), submit_all(reqs))[1]
+    seen: list[list[int]] = []
+    log = []
+    replies = []
+
+    def step(turns, edit=False):
+        reply = send(srv, api, SYSTEM, turns)
+        req = submitted[-1]
+        common = max((_common(s, req.prompt_ids) for s in seen), default=0)
+        log.append((req.prompt_ids, req.cached_tokens, common, turns, edit))
+        seen.append(req.prompt_ids + req.generated)
+        replies.append(reply)
+        return reply
+
+    a1 = step([USERS[0]])
+    step([USERS[1]])                            # a new conversation, the same system prompt
+    step([USERS[0], a1, USERS[2]])              # a follow-up
+    step([USERS[0], a1, USERS[2]])              # a regenerate
+    step([USERS[0], a1, USERS[3]], edit=True)   # the last user message edited
+    step([USERS[0], a1, USERS[2]])              # retry without the last assistant turn
+    return replies, log
+
+
+def _common(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "anthropic"])
+def test_agent_conversations_reuse_at_message_boundaries(model, api):
+    """Through each API: every request reuses at least its common prefix with earlier ones less
+    16 tokens (divergences here are message starts), a regenerate its whole prompt less one;
+    the replies are those of a server without checkpoints."""
+    with server(model, ctx=1024, prefill_chunk=128, checkpoint_interval=256) as srv:
+        replies, log = agent_session(srv, api)
+    with server(model, ctx=1024, prefill_chunk=128, checkpoint_interval=0) as cold_srv:
+        cold_replies, cold_log = agent_session(cold_srv, api)
+    assert replies == cold_replies
+    assert [p for p, *_ in log] == [p for p, *_ in cold_log]
+    for i, (prompt, cached, common, turns, edit) in enumerate(log):
+        if i and prompt == log[i - 1][0] or i == 5:  # a regenerate / a retry
+            assert cached >= len(prompt) - 1, (i, cached, len(prompt))
+        else:
+            assert cached >= common - 16, (i, cached, common)
+    assert sum(c for _, c, *_ in log) > sum(c for _, c, *_ in cold_log)
