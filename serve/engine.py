@@ -2,12 +2,11 @@
 
 Two caches, each allocated once at start:
 
-- **resident** (`max_sessions` slots): one conversation per slot, kept between requests. A new
-  request takes the session whose tokens are the longest prefix of its prompt (an idle one is
-  taken over; a busy one is copied into another slot: a fork); else a free slot; else the least
-  recently used idle session is evicted (snapshotted to disk first when a store is attached).
-  On a slot with no reusable prefix, the disk store is asked for the longest stored prefix.
-  Prompts are prefilled in place, in the session's slot.
+- **resident** (`max_sessions` slots): one conversation per slot, kept between requests. Which
+  session a request takes, what it reuses (a session's end, or a checkpoint at or below where it
+  diverges: a branch into another slot or a rewind in place), checkpoints, eviction and the disk
+  store are `serve.sessions`'; the engine schedules. Prompts are prefilled in place, in the
+  session's slot, in chunks that end where a checkpoint is due.
 - **batch** (`max_batch` slots, rounded up to a power of two): the sequences decoding together.
   Once a prompt is prefilled, its session's state is copied into the next batch slot; when the
   request ends, it is copied back to its resident slot (the conversation stays resident) and the
@@ -110,9 +109,11 @@ class KVStore(Protocol):
 
     every: int
 
-    def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
-        """Load the longest stored prefix of `prompt_ids` into sequence 0 of `cache` (a batch-1
-        view of a clean slot); return (tokens restored, logits of the next token), or None."""
+    def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest stored state of `prompt_ids` into sequence 0 of `cache` (a batch-1
+        view of a clean slot); return (tokens restored, logits of the next token: None when fewer
+        than the prompt's), or None. Optional: `stored_prefix(prompt_ids)`, that count, asked first;
+        `restored_checkpoints`, {position: checkpoint} that came with it."""
 
     def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str):
         """Read sequence 0 of `cache` (holding `token_ids`) out for a snapshot; None if not worth one."""

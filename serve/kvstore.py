@@ -59,10 +59,21 @@ class Entry:
     created: float
     last_used: float
     hits: int = 0
+    checkpoints: tuple[int, ...] = ()   # positions of the checkpoints it carries
 
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+    def reuse(self, prompt_ids: list[int]) -> int:
+        """How much of `prompt_ids` this snapshot can bring back: all of it when it is a prefix of
+        the prompt, else its furthest checkpoint at or below the divergence (short of the prompt's
+        end: checkpoints on disk keep no logits, a token is left to prefill)."""
+        n = min(self.n, len(prompt_ids))
+        common = next((i for i in range(n) if self.tokens[i] != prompt_ids[i]), n)
+        if common == self.n:
+            return self.n
+        return max((c for c in self.checkpoints if c <= common and c < len(prompt_ids)), default=0)
 
     def score(self, now: float) -> float:
         """Higher is worth keeping: hit often, used recently, expensive to prefill again."""
@@ -180,7 +191,8 @@ class KVStore:
             st = os.stat(path)
             s = stats.get(name) if isinstance(stats.get(name), dict) else {}
             self.entries[name] = Entry(name, snap.tokens, st.st_size, snap.header.get("created", st.st_mtime),
-                                       st.st_mtime, hits=int(s.get("hits", 0)))
+                                       st.st_mtime, hits=int(s.get("hits", 0)),
+                                       checkpoints=tuple(snap.header.get("checkpoints") or ()))
         self._trim_quarantine()
         self._make_room()  # a crash between a write and its eviction, or a smaller budget
         self._update_gauges()
@@ -208,18 +220,25 @@ class KVStore:
         self.close()
 
     # ---------------------------------------------------------------- the engine's hooks
-    def restore(self, cache: DS4Cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
-        """Load the longest stored prefix of `prompt_ids` into sequence 0 of `cache`; return
-        (tokens restored, logits of the next token) or None. Snapshots that fail validation are
-        quarantined and the next longest is tried; `cache` is only written once one passed."""
+    def stored_prefix(self, prompt_ids: list[int]) -> int:
+        """Tokens of `prompt_ids` the best snapshot would bring back (`restore` tries it first)."""
+        with self._lock:
+            return max((e.reuse(prompt_ids) for e in self.entries.values()), default=0)
+
+    def restore(self, cache: DS4Cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest state of `prompt_ids` stored into sequence 0 of `cache`: a snapshot
+        that is a prefix of it, or one diverging from it, rewound to its checkpoint at or below the
+        divergence (`Entry.reuse`). Return (tokens restored, logits of the next token: None from a
+        checkpoint) or None. Snapshots that fail validation are quarantined and the next best is
+        tried; `cache` is only written once one passed."""
         with self._lock:
             self._restored, self.restored_checkpoints = None, {}
             if not self._check_cache(cache):
                 return None
-            candidates = sorted((e for e in self.entries.values()
-                                 if e.n <= len(prompt_ids) and prompt_ids[:e.n] == e.tokens),
-                                key=lambda e: e.n, reverse=True)
+            candidates = sorted((e for e in self.entries.values() if e.reuse(prompt_ids) > 0),
+                                key=lambda e: e.reuse(prompt_ids), reverse=True)
             for entry in candidates:
+                count = entry.reuse(prompt_ids)
                 try:
                     snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
                     if snap.tokens != entry.tokens:
@@ -232,17 +251,22 @@ class KVStore:
                     continue
                 try:  # checks every name, shape and dtype before it writes anything into the live cache
                     cache.import_sequence(0, snap.state)
-                except ValueError as e:  # any other error (a device failing) is not the file's: the engine's
+                    if count < entry.n:  # the prompt diverges inside it: rewind to the checkpoint
+                        cache.restore_checkpoint(0, snap.checkpoints[count])
+                except (ValueError, KeyError) as e:  # any other error (a device failing) is the engine's
+                    cache.reset(0)
                     self._quarantine(entry.name, SnapshotError("state", f"the cache refused it: {e}"))
                     continue
                 entry.hits += 1
                 entry.last_used = time.time()
                 _touch(os.path.join(self.dir, entry.name))
-                self._restored, self.restored_checkpoints = entry.name, snap.checkpoints
+                self._restored = entry.name
+                self.restored_checkpoints = {c: ck for c, ck in snap.checkpoints.items() if c <= count}
                 self._count("hits")
-                self._count("restored_tokens", entry.n)
-                log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
-                return entry.n, snap.logits.to(cache.device).clone()
+                self._count("restored_tokens", count)
+                log.info("kvstore: restored %d tokens from %s%s", count, entry.name,
+                         "" if count == entry.n else f" (its checkpoint at {count} of {entry.n})")
+                return count, (snap.logits.to(cache.device).clone() if count == entry.n else None)
             self._count("misses")
             return None
 
@@ -325,7 +349,8 @@ class KVStore:
                 return False
             self._make_room()  # only now: a failed write must not cost other snapshots
             now = time.time()
-            self.entries[name] = Entry(name, pending.tokens, size, now, now)
+            self.entries[name] = Entry(name, pending.tokens, size, now, now,
+                                       checkpoints=tuple(sorted(pending.checkpoints)))
             self._count("saves")
             self._update_gauges()
             log.info("kvstore: saved %d tokens (%s, %.1f KiB, %.0f ms)", n, pending.why, size / 1024,

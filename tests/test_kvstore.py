@@ -666,7 +666,15 @@ def test_checkpoints_go_to_disk_and_branch_after_restore(store, model):
     with torch.no_grad():
         got = prefill(model, restored.slot(1), torch.tensor([other[48:]]), chunk=16)[0]
     assert (got - checkpointed(model, other, (17, 48))[1]).abs().max() <= 1e-5
-    assert store.restore(model.new_cache(1, CTX), tokens[:30]) is None and store.restored_checkpoints == {}
+    # A prompt diverging inside the snapshot (here: ending) is rewound to the checkpoint below the
+    # divergence, with the checkpoints up to it, and continues like a cold run.
+    short = model.new_cache(1, CTX)
+    assert store.restore(short, tokens[:30]) == (17, None) and list(store.restored_checkpoints) == [17]
+    with torch.no_grad():
+        got = prefill(model, short, torch.tensor([tokens[17:30]]), chunk=16)[0]
+    assert (got - checkpointed(model, tokens[:30], (17,))[1]).abs().max() <= 1e-5
+    assert store.stored_prefix(tokens[:30]) == 17 and store.stored_prefix(tokens[:10]) == 0
+    assert store.restore(model.new_cache(1, CTX), tokens[:10]) is None and store.restored_checkpoints == {}
 
 
 @pytest.mark.parametrize("section,fn,detail", [

@@ -249,3 +249,32 @@ def test_agent_conversations_reuse_at_message_boundaries(model, api):
         else:
             assert cached >= common - 16, (i, cached, common)
     assert sum(c for _, c, *_ in log) > sum(c for _, c, *_ in cold_log)
+
+
+# --------------------------------------------------------------------------- disk
+def test_branch_after_a_disk_round_trip(model, tmp_path):
+    """Snapshots carry their checkpoints: after a restart, a prompt diverging inside a stored
+    conversation resumes at its checkpoint below the divergence, exactly."""
+    from serve.kvstore import KVStore
+
+    def disk_server():
+        app = create_app(model, default_tokenizer(), ServerConfig(ctx=CTX, prefill_chunk=CHUNK,
+                                                                  checkpoint_interval=K))
+        store = KVStore(tmp_path / "kv", 16.0, model, ctx=CTX, min_tokens=8, registry=app.state.metrics.registry)
+        app.state.engine.kv_store = store
+        return BackgroundServer(app)
+
+    with disk_server() as srv:
+        out, _ = complete(srv, BASE)
+        assert out == cold(model, BASE)
+    for d in (53, 79):
+        with disk_server() as srv:   # a fresh process's memory: only the disk holds BASE
+            prompt = diverged(d, 400 + d)
+            out, cached = complete(srv, prompt)
+            assert out == cold(model, prompt)
+            assert cached == (d // K) * K, (d, cached)
+            assert metric(srv, "ds4_kv_disk_hits_total") == 1
+    with disk_server() as srv:  # a regenerate after a restart: from the last checkpoint below the prompt's end
+        out, cached = complete(srv, BASE)
+        assert out == cold(model, BASE)
+        assert cached >= len(BASE) - K
