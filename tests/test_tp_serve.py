@@ -351,3 +351,56 @@ def test_checkpoint_operations_reach_the_followers():
     assert lead.checkpoint_bytes() == lead.resident.checkpoint_nbytes()
     with pytest.raises(KeyError, match="no checkpoint 'at32'"):
         lead.restore_checkpoint("resident", 0, "at32")
+
+
+def test_engine_checkpoints_reach_the_followers(tmp_path):
+    """The engine's checkpoints under tensor parallelism (mirrored in one process): taken in
+    prefill and decode, branched from, rewound to, dropped (budget and eviction) and imported
+    from disk, each sent to the follower first; its caches and checkpoints stay the lead's, and
+    the answers are the cold ones."""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from ds4_torch.generation import generate
+    from serve.app import ServerConfig, create_app
+    from serve.kvstore import KVStore
+    from serve.runner import BackgroundServer
+    from test_rewind_serve import complete
+
+    model, tok = build_default_model(), default_tokenizer()
+
+    def server(peers, max_sessions):
+        app = create_app(model, tok, ServerConfig(ctx=256, prefill_chunk=64, max_batch=2, max_sessions=max_sessions,
+                                                  checkpoint_interval=20), peers=peers)
+        app.state.engine.kv_store = KVStore(tmp_path / "kv", 8.0, model, ctx=256, min_tokens=8,
+                                            registry=app.state.metrics.registry)
+        return BackgroundServer(app)
+
+    def same(engine, follower):
+        assert_same_caches(engine.replica, follower)
+        assert list(follower.checkpoints) == list(engine.replica.checkpoints)
+        assert all(torch.equal(follower.checkpoints[i][k], t) for i, c in engine.replica.checkpoints.items()
+                   for k, t in c.items())
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(2, model.config.vocab_size, (90,), generator=g).tolist()
+    other = lambda d: base[:d] + torch.randint(2, model.config.vocab_size, (11,), generator=g).tolist()  # noqa: E731
+    # Four slots: the diverging requests branch; two: they rewind in place (dropping later checkpoints).
+    for max_sessions, ops in ((4, {"branch_from_checkpoint"}), (2, {"restore_checkpoint", "drop_checkpoint"})):
+        peers = MirrorPeers(model)
+        with server(peers, max_sessions) as srv:
+            engine = srv.app.state.engine
+            assert complete(srv, base, 30)[0] == list(generate(model, base, 30))  # decode-time checkpoints too
+            for d in (47, 75, 101):
+                prompt = other(d) if d < 90 else base + list(generate(model, base, 30))[:11] + [5]
+                out, cached = complete(srv, prompt)
+                assert out == list(generate(model, prompt, 6)) and cached >= d - 20
+            time.sleep(0.2)
+            same(engine, peers.follower)
+        assert {"take_checkpoint", *ops} <= set(peers.sent)
+    peers = MirrorPeers(model)
+    with server(peers, 4) as srv:  # a restart: a divergence inside a stored conversation, from disk
+        prompt = other(67)
+        out, cached = complete(srv, prompt)
+        assert out == list(generate(model, prompt, 6)) and cached == 60
+        time.sleep(0.2)
+        same(srv.app.state.engine, peers.follower)
+    assert {"import_sequence", "import_checkpoint"} <= set(peers.sent)
