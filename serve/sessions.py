@@ -295,7 +295,9 @@ class Sessions:
         if position in session.checkpoints:
             session.checkpoints[position].boundary |= boundary
             return
-        ck = Checkpoint(next(self._ids), position, logits, boundary, time.monotonic())
+        # A copy: a decode step's logits are one row of the batch's, which would stay alive whole.
+        ck = Checkpoint(next(self._ids), position, None if logits is None else logits.clone(), boundary,
+                        time.monotonic())
         self.run("take_checkpoint", ck.id, cache, slot)
         self._held[ck.id] = ck
         if pending:
