@@ -104,10 +104,13 @@ def test_regenerate_and_retry(model):
         assert cached >= len(prompt) + 10 - K
 
 
-def test_branch_from_a_busy_session_under_batching(model):
+@pytest.mark.parametrize("decode_mode", ["eager", "graph"])
+def test_branch_from_a_busy_session_under_batching(model, decode_mode):
     """Requests diverging from a conversation that is still decoding branch from it (it is not
-    disturbed), and several branches decode in one batch, each exactly as alone."""
-    with server(model, max_batch=4) as srv:
+    disturbed), and several branches decode in one batch, each exactly as alone; also with
+    captured decode graphs (the capture emulator off CUDA), checkpoints taken between replays."""
+    with server(model, max_batch=4, decode_mode=decode_mode) as srv:
+        assert srv.app.state.engine.decoder.mode == decode_mode
         complete(srv, BASE, 2)
         engine = srv.app.state.engine
         engine.token_delay = 0.02
