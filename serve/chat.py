@@ -74,6 +74,9 @@ class ChatRequest:
     logprobs: int | None = None
     ignore_eos: bool = False
     grammar: Any = None                           # a ds4_torch.structured.Grammar the content follows
+    # Message counts after which the client marked a cache breakpoint (Anthropic's cache_control):
+    # hints where to checkpoint, never needed (message starts are checkpointed anyway).
+    cache_hints: tuple[int, ...] = ()
     # Field names of the API, for error messages.
     messages_param: str = "messages"
     max_tokens_param: str = "max_tokens"
@@ -168,6 +171,35 @@ def message_boundaries(tokenizer, ids: list[int]) -> tuple[int, ...]:
         elif t == assistant and i + 2 < len(ids):
             out.append(i + 2)
     return tuple(out)
+
+
+MAX_CACHE_HINTS = 4  # as Anthropic allows: each costs encoding the prompt up to it
+
+
+def hint_positions(tokenizer, creq: "ChatRequest", ids: list[int]) -> tuple[int, ...]:
+    """Token positions of `creq.cache_hints`: the length of the prompt rendered up to each, less
+    one (the text before a breakpoint may tokenize apart from the whole: its last token can merge
+    with what follows, and a checkpoint past the shared prefix is of no use to the next request).
+    A hint that cannot be placed is dropped: hints never fail a request."""
+    if not creq.cache_hints or getattr(tokenizer, "chat_template", None) is not None:
+        return ()
+    msgs = creq.messages
+    n_system = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
+    out = set()
+    for k in sorted(set(creq.cache_hints))[-MAX_CACHE_HINTS:]:
+        if not 0 < k < len(msgs):
+            continue
+        try:  # tools are rendered after the whole system section: only a hint past it includes them
+            parts = render_prompt_parts(msgs[:k], tools=_offered(creq) or None if k >= n_system else None,
+                                        thinking=creq.thinking, reasoning_effort=creq.reasoning_effort,
+                                        add_generation_prompt=False, effort_profile=tokenizer.effort_profile)
+            n = len(tokenizer.encode("".join(p.text for p in parts), add_special_tokens=False))
+        except Exception as e:  # noqa: BLE001 - a hint is worth nothing more than a log line
+            log.debug("cache hint after message %d not placed: %s: %s", k, type(e).__name__, e)
+            continue
+        if 1 < n < len(ids):
+            out.add(n - 1)
+    return tuple(sorted(out))
 
 
 def _markers(tokenizer) -> tuple[int, int] | None:
@@ -357,7 +389,8 @@ class Generation:
         schemas = _check_tool_choice(creq)
         ids = chat_prompt(state, creq)
         tools = _offered(creq)
-        boundaries = message_boundaries(state.tokenizer, ids)
+        boundaries = tuple(sorted({*message_boundaries(state.tokenizer, ids),
+                                   *hint_positions(state.tokenizer, creq, ids)}))
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
         gens = []
         for i in range(n):

@@ -281,3 +281,33 @@ def test_branch_after_a_disk_round_trip(model, tmp_path):
         out, cached = complete(srv, BASE)
         assert out == cold(model, BASE)
         assert cached >= len(BASE) - K
+
+
+def test_anthropic_cache_control_is_a_hint(model, tok):
+    """Two system blocks, the first marked with cache_control: a request that changes only the
+    second resumes at the breakpoint (no message starts there, and K is past it); without the
+    mark nothing is reused, and the replies are the same either way."""
+    from serve.chat import encode_conversation
+
+    first = "You are the prompter of a company of players, and you know every line. " * 3
+    user = [{"role": "user", "content": "Who enters next?"}]
+
+    def ask(srv, second, mark):
+        block = {"type": "text", "text": first, **({"cache_control": {"type": "ephemeral"}} if mark else {})}
+        r = httpx.post(srv.url + "/v1/messages", timeout=120, json={
+            "model": MODEL, "max_tokens": 4, "temperature": 0, "messages": user,
+            "system": [block, {"type": "text", "text": second}]})
+        assert r.status_code == 200, r.text
+        return r.json()["content"], r.json()["usage"]["cache_read_input_tokens"]
+
+    a = encode_conversation(tok, None, [{"role": "system", "content": first + "\n\nTonight: Hamlet."}, *user])
+    b = encode_conversation(tok, None, [{"role": "system", "content": first + "\n\nTonight: Lear."}, *user])
+    common = _common(a, b)
+    assert 16 < common < K * 10
+    replies = {}
+    for mark in (True, False):
+        with server(model, ctx=512, checkpoint_interval=256) as srv:
+            ask(srv, "Tonight: Hamlet.", mark)
+            replies[mark], cached = ask(srv, "Tonight: Lear.", mark)
+            assert cached >= common - 16 if mark else cached == 0, (mark, cached, common)
+    assert replies[True] == replies[False]
