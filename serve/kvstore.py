@@ -51,6 +51,17 @@ WRITE_DELAY_ENV = "DS4_TORCH_KV_WRITE_DELAY"   # test hook: seconds slept betwee
 
 
 # ------------------------------------------------------------------------------ the store
+def _common_prefix(a: list[int], b: list[int], block: int = 2048) -> int:
+    """Length of the common prefix of `a` and `b`: whole blocks compared as slices (at C speed:
+    a store holds many snapshots sharing long prefixes, asked on every request), then the block
+    that differs token by token."""
+    n, lo = min(len(a), len(b)), 0
+    while lo < n and a[lo:lo + block] == b[lo:lo + block]:
+        lo += block
+    hi = min(n, lo + block)
+    return next((i for i in range(lo, hi) if a[i] != b[i]), hi) if lo < n else n
+
+
 @dataclass
 class Entry:
     name: str
@@ -69,8 +80,7 @@ class Entry:
         """How much of `prompt_ids` this snapshot can bring back: all of it when it is a prefix of
         the prompt, else its furthest checkpoint at or below the divergence (short of the prompt's
         end: checkpoints on disk keep no logits, a token is left to prefill)."""
-        n = min(self.n, len(prompt_ids))
-        common = next((i for i in range(n) if self.tokens[i] != prompt_ids[i]), n)
+        common = _common_prefix(self.tokens, prompt_ids)
         if common == self.n:
             return self.n
         return max((c for c in self.checkpoints if c <= common and c < len(prompt_ids)), default=0)
@@ -235,10 +245,11 @@ class KVStore:
             self._restored, self.restored_checkpoints = None, {}
             if not self._check_cache(cache):
                 return None
-            candidates = sorted((e for e in self.entries.values() if e.reuse(prompt_ids) > 0),
-                                key=lambda e: e.reuse(prompt_ids), reverse=True)
-            for entry in candidates:
-                count = entry.reuse(prompt_ids)
+            scored = sorted(((e.reuse(prompt_ids), e) for e in self.entries.values()), key=lambda s: s[0],
+                            reverse=True)
+            for count, entry in scored:
+                if count == 0:
+                    break
                 try:
                     snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
                     if snap.tokens != entry.tokens:

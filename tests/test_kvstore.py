@@ -716,3 +716,19 @@ def test_a_checkpoint_that_cannot_be_read_back_is_not_written(store, model):
     bad = dict(checkpoints[20], position=torch.tensor(24))                          # row counts disagree
     assert not store.save(cache, tokens, logits, checkpoints={24: bad})
     assert store.counts.saves == 0 and not store.entries
+
+
+def test_common_prefix_matches_a_token_walk():
+    """The block-wise common prefix (the store compares every snapshot with every prompt) equals
+    a token-by-token walk, at any block size."""
+    import random
+
+    from serve.kvstore import _common_prefix
+
+    rng = random.Random(3)
+    for _ in range(500):
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 300))]
+        b = a[:rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 20))]
+        want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        for block in (1, 3, 64, 2048):
+            assert _common_prefix(a, b, block) == _common_prefix(b, a, block) == want
