@@ -311,3 +311,28 @@ def test_anthropic_cache_control_is_a_hint(model, tok):
             replies[mark], cached = ask(srv, "Tonight: Lear.", mark)
             assert cached >= common - 16 if mark else cached == 0, (mark, cached, common)
     assert replies[True] == replies[False]
+
+
+def test_a_failed_decode_step_drops_its_pending_checkpoints(model, monkeypatch):
+    """Checkpoints taken on a batch slot join the conversation only when it leaves the batch: a
+    step failing after one was taken resets the batch, the retry takes it again, and what the
+    conversation holds afterwards branches exactly."""
+    from ds4_torch import faults
+
+    with server(model) as srv:
+        engine = srv.app.state.engine
+        faults.reset_fault_counts()
+        monkeypatch.setenv(faults.ENV, "decode:25")  # after the decode-time checkpoint at 140
+        try:
+            out, _ = complete(srv, BASE, 30)
+        finally:
+            monkeypatch.delenv(faults.ENV)
+            faults.reset_fault_counts()
+        assert out == cold(model, BASE, 30)
+        assert metric(srv, "ds4_device_errors_total") == 1
+        held = engine.replica.checkpoints
+        assert metric(srv, "ds4_checkpoint_bytes") == len(held) * engine.sessions.checkpoint_nbytes
+        assert sum(len(s.checkpoints) for s in engine.sessions) == len(held)  # none left over from the failure
+        prompt = BASE + out[:25] + ids(9, 500)
+        got, cached = complete(srv, prompt)
+        assert got == cold(model, prompt) and cached == 140
