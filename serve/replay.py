@@ -133,7 +133,7 @@ class ReplayStore:
         while len(self._calls) > 8 * self.max_records:
             self._calls.popitem(last=False)
 
-    def _get(self, key: str) -> Turn | None:
+    def _get(self, key: str, tenant: str | None = None) -> Turn | None:
         turn = self._turns.get(key)
         if turn is not None:
             self._turns.move_to_end(key)
@@ -147,7 +147,7 @@ class ReplayStore:
         except (ValueError, TypeError) as e:
             log.warning("replay: a damaged record was ignored: %s", e)
             return None
-        if _key(turn.text) != key:
+        if _key(turn.text, tenant) != key:  # a record that is not what its key says (or another tenant's)
             return None
         self._disk("touch", lambda db: db.execute("UPDATE turns SET used = ? WHERE key = ?", (time.time(), key)))
         self._remember(key, turn)
@@ -195,7 +195,7 @@ class ReplayStore:
 
     def by_text(self, text: str, tenant: str | None = None) -> Turn | None:
         with self._lock:
-            return self._get(_key(text, tenant))
+            return self._get(_key(text, tenant), tenant)
 
     def by_calls(self, call_ids: Iterable[str], sig: str, tenant: str | None = None) -> Turn | None:
         """The turn these call ids were issued in (for `tenant`), if it says what `sig` says."""
@@ -212,7 +212,7 @@ class ReplayStore:
                 keys.add(key)
             if len(keys) != 1:
                 return None
-            turn = self._get(keys.pop())
+            turn = self._get(keys.pop(), tenant)
             return turn if turn is not None and turn.signature == sig else None
 
     def __len__(self) -> int:

@@ -118,3 +118,21 @@ def test_disk_is_bounded(tmp_path):
     (count,) = store._db.execute("SELECT COUNT(*) FROM turns").fetchone()
     assert count <= 10 + 64  # trimmed every 64 writes
     assert store.by_text("t199").ids == (199,) and store.by_text("t0") is None
+
+
+def test_records_are_per_tenant(tmp_path):
+    """With several API keys a turn recorded for one key is found only by that key (by text or
+    by call ids, in memory and on disk); with one key (tenant None) nothing changes."""
+    sig = signature(None, "Hi.", [("f", {"a": 1})], False)
+    store = ReplayStore(str(tmp_path))
+    store.record("Hi.", [5, 6], sig, ["call_1"], tenant="a")
+    store.record("Bye.", [7], signature(None, "Bye.", [], False))
+    assert store.by_text("Hi.", "a").ids == (5, 6) and store.by_calls(["call_1"], sig, "a").ids == (5, 6)
+    assert store.by_text("Hi.", "b") is None and store.by_calls(["call_1"], sig, "b") is None
+    assert store.by_text("Hi.") is None and store.by_calls(["call_1"], sig) is None
+    assert store.by_text("Bye.").ids == (7,) and store.by_text("Bye.", "a") is None
+    store.close()
+    again = ReplayStore(str(tmp_path))  # read back from disk
+    assert again.by_text("Hi.", "a").ids == (5, 6) and again.by_text("Hi.", "b") is None
+    assert again.by_calls(["call_1"], sig, "a").ids == (5, 6) and again.by_calls(["call_1"], sig, "b") is None
+    again.close()
