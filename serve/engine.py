@@ -37,6 +37,11 @@ Disk snapshots (with a store): after a prompt's prefill (once its first token is
 read out of the cache between steps (a host copy of what the sequence holds); encoding and
 writing run on a background writer thread, never between two decode steps.
 
+Checkpoints (`serve.sessions`): a prefill chunk ends where one is due (a message start, a client
+hint, every `checkpoint_interval` tokens, the prompt's end) and it is taken right after the chunk;
+in decode, one is taken between steps on the request's batch slot (a device copy, no host sync)
+and joins its session when the request leaves the batch (dropped if its step fails).
+
 Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
 with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
 is first sent to the other ranks, which run the same operations on their replicas in the same

@@ -336,3 +336,16 @@ def test_a_failed_decode_step_drops_its_pending_checkpoints(model, monkeypatch):
         prompt = BASE + out[:25] + ids(9, 500)
         got, cached = complete(srv, prompt)
         assert got == cold(model, prompt) and cached == 140
+
+
+def test_agents_benchmark_scenario(model):
+    """`bench serve --scenario agents`, small: the same prompts with checkpoints on and off, and
+    on reuses most of them where off reuses only follow-up turns."""
+    from ds4_torch.bench.agents import run_scenario
+
+    runs = [run_scenario(model, default_tokenizer(), system_tokens=300, user_tokens=20, new_tokens=4,
+                         interval=interval, prefill_chunk=128, memory_mb=64) for interval in (64, 0)]
+    on, off = runs
+    assert on["requests"] == off["requests"] == 58 and on["prompt_tokens"] == off["prompt_tokens"]
+    assert on["reuse"] >= 0.9 and on["reuse"] > off["reuse"] + 0.2
+    assert on["branches"] + on["rewinds"] > 0 and off["branches"] == off["rewinds"] == 0

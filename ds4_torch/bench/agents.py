@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import random
 import time
 
 CONVERSATIONS = 8
@@ -24,11 +25,11 @@ WORDS = ("the company rehearses scenes before the evening performance while the 
 
 
 def _text(tokenizer, n_tokens: int, seed: int) -> str:
-    """Prose of about `n_tokens` tokens (varied by `seed`)."""
-    words, i = [], seed
+    """Prose of about `n_tokens` tokens, its own for each `seed` (messages of different
+    conversations must not coincide, or the server would rightly reuse them)."""
+    rng, words = random.Random(seed), []
     while True:
-        words.append(WORDS[(i * 7 + seed) % len(WORDS)])
-        i += 1
+        words.append(rng.choice(WORDS))
         if len(words) % 16 == 0 and len(tokenizer.encode(" ".join(words), add_special_tokens=False)) >= n_tokens:
             return " ".join(words)
 
