@@ -166,6 +166,34 @@ def test_cancelled_stream_then_correct_answers(tp_server, single):
     assert chat(client, "Who are you?") == single["chat"]
 
 
+def test_branch_and_regenerate_across_ranks(tp_server):
+    """Real ranks: the same prompt again resumes from its end's checkpoint (a branch, no
+    prefill), a longer one from there with a prefill on the branched slot; both greedy outputs
+    are `generate`'s."""
+    from ds4_torch.default_model import build_default_model
+    from ds4_torch.generation import generate
+
+    model = build_default_model()
+    prompt = [(i * 17 + 5) % 900 + 3 for i in range(70)]
+    longer = prompt + [11, 12, 13, 14, 15]
+
+    def complete(ids):
+        r = httpx.post(tp_server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    branches = lambda: float(re.search(r"^ds4_branches_total (\S+)$",  # noqa: E731
+                                       httpx.get(tp_server.url + "/metrics").text, re.M).group(1))
+    first, _ = complete(prompt)
+    before = branches()
+    assert complete(prompt) == (first, len(prompt)) and first == list(generate(model, prompt, 6))
+    out, cached = complete(longer)
+    assert out == list(generate(model, longer, 6)) and cached == len(prompt)
+    assert branches() == before + 2
+
+
 def test_killed_follower_ends_the_server_with_503(tmp_path):
     timeout = 10
     ranks = launch_ranks(tmp_path, "--tp-timeout", str(timeout))
