@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 import uuid
