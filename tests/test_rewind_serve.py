@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 
 import httpx
 import pytest
@@ -349,3 +350,22 @@ def test_agents_benchmark_scenario(model):
     assert on["requests"] == off["requests"] == 58 and on["prompt_tokens"] == off["prompt_tokens"]
     assert on["reuse"] >= 0.9 and on["reuse"] > off["reuse"] + 0.2
     assert on["branches"] + on["rewinds"] > 0 and off["branches"] == off["rewinds"] == 0
+
+
+@pytest.mark.parametrize("mark", ["yes", 5, None, [], {}, {"type": "nonsense", "ttl": -1}])
+def test_odd_cache_control_values_are_harmless(model, mark):
+    """Whatever a client puts in cache_control, on any block, the request is answered as without it."""
+    with server(model, ctx=512) as srv:
+        body = {"model": MODEL, "max_tokens": 3, "temperature": 0,
+                "system": [{"type": "text", "text": "Be brief.", "cache_control": mark}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": mark}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "Yes?",
+                                                                "cache_control": mark}]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                           "content": "x", "cache_control": mark},
+                                                          {"type": "text", "text": "Go on."}]}]}
+        r = httpx.post(srv.url + "/v1/messages", json=body, timeout=60)
+        plain = httpx.post(srv.url + "/v1/messages", timeout=60, json=json.loads(
+            json.dumps(body).replace(f'"cache_control": {json.dumps(mark)}', '"cache_control": null')))
+        assert r.status_code == plain.status_code == 200, r.text
+        assert r.json()["content"] == plain.json()["content"]
