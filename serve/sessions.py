@@ -284,7 +284,8 @@ class Sessions:
         interval one), True (a boundary: a prompt end, message boundary or hint)."""
         if not self.enabled or position <= 0:
             return None
-        if position in req.boundaries or position == len(req.prompt_ids):
+        # Past the prompt (every decode step asks) no boundary can match: the interval only.
+        if position == len(req.prompt_ids) or (position < len(req.prompt_ids) and position in req.boundaries):
             return True
         return False if position % self.interval == 0 else None
 
