@@ -174,6 +174,7 @@ def message_boundaries(tokenizer, ids: list[int]) -> tuple[int, ...]:
 
 
 MAX_CACHE_HINTS = 4  # as Anthropic allows: each costs encoding the prompt up to it
+MAX_MESSAGE_CHECKPOINTS = 8  # message starts checkpointed per request besides the first
 
 
 def hint_positions(tokenizer, creq: "ChatRequest", ids: list[int]) -> tuple[int, ...]:
@@ -389,8 +390,11 @@ class Generation:
         schemas = _check_tool_choice(creq)
         ids = chat_prompt(state, creq)
         tools = _offered(creq)
-        boundaries = tuple(sorted({*message_boundaries(state.tokenizer, ids),
-                                   *hint_positions(state.tokenizer, creq, ids)}))
+        starts = message_boundaries(state.tokenizer, ids)
+        # The first (the system prompt's end) and the latest message starts: where agents diverge.
+        # A conversation of many messages must not fill the checkpoint budget, others' included.
+        starts = starts[:1] + starts[1:][-MAX_MESSAGE_CHECKPOINTS:]
+        boundaries = tuple(sorted({*starts, *hint_positions(state.tokenizer, creq, ids)}))
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
         gens = []
         for i in range(n):

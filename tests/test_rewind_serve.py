@@ -369,3 +369,18 @@ def test_odd_cache_control_values_are_harmless(model, mark):
             json.dumps(body).replace(f'"cache_control": {json.dumps(mark)}', '"cache_control": null')))
         assert r.status_code == plain.status_code == 200, r.text
         assert r.json()["content"] == plain.json()["content"]
+
+
+def test_a_long_conversation_checkpoints_its_first_and_latest_message_starts(model):
+    """Sixty turns in one request: the system prompt's end and the 8 latest message starts are
+    checkpointed (besides the interval and the prompt's end), not every message."""
+    from serve.chat import MAX_MESSAGE_CHECKPOINTS
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"line {i}"} for i in range(59)]
+    with server(model, ctx=2048, checkpoint_interval=4096) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": "Count."}, *turns]})
+        assert r.status_code == 200, r.text
+        held = sum(len(s.checkpoints) for s in srv.app.state.engine.sessions)
+        assert held == 1 + MAX_MESSAGE_CHECKPOINTS + 1
