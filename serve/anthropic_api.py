@@ -189,7 +189,14 @@ def _assistant(blocks: list[tuple[str, dict]]) -> dict:
     return m
 
 
-def _messages(body: dict) -> list[dict]:
+def _hint(b: Any) -> bool:
+    """A block carrying a cache_control breakpoint (any object: its type and ttl change nothing here)."""
+    return isinstance(b, dict) and isinstance(b.get("cache_control"), dict)
+
+
+def _messages(body: dict, hints: list[int] | None = None) -> list[dict]:
+    """The messages; `hints` gets the message count after each cache_control breakpoint."""
+    hints = [] if hints is None else hints
     out: list[dict] = []
     system = body.get("system")
     if isinstance(system, str):
@@ -200,6 +207,8 @@ def _messages(body: dict) -> list[dict]:
             if not isinstance(b, dict) or b.get("type") != "text":
                 raise bad(f"system[{j}] must be a text block", f"system[{j}]", "invalid_type")
             out.append({"role": "system", "content": _text_of(b, f"system[{j}]")})
+            if _hint(b):
+                hints.append(len(out))
     elif system is not None:
         raise bad(f"'system' must be a string or an array of text blocks, got {type_name(system)}", "system",
                   "invalid_type")
@@ -232,14 +241,21 @@ def _messages(body: dict) -> list[dict]:
                   f"messages[{len(messages) - 1}].role", "unsupported_parameter")
     for role, blocks in runs:
         if role == "user":
-            out += _user(blocks)
+            for block in blocks:
+                out += _user([block])
+                if _hint(block[1]):
+                    hints.append(len(out))
         elif role == "system":
             for where, b in blocks:
                 if b["type"] != "text":
                     raise bad(f"{where}: a system message holds text blocks only", where, "unsupported_parameter")
                 out.append({"role": "system", "content": _text_of(b, where)})
+                if _hint(b):
+                    hints.append(len(out))
         else:
             out.append(_assistant(blocks))
+            if any(_hint(b) for _, b in blocks):  # a breakpoint inside a turn: its end
+                hints.append(len(out))
     return out
 
 
@@ -327,7 +343,8 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
     tools = _tools(body)
     dropped = {t.get("name") for t in get_list(body, "tools") or [] if isinstance(t, dict)} - \
         {t["function"]["name"] for t in tools}
-    creq = ChatRequest(messages=_messages(body), tools=tools, tool_choice=_tool_choice(body, dropped),
+    hints: list[int] = []
+    creq = ChatRequest(messages=_messages(body, hints), tools=tools, cache_hints=tuple(hints), tool_choice=_tool_choice(body, dropped),
                        thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
                        max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences"),
                        tool_params_path="tools[{i}].input_schema")

@@ -45,7 +45,7 @@ from starlette.routing import Route
 from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api, openai_api, responses_api
-from .chat import Cancelled, Failed, Generation, encode_conversation
+from .chat import TENANT, Cancelled, Failed, Generation, encode_conversation, tenant_of
 from .engine import Engine
 from .guard import BrowserGuard
 from .metrics import Metrics
@@ -74,7 +74,9 @@ class ServerConfig:
     max_queue: int = 64
     max_batch: int = 8                    # sequences decoding together
     max_sessions: int | None = None       # conversations kept resident (default max(max_batch, 16))
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None   # one key, or several: each its own tenant (no reuse across them)
+    checkpoint_interval: int = 256        # a cache checkpoint every N tokens of prefill and decode (0: none)
+    checkpoint_memory_mb: float = 1024    # memory for checkpoints (LRU; message boundaries kept longest)
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli;
                                           # exact-replay records (serve.replay) persist there too
     kv_disk_space_mb: int | None = None
@@ -114,13 +116,23 @@ class AppState:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ checks
-    def check_auth(self, request: Request) -> None:
+    def api_keys(self) -> tuple[str, ...]:
         key = self.config.api_key
-        if not key:
+        return (key,) if isinstance(key, str) else tuple(k for k in key or () if k)
+
+    def check_auth(self, request: Request) -> None:
+        """401 unless a key is required and given; the key given is the request's tenant (with
+        several keys: prefix reuse and exact replay never cross keys; with one, one tenant)."""
+        keys = self.api_keys()
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         offered = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(offered.encode(), key.encode()):
+        # Every key is compared (no early exit): the time taken does not tell which one is close.
+        matches = [hmac.compare_digest(offered.encode(), k.encode()) for k in keys]
+        if any(matches) and len(keys) > 1:
+            TENANT.set(tenant_of(offered))
+        if not any(matches):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            code="invalid_api_key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
@@ -192,7 +204,8 @@ class AppState:
         rate = f" ({(n - 1) / decode_s:.1f} tok/s)" if n > 1 and decode_s > 0 else ""
         self.access(request, status, (
             f"id={first_req.id} stream={str(stream).lower()} "
-            f"prompt_tokens={len(first_req.prompt_ids)} cached_tokens={first_req.cached_tokens} generated_tokens={n} "
+            f"prompt_tokens={len(first_req.prompt_ids)} cached_tokens={first_req.cached_tokens} "
+            f"recomputed_tokens={sum(r.prefilled_tokens for r in gen.requests)} generated_tokens={n} "
             f"finish={gen.done.finish if gen.done else req.finish_reason} tool_calls={len(gen.calls)} "
             f"queue={start - first_req.t_arrival:.3f}s prefill={(first or end) - start:.3f}s "
             f"ttft={f'{first - first_req.t_arrival:.3f}s' if first else '-'} decode={decode_s:.3f}s{rate} "
@@ -377,7 +390,7 @@ class AppState:
                 raise bad("'add_generation_prompt' must be a boolean", "add_generation_prompt", "invalid_type")
             messages = openai_api.parse_chat({"messages": body["messages"]})[0].messages
             try:
-                ids = encode_conversation(self.tokenizer, self.replay, messages) if agp else \
+                ids = encode_conversation(self.tokenizer, self.replay, messages, tenant=TENANT.get()) if agp else \
                     self.tokenizer.encode_chat(messages, add_generation_prompt=False)
             except ValueError as e:
                 raise bad(str(e), "messages") from None
@@ -409,7 +422,9 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
     metrics = Metrics()
     engine = Engine(model, tokenizer, ctx=config.ctx, prefill_chunk=config.prefill_chunk,
                     decode_mode=config.decode_mode, max_queue=config.max_queue, max_batch=config.max_batch,
-                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers)
+                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers,
+                    checkpoint_interval=config.checkpoint_interval,
+                    checkpoint_memory_mb=config.checkpoint_memory_mb)
     replay = replay if replay is not None else ReplayStore(config.kv_disk_dir)
     state = AppState(model, tokenizer, config, engine, metrics, replay)
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
+import hashlib
 import json
 import logging
 import uuid
@@ -38,7 +40,7 @@ from typing import Any, Union
 
 from ds4_torch.chat_encoding import (
     INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN,
-    TOOL_CALLS_SEPARATOR, render_assistant_completion, render_prompt_parts,
+    TOOL_CALLS_SEPARATOR, render_assistant_completion, render_prompt_parts, USER, ASSISTANT,
 )
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.output_parser import (ContentDelta, MarkupDropped, MarkupFilter, ReasoningDelta, StreamingOutputParser,
@@ -72,6 +74,9 @@ class ChatRequest:
     logprobs: int | None = None
     ignore_eos: bool = False
     grammar: Any = None                           # a ds4_torch.structured.Grammar the content follows
+    # Message counts after which the client marked a cache breakpoint (Anthropic's cache_control):
+    # hints where to checkpoint, never needed (message starts are checkpointed anyway).
+    cache_hints: tuple[int, ...] = ()
     # Field names of the API, for error messages.
     messages_param: str = "messages"
     max_tokens_param: str = "max_tokens"
@@ -138,9 +143,80 @@ class Usage:
     reasoning_tokens: int = 0
 
 
+# --------------------------------------------------------------------------- tenants
+# Who sent the request being handled: set by `AppState.check_auth` when the server has several API
+# keys (else None: one tenant). Prefix reuse and exact replay never cross tenants.
+TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ds4_tenant", default=None)
+
+
+def tenant_of(api_key: str) -> str:
+    """A key's tenant name: stable across restarts (replay records persist), not the key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
 # --------------------------------------------------------------------------- the prompt
+def message_boundaries(tokenizer, ids: list[int]) -> tuple[int, ...]:
+    """Positions in `ids` where a message starts (right after a user marker, and right after an
+    assistant marker and its think tag): where agents' conversations diverge (a new conversation
+    after the system prompt, an edited user message, a regenerated reply), so the engine
+    checkpoints there. Found on the ids, so replayed turns and client templates count alike."""
+    markers = _markers(tokenizer)
+    if markers is None:
+        return ()
+    user, assistant = markers
+    out = []
+    for i, t in enumerate(ids):
+        if t == user:
+            out.append(i + 1)
+        elif t == assistant and i + 2 < len(ids):
+            out.append(i + 2)
+    return tuple(out)
+
+
+MAX_CACHE_HINTS = 4  # as Anthropic allows: each costs encoding the prompt up to it
+MAX_MESSAGE_CHECKPOINTS = 8  # message starts checkpointed per request besides the first
+
+
+def hint_positions(tokenizer, creq: "ChatRequest", ids: list[int]) -> tuple[int, ...]:
+    """Token positions of `creq.cache_hints`: the length of the prompt rendered up to each, less
+    one (the text before a breakpoint may tokenize apart from the whole: its last token can merge
+    with what follows, and a checkpoint past the shared prefix is of no use to the next request).
+    A hint that cannot be placed is dropped: hints never fail a request."""
+    if not creq.cache_hints or getattr(tokenizer, "chat_template", None) is not None:
+        return ()
+    msgs = creq.messages
+    n_system = next((i for i, m in enumerate(msgs) if m.get("role") != "system"), len(msgs))
+    out = set()
+    for k in sorted(set(creq.cache_hints))[-MAX_CACHE_HINTS:]:
+        if not 0 < k < len(msgs):
+            continue
+        try:  # tools are rendered after the whole system section: only a hint past it includes them
+            parts = render_prompt_parts(msgs[:k], tools=_offered(creq) or None if k >= n_system else None,
+                                        thinking=creq.thinking, reasoning_effort=creq.reasoning_effort,
+                                        add_generation_prompt=False, effort_profile=tokenizer.effort_profile)
+            n = len(tokenizer.encode("".join(p.text for p in parts), add_special_tokens=False))
+        except Exception as e:  # noqa: BLE001 - a hint is worth nothing more than a log line
+            log.debug("cache hint after message %d not placed: %s: %s", k, type(e).__name__, e)
+            continue
+        if 1 < n < len(ids):
+            out.add(n - 1)
+    return tuple(sorted(out))
+
+
+def _markers(tokenizer) -> tuple[int, int] | None:
+    cached = getattr(tokenizer, "_ds4_markers", False)
+    if cached is False:
+        user, assistant = (tokenizer.encode(m, add_special_tokens=False) for m in (USER, ASSISTANT))
+        cached = (user[0], assistant[0]) if len(user) == 1 and len(assistant) == 1 else None
+        try:
+            tokenizer._ds4_markers = cached
+        except AttributeError:  # a tokenizer that takes no attributes: found again next time
+            pass
+    return cached
+
+
 def encode_conversation(tokenizer, replay: ReplayStore | None, messages, *, tools=None, thinking: bool = False,
-                        reasoning_effort: str | None = None) -> list[int]:
+                        reasoning_effort: str | None = None, tenant: str | None = None) -> list[int]:
     """Prompt ids of a conversation ending in a generation prompt. Assistant turns this server
     generated contribute the ids it sampled (see `serve.replay`); the rest is encoded as text. A
     tokenizer with its own chat template renders with it (no replay). ValueError on bad input."""
@@ -158,9 +234,9 @@ def encode_conversation(tokenizer, replay: ReplayStore | None, messages, *, tool
             sig = signature(m.reasoning, m.content, [(c.name, c.arguments) for c in m.tool_calls], part.with_reasoning)
             call_ids = [c.id for c in m.tool_calls if c.id]
             if call_ids and len(call_ids) == len(m.tool_calls):
-                turn = replay.by_calls(call_ids, sig)
+                turn = replay.by_calls(call_ids, sig, tenant)
             if turn is None:
-                turn = replay.by_text(part.text)
+                turn = replay.by_text(part.text, tenant)
         if turn is None:
             text.append(part.text)
             continue
@@ -211,7 +287,8 @@ def chat_prompt(state, creq: ChatRequest, counting: bool = False) -> list[int]:
         check_fits(chars // state.tokenizer.max_token_chars, state.config.ctx, creq.messages_param)
     try:
         return encode_conversation(state.tokenizer, state.replay, creq.messages, tools=_offered(creq),
-                                   thinking=creq.thinking, reasoning_effort=creq.reasoning_effort)
+                                   thinking=creq.thinking, reasoning_effort=creq.reasoning_effort,
+                                   tenant=TENANT.get())
     except ValueError as e:
         raise bad(str(e), creq.messages_param) from None
 
@@ -285,6 +362,8 @@ class Generation:
         self.sampling, self.stop, self.logprobs, self.ignore_eos = sampling, stop, logprobs, ignore_eos
         self.thinking, self.schemas, self.tool_choice = thinking, schemas, tool_choice
         self.call_id_prefix = call_id_prefix
+        self.tenant = TENANT.get()
+        self.boundaries: tuple[int, ...] = ()   # where the prompt's messages start (chat requests)
         self.parser = StreamingOutputParser(thinking=thinking) if parse else None
         self.markup = MarkupFilter() if not parse else None   # a completion's raw text
         self.opener = _forced_opener(tool_choice) if parse else ""
@@ -316,6 +395,11 @@ class Generation:
         schemas = _check_tool_choice(creq)
         ids = chat_prompt(state, creq)
         tools = _offered(creq)
+        starts = message_boundaries(state.tokenizer, ids)
+        # The first (the system prompt's end) and the latest message starts: where agents diverge.
+        # A conversation of many messages must not fill the checkpoint budget, others' included.
+        starts = starts[:1] + starts[1:][-MAX_MESSAGE_CHECKPOINTS:]
+        boundaries = tuple(sorted({*starts, *hint_positions(state.tokenizer, creq, ids)}))
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
         gens = []
         for i in range(n):
@@ -324,6 +408,7 @@ class Generation:
                       schemas=schemas if tools else None, tool_choice=creq.tool_choice,
                       call_id_prefix=call_id_prefix, grammar=creq.grammar)
             gen.usage.prompt_tokens = len(ids)
+            gen.boundaries = boundaries
             gens.append(gen)
         return gens
 
@@ -347,7 +432,7 @@ class Generation:
                  prompt_logprobs: int | None = None) -> GenRequest:
         req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=stop, logprobs=self.logprobs,
                          ignore_eos=self.ignore_eos, grammar=grammar, prompt_logprobs=prompt_logprobs,
-                         emit=self.channel.push)
+                         emit=self.channel.push, tenant=self.tenant, boundaries=self.boundaries)
         self.requests.append(req)
         return req
 
@@ -565,7 +650,7 @@ class Generation:
         except ValueError:
             key = text
         try:
-            replay.record(key, self.reply_ids, sig, [c.id for c in self.calls])
+            replay.record(key, self.reply_ids, sig, [c.id for c in self.calls], self.tenant)
         except Exception as e:  # noqa: BLE001 - replay is an optimisation: never fail the request
             log.warning("replay: recording failed: %s: %s", type(e).__name__, e)
 

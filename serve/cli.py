@@ -35,9 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default max(--max-batch, 16); the cache memory is logged at start)")
     p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
-    p.add_argument("--api-key", metavar="KEY", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                        f"(default: env {API_KEY_ENV}, else none)")
+    p.add_argument("--api-key", metavar="KEY", action="append", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (repeatable: any of "
+                        f"the keys; each is a tenant of its own, and cached prefixes and replayed turns never "
+                        f"cross keys) (default: env {API_KEY_ENV}, else none)")
+    p.add_argument("--checkpoint-interval", type=non_negative_int, default=256, metavar="N",
+                   help="checkpoint a conversation's cache every N tokens of prefill and decode, besides prompt "
+                        "ends and message starts, so a later request diverging from it resumes there "
+                        "(default 256; 0: no checkpoints, only exact extensions are reused)")
+    p.add_argument("--checkpoint-memory-mb", type=positive_float, default=1024, metavar="MB",
+                   help="memory for those checkpoints, in MiB (least recently used dropped first, message "
+                        "starts kept longest; default 1024)")
     p.add_argument("--kv-disk-dir", metavar="DIR", default=None,
                    help="directory of the disk KV cache: snapshots of conversations' KV state, restored when the "
                         "live cache misses (default: none)")
@@ -97,13 +105,20 @@ def load(args):
         model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
         decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
         max_sessions=args.max_sessions,
-        api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
+        api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
+        checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
         keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
         strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
         allowed_hosts=tuple(args.allowed_hosts), cors_origins=tuple(args.cors_origins),
     )
     return model, tokenizer, config
+
+
+def _api_key(keys: list[str]) -> str | tuple[str, ...]:
+    """One key as before (a string), several as a tuple: each its own tenant."""
+    keys = list(dict.fromkeys(keys))
+    return keys[0] if len(keys) == 1 else tuple(keys)
 
 
 def attach_kv_store(app, args):

@@ -2,12 +2,11 @@
 
 Two caches, each allocated once at start:
 
-- **resident** (`max_sessions` slots): one conversation per slot, kept between requests. A new
-  request takes the session whose tokens are the longest prefix of its prompt (an idle one is
-  taken over; a busy one is copied into another slot: a fork); else a free slot; else the least
-  recently used idle session is evicted (snapshotted to disk first when a store is attached).
-  On a slot with no reusable prefix, the disk store is asked for the longest stored prefix.
-  Prompts are prefilled in place, in the session's slot.
+- **resident** (`max_sessions` slots): one conversation per slot, kept between requests. Which
+  session a request takes, what it reuses (a session's end, or a checkpoint at or below where it
+  diverges: a branch into another slot or a rewind in place), checkpoints, eviction and the disk
+  store are `serve.sessions`'; the engine schedules. Prompts are prefilled in place, in the
+  session's slot, in chunks that end where a checkpoint is due.
 - **batch** (`max_batch` slots, rounded up to a power of two): the sequences decoding together.
   Once a prompt is prefilled, its session's state is copied into the next batch slot; when the
   request ends, it is copied back to its resident slot (the conversation stays resident) and the
@@ -41,6 +40,11 @@ conversation: the shutdown waits up to `SHUTDOWN_SAVE_S` for the writer, and log
 not save). The state is read out of the cache between steps (a host copy of what the sequence
 holds); encoding and writing run on a background writer thread, never between two decode steps.
 
+Checkpoints (`serve.sessions`): a prefill chunk ends where one is due (a message start, a client
+hint, every `checkpoint_interval` tokens, the prompt's end) and it is taken right after the chunk;
+in decode, one is taken between steps on the request's batch slot (a device copy, no host sync)
+and joins its session when the request leaves the batch (dropped if its step fails).
+
 Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
 with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
 is first sent to the other ranks, which run the same operations on their replicas in the same
@@ -73,7 +77,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -89,12 +92,13 @@ from ds4_torch.tokenizer import StreamDecoder
 from .metrics import Metrics
 from .protocol import APIError
 from .replica import MODEL_OPERATIONS, Replica
+from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
+                       SnapshotWriter as _SnapshotWriter)
 
 log = logging.getLogger("ds4.serve")
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
-SNAPSHOT_QUEUE = 8  # snapshots waiting for the writer; past that a new one is dropped, not queued
 SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
 
 
@@ -113,9 +117,11 @@ class KVStore(Protocol):
 
     every: int
 
-    def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
-        """Load the longest stored prefix of `prompt_ids` into sequence 0 of `cache` (a batch-1
-        view of a clean slot); return (tokens restored, logits of the next token), or None."""
+    def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest stored state of `prompt_ids` into sequence 0 of `cache` (a batch-1
+        view of a clean slot); return (tokens restored, logits of the next token: None when fewer
+        than the prompt's), or None. Optional: `stored_prefix(prompt_ids)`, that count, asked first;
+        `restored_checkpoints`, {position: checkpoint} that came with it."""
 
     def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str):
         """Read sequence 0 of `cache` (holding `token_ids`) out for a snapshot; None if not worth one."""
@@ -145,6 +151,8 @@ class GenRequest:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None   # k: each prompt token's logprob and its k best (event "prompt_logprobs")
     grammar: Any = None                  # a ds4_torch.structured.Grammar: the output follows it
+    tenant: Any = None                   # who asked (the API key): prefix reuse never crosses tenants
+    boundaries: tuple[int, ...] = ()     # prompt positions worth a checkpoint (message ends, client hints)
     emit: Callable[[tuple], None] = lambda event: None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -152,6 +160,7 @@ class GenRequest:
     generated: list[int] = field(default_factory=list)
     text: str = ""
     cached_tokens: int = 0
+    prefilled_tokens: int = 0          # tokens run through prefill (recomputed), retries included
     prefill_chunks: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -189,18 +198,6 @@ class GenRequest:
         return self.prompt_ids + self.generated
 
 
-@dataclass(eq=False)
-class Session:
-    """One resident conversation: slot `slot` of the resident cache holds `tokens`."""
-    slot: int
-    tokens: list[int] = field(default_factory=list)
-    last_logits: torch.Tensor | None = None   # the next token's logits: a prompt equal to `tokens` needs no step
-    last_used: float = 0.0
-    request: GenRequest | None = None        # the request using it, if any
-    saved_at: int = 0                        # tokens at its last disk snapshot
-    restored: str | None = None              # the snapshot it was restored from, until a step confirms it
-
-
 class _TextState:
     """Detokenizes the stream and cuts it at stop strings, holding back any tail that could
     still become a stop string."""
@@ -234,58 +231,6 @@ class _TextState:
         return buf[:len(buf) - hold]
 
 
-class _SnapshotWriter:
-    """Writes prepared snapshots on its own thread, so disk I/O never sits between two steps."""
-
-    def __init__(self, store):
-        self.store = store
-        self.queue: queue.Queue = queue.Queue(SNAPSHOT_QUEUE)
-        self.thread = threading.Thread(target=self._run, name="ds4-kv-writer", daemon=True)
-        self.thread.start()
-
-    def submit(self, pending, wait: float | None = None) -> bool:
-        """Queue `pending`; False when dropped: at once while the writer is behind (decoding never
-        waits for the disk), or after `wait` seconds for room (shutdown)."""
-        try:
-            if wait is None:
-                self.queue.put_nowait(pending)
-            else:
-                self.queue.put(pending, timeout=max(wait, 0.0))
-            return True
-        except queue.Full:
-            log.warning("engine: the disk writer is behind; snapshot of %d tokens dropped", len(pending.tokens))
-            return False
-
-    def _run(self) -> None:
-        while True:
-            pending = self.queue.get()
-            try:
-                if pending is None:
-                    return
-                self.store.write(pending)
-            except Exception as e:  # noqa: BLE001 - the disk cache must never fail anything
-                log.warning("engine: kv store write failed: %s: %s", type(e).__name__, e)
-            finally:
-                self.queue.task_done()
-
-    def flush(self) -> None:
-        self.queue.join()
-
-    def close(self, timeout: float = 30.0) -> list[int]:
-        """Write what is queued, then stop; the token counts of the snapshots left unwritten
-        after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        try:
-            self.queue.put(None, timeout=max(timeout, 0.0))
-        except queue.Full:
-            pass
-        self.thread.join(max(deadline - time.monotonic(), 0.0))
-        if not self.thread.is_alive():
-            return []
-        with self.queue.mutex:  # still writing: what it has not taken yet is lost with the process
-            return [len(p.tokens) for p in self.queue.queue if p is not None]
-
-
 class _StepFailed(Exception):
     """A prefill chunk or decode step failed; `requests` were in it."""
 
@@ -293,7 +238,9 @@ class _StepFailed(Exception):
 class Engine:
     def __init__(self, model, tokenizer, *, ctx: int = 4096, prefill_chunk: int = 256, decode_mode: str = "auto",
                  max_queue: int = 64, max_batch: int = DEFAULT_MAX_BATCH, max_sessions: int | None = None,
-                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None):
+                 metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
+                 checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+                 checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         max_sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
@@ -309,7 +256,6 @@ class Engine:
         self.max_batch = max_batch
         self.max_sessions = max_sessions
         self.metrics = metrics or Metrics()
-        self.kv_store = kv_store
         self.device = model.device
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
 
@@ -320,7 +266,8 @@ class Engine:
         self.peers = peers
         if peers is not None:
             peers.open(self.replica.shape())
-        self.sessions = [Session(i) for i in range(max_sessions)]
+        self.sessions = Sessions(self.replica, self._run, self.metrics, max_sessions, interval=checkpoint_interval,
+                                 memory_bytes=int(checkpoint_memory_mb * 2**20), kv_store=kv_store, peers=peers)
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
 
@@ -333,7 +280,6 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._writer: _SnapshotWriter | None = None
         self.served = 0
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
@@ -345,6 +291,19 @@ class Engine:
     resident = property(lambda self: self.replica.resident)
     batch = property(lambda self: self.replica.batch)
     decoder = property(lambda self: self.replica.decoder)
+
+    # The disk store and its writer live with the sessions (serve.sessions); attached after start by serve.cli.
+    @property
+    def kv_store(self) -> KVStore | None:
+        return self.sessions.kv_store
+
+    @kv_store.setter
+    def kv_store(self, store: KVStore | None) -> None:
+        self.sessions.kv_store = store
+
+    @property
+    def _writer(self) -> _SnapshotWriter | None:
+        return self.sessions.writer
 
     def _run(self, operation: str, *args):
         """Run one replica operation: on every rank under tensor parallelism (sent first, and
@@ -542,102 +501,26 @@ class Engine:
         self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
 
     # ------------------------------------------------------------------ sessions
+    # Sessions, their checkpoints and the disk store are serve.sessions'; these names stay for the loop.
     def _claim_session(self, req: GenRequest) -> int:
         """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
-        seq = req.sequence()
-        if req.wants_prompt_logprobs():
-            # Cached tokens have no logits: prefill the whole prompt in a fresh session.
-            session = self._free_session()
-            req.plp = []
-            session.request = req
-            session.last_used = time.monotonic()
-            req.session = session
-            return 0
-        best = None
-        for s in self.sessions:
-            n = len(s.tokens)
-            if n and n <= len(seq) and (n < len(seq) or s.last_logits is not None) and seq[:n] == s.tokens \
-                    and (best is None or n > len(best.tokens)):
-                best = s
-        if best is not None and best.request is None:
-            session = best
-        else:
-            session = self._free_session()
-            if best is not None:  # busy with another request: fork its state
-                self._run("copy", "resident", session.slot, best.slot, "resident")
-                session.tokens = list(best.tokens)
-                session.last_logits = best.last_logits
-            elif self.kv_store is not None and not req.no_restore:
-                self._restore(session, seq)
-        session.request = req
-        session.last_used = time.monotonic()
-        req.session = session
-        return len(session.tokens)
+        return self.sessions.claim(req)
 
     def _free_session(self) -> Session:
-        """An empty session: a free one, else the least recently used idle one, evicted."""
-        for s in self.sessions:
-            if s.request is None and not s.tokens:
-                return s
-        idle = [s for s in self.sessions if s.request is None]
-        victim = min(idle, key=lambda s: s.last_used)  # max_sessions >= max_batch: never empty
-        self._snapshot(victim, self.resident.slot(victim.slot), victim.tokens, victim.last_logits, "evicted")
-        self._clear(victim)
-        self.metrics.session_evictions.inc()
-        return victim
+        return self.sessions.free_session()
 
     def _clear(self, session: Session) -> None:
-        self._run("reset", "resident", session.slot)
-        session.tokens, session.last_logits, session.saved_at, session.restored = [], None, 0, None
-
-    def _restore(self, session: Session, seq: list[int]) -> None:
-        try:
-            restored = self.kv_store.restore(self.resident.slot(session.slot), seq)
-        except Exception as e:  # noqa: BLE001 - a store bug: serve without it
-            log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
-            self._clear(session)
-            return
-        if restored is not None:
-            count, logits = restored
-            if self.peers is not None:  # the other ranks' caches hold what this one read from disk
-                step = self.peers.send("import_sequence",
-                                       (session.slot, self.resident.export_sequence(session.slot, "cpu")), model=False)
-                self.peers.acknowledge(step, ok=True)
-            session.tokens, session.last_logits = list(seq[:count]), logits
-            session.saved_at = count
-            session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
+        self.sessions.clear(session)
 
     def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str,
                   wait: float | None = None) -> bool:
-        """Read a sequence out for the disk store; the writer thread writes it (`wait`: see
-        `_SnapshotWriter.submit`). False only when a snapshot worth writing was dropped."""
-        if self.kv_store is None or not tokens or logits is None or session.restored is not None:
-            return True
-        pending = self._kv("prepare", view, list(tokens), logits, why)
-        if pending is None:
-            return True
-        if self._writer is None:
-            self._writer = _SnapshotWriter(self.kv_store)
-        if not self._writer.submit(pending, wait):
-            return False
-        session.saved_at = len(tokens)
-        return True
+        return self.sessions.snapshot(session, view, tokens, logits, why, wait)
 
     def _kv(self, method: str, *args, **kwargs):
-        """Call an (optional) store method; its failures are logged, never raised."""
-        fn = getattr(self.kv_store, method, None)
-        if fn is None:
-            return None
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the disk cache must never fail a request
-            log.warning("engine: kv store %s failed: %s: %s", method, type(e).__name__, e)
-            return None
+        return self.sessions.kv(method, *args, **kwargs)
 
     def _confirm_restored(self, session: Session) -> None:
-        if session.restored is not None:
-            name, session.restored = session.restored, None
-            self._kv("restore_ok", name)
+        self.sessions.confirm_restored(session)
 
     # ------------------------------------------------------------------ admission and prefill
     def _next_waiting(self) -> GenRequest | None:
@@ -665,7 +548,8 @@ class Engine:
         session = req.session
         seq = req.sequence()
         start = len(session.tokens)
-        piece = seq[start:start + self.prefill_chunk]
+        # A chunk ends where a checkpoint is due: its end state is the checkpoint's.
+        piece = seq[start:self.sessions.next_stop(req, start, min(len(seq), start + self.prefill_chunk))]
         try:
             if session.restored is not None:
                 fault_point("restore")
@@ -677,9 +561,12 @@ class Engine:
             self._failed([req], e, "prefill")
             return
         self._confirm_restored(session)
-        session.tokens.extend(piece)
-        session.last_logits = logits
+        self.sessions.extend(session, piece, logits)
         req.prefill_chunks += 1
+        req.prefilled_tokens += len(piece)
+        boundary = self.sessions.wanted(req, len(session.tokens))
+        if boundary is not None:
+            self._take_checkpoint(session, "resident", session.slot, len(session.tokens), logits, boundary)
         self.metrics.prefill_chunks.inc()
         if self.chunk_delay:
             time.sleep(self.chunk_delay)
@@ -800,7 +687,12 @@ class Engine:
             req.held.append(req.pending)
             if self._take_token_or_fail(req, logits[i]) is not None:
                 done.append(req)
-            elif self.kv_store is not None and self.kv_store.every > 0 and \
+                continue
+            boundary = self.sessions.wanted(req, len(req.held))
+            if boundary is not None:  # between steps, on its batch slot: joins the session when it leaves
+                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), logits[i], boundary,
+                                      pending=True)
+            if self.kv_store is not None and self.kv_store.every > 0 and \
                     self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
                 self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
         for req in sorted(done, key=lambda r: -r.decode_slot):
@@ -823,6 +715,14 @@ class Engine:
         log.exception("engine: %s failed while %s", req.id, doing)
         req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
                                     f"{error}); other requests were not affected", code="internal_error")
+
+    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
+                         pending: bool = False) -> None:
+        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
+        try:
+            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
+        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
+            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
 
     def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
         """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
@@ -891,7 +791,8 @@ class Engine:
             slot, last = req.decode_slot, len(self.running) - 1
             try:
                 self._run("copy", "resident", session.slot, slot, "batch")
-                session.tokens, session.last_logits = list(req.held), req.logits
+                self.sessions.extend(session, req.held[len(session.tokens):], req.logits)
+                self.sessions.settle_pending(session)
             except BaseException as e:  # noqa: BLE001 - lose this session, not the engine
                 log.warning("engine: cannot keep %s's session: %s: %s", req.id, type(e).__name__, e)
                 self._clear(session)
@@ -946,6 +847,7 @@ class Engine:
             if session is not None:
                 if stage != "decode" or blame_snapshot:
                     self._clear(session)  # half-written, or restored from a snapshot now suspect
+                self.sessions.drop_pending(session)  # taken on the batch slot, reset
                 session.request = None
                 req.session = None
             if self.prefilling is req:

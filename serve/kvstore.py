@@ -53,6 +53,17 @@ WRITE_DELAY_ENV = "DS4_TORCH_KV_WRITE_DELAY"   # test hook: seconds slept betwee
 
 
 # ------------------------------------------------------------------------------ the store
+def _common_prefix(a: list[int], b: list[int], block: int = 2048) -> int:
+    """Length of the common prefix of `a` and `b`: whole blocks compared as slices (at C speed:
+    a store holds many snapshots sharing long prefixes, asked on every request), then the block
+    that differs token by token."""
+    n, lo = min(len(a), len(b)), 0
+    while lo < n and a[lo:lo + block] == b[lo:lo + block]:
+        lo += block
+    hi = min(n, lo + block)
+    return next((i for i in range(lo, hi) if a[i] != b[i]), hi) if lo < n else n
+
+
 @dataclass
 class Entry:
     name: str
@@ -61,10 +72,20 @@ class Entry:
     created: float
     last_used: float
     hits: int = 0
+    checkpoints: tuple[int, ...] = ()   # positions of the checkpoints it carries
 
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+    def reuse(self, prompt_ids: list[int]) -> int:
+        """How much of `prompt_ids` this snapshot can bring back: all of it when it is a prefix of
+        the prompt, else its furthest checkpoint at or below the divergence (short of the prompt's
+        end: checkpoints on disk keep no logits, a token is left to prefill)."""
+        common = _common_prefix(self.tokens, prompt_ids)
+        if common == self.n:
+            return self.n
+        return max((c for c in self.checkpoints if c <= common and c < len(prompt_ids)), default=0)
 
     def score(self, now: float) -> float:
         """Higher is worth keeping: hit often, used recently, expensive to prefill again."""
@@ -99,13 +120,6 @@ class _PromMetrics:
         self.snapshots = Gauge("ds4_kv_disk_snapshots", "Usable disk KV snapshots", registry=r)
         for reason in REASONS:
             self.rejected.labels(reason=reason)
-
-
-@dataclass
-class LoadedSnapshot:
-    """A stored snapshot read and checked (`KVStore.load`), not yet in a cache (`KVStore.apply`)."""
-    entry: Entry
-    snapshot: object  # serve.snapshot.Snapshot
 
 
 @dataclass
@@ -190,7 +204,8 @@ class KVStore:
             st = os.stat(path)
             s = stats.get(name) if isinstance(stats.get(name), dict) else {}
             self.entries[name] = Entry(name, snap.tokens, st.st_size, snap.header.get("created", st.st_mtime),
-                                       st.st_mtime, hits=int(s.get("hits", 0)))
+                                       st.st_mtime, hits=int(s.get("hits", 0)),
+                                       checkpoints=tuple(snap.header.get("checkpoints") or ()))
         self._trim_quarantine()
         self._make_room()  # a crash between a write and its eviction, or a smaller budget
         self._update_gauges()
@@ -218,72 +233,56 @@ class KVStore:
         self.close()
 
     # ---------------------------------------------------------------- the engine's hooks
-    def restore(self, cache: DS4Cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor] | None:
-        """Load the longest stored prefix of `prompt_ids` into sequence 0 of `cache`; return
-        (tokens restored, logits of the next token) or None. Snapshots that fail validation are
-        quarantined and the next longest is tried; `cache` is only written once one passed.
-        `load` then `apply`, on one thread."""
+    def stored_prefix(self, prompt_ids: list[int]) -> int:
+        """Tokens of `prompt_ids` the best snapshot would bring back (`restore` tries it first)."""
         with self._lock:
-            self._restored, self.restored_checkpoints = None, {}
-        if not self._check_cache(cache):
-            return None
-        loaded = self.load(prompt_ids)
-        while loaded is not None:
-            restored = self.apply(cache, loaded)
-            if restored is not None:
-                return restored
-            loaded = self.load(prompt_ids)  # `apply` quarantined it: the next longest
-        return None
+            return max((e.reuse(prompt_ids) for e in self.entries.values()), default=0)
 
-    def load(self, prompt_ids: list[int]) -> "LoadedSnapshot | None":
-        """The longest stored prefix of `prompt_ids`, read and fully checked into host memory, or
-        None (a miss). Any thread; the file is read without holding the index lock. Snapshots that
-        fail validation are quarantined and the next longest is tried."""
-        with self._lock:
-            candidates = sorted((e for e in self.entries.values()
-                                 if e.n <= len(prompt_ids) and prompt_ids[:e.n] == e.tokens),
-                                key=lambda e: e.n, reverse=True)
-        for entry in candidates:
-            error = None
-            try:
-                snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
-                if snap.tokens != entry.tokens:
-                    raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
-            except SnapshotError as e:
-                error = e
-            except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
-                error = SnapshotError("state", f"{type(e).__name__}: {e}")
-            if error is None:
-                return LoadedSnapshot(entry, snap)
-            with self._lock:
-                if entry.name in self.entries:  # else evicted meanwhile: nothing wrong with it
-                    self._quarantine(entry.name, error)
-        self._count("misses")
-        return None
-
-    def apply(self, cache: DS4Cache, loaded: "LoadedSnapshot") -> tuple[int, torch.Tensor] | None:
-        """Copy a loaded snapshot into sequence 0 of `cache` (all the engine thread does of a
-        restore); (tokens restored, logits of the next token), or None when the cache refused it
-        (the snapshot is quarantined)."""
-        entry, snap = loaded.entry, loaded.snapshot
+    def restore(self, cache: DS4Cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest state of `prompt_ids` stored into sequence 0 of `cache`: a snapshot
+        that is a prefix of it, or one diverging from it, rewound to its checkpoint at or below the
+        divergence (`Entry.reuse`). Return (tokens restored, logits of the next token: None from a
+        checkpoint) or None. Snapshots that fail validation are quarantined and the next best is
+        tried; `cache` is only written once one passed."""
         with self._lock:
             self._restored, self.restored_checkpoints = None, {}
             if not self._check_cache(cache):
                 return None
-            try:  # checks every name, shape and dtype before it writes anything into the live cache
-                cache.import_sequence(0, snap.state)
-            except ValueError as e:  # any other error (a device failing) is not the file's: the engine's
-                if entry.name in self.entries:
+            scored = sorted(((e.reuse(prompt_ids), e) for e in self.entries.values()), key=lambda s: s[0],
+                            reverse=True)
+            for count, entry in scored:
+                if count == 0:
+                    break
+                try:
+                    snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
+                    if snap.tokens != entry.tokens:
+                        raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
+                except SnapshotError as e:
+                    self._quarantine(entry.name, e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
+                    self._quarantine(entry.name, SnapshotError("state", f"{type(e).__name__}: {e}"))
+                    continue
+                try:  # checks every name, shape and dtype before it writes anything into the live cache
+                    cache.import_sequence(0, snap.state)
+                    if count < entry.n:  # the prompt diverges inside it: rewind to the checkpoint
+                        cache.restore_checkpoint(0, snap.checkpoints[count])
+                except (ValueError, KeyError) as e:  # any other error (a device failing) is the engine's
+                    cache.reset(0)
                     self._quarantine(entry.name, SnapshotError("state", f"the cache refused it: {e}"))
-                return None
-            entry.hits += 1
-            entry.last_used = time.time()
-            self._restored, self.restored_checkpoints = entry.name, snap.checkpoints
-            self._count("hits")
-            self._count("restored_tokens", entry.n)
-        _touch(os.path.join(self.dir, entry.name))
-        log.info("kvstore: restored %d tokens from %s", entry.n, entry.name)
-        return entry.n, snap.logits.to(cache.device).clone()
+                    continue
+                entry.hits += 1
+                entry.last_used = time.time()
+                _touch(os.path.join(self.dir, entry.name))
+                self._restored = entry.name
+                self.restored_checkpoints = {c: ck for c, ck in snap.checkpoints.items() if c <= count}
+                self._count("hits")
+                self._count("restored_tokens", count)
+                log.info("kvstore: restored %d tokens from %s%s", count, entry.name,
+                         "" if count == entry.n else f" (its checkpoint at {count} of {entry.n})")
+                return count, (snap.logits.to(cache.device).clone() if count == entry.n else None)
+            self._count("misses")
+            return None
 
     @property
     def last_restored(self) -> str | None:
@@ -368,7 +367,8 @@ class KVStore:
             self._make_room()  # only now: a failed write must not cost other snapshots
             now = time.time()
             with self._lock:
-                self.entries[name] = Entry(name, pending.tokens, size, now, now)
+                self.entries[name] = Entry(name, pending.tokens, size, now, now,
+                                           checkpoints=tuple(sorted(pending.checkpoints)))
                 self._count("saves")
             self._update_gauges()
             log.info("kvstore: saved %d tokens (%s, %.1f KiB, %.0f ms)", n, pending.why, size / 1024,

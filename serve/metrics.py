@@ -48,6 +48,12 @@ class Metrics:
         self.session_evictions = Counter("ds4_session_evictions",
                                          "Idle resident sessions evicted to make room for another conversation",
                                          registry=r)
+        self.branches = Counter("ds4_branches", "Requests that branched from a checkpoint of another session "
+                                "(its compressed rows copied, the source left as it was)", registry=r)
+        self.rewinds = Counter("ds4_rewinds", "Idle sessions rewound in place to a checkpoint (their later tokens "
+                               "dropped) for a request diverging from them", registry=r)
+        self.checkpoint_bytes = Gauge("ds4_checkpoint_bytes", "Bytes of the checkpoints held (one rank's; logits "
+                                      "counted at 4 bytes)", registry=r)
         self.batch_size = Histogram("ds4_batch_size", "Sequences in each batched decode step", buckets=BATCH_BUCKETS,
                                     registry=r)
         self.inter_token = Histogram("ds4_inter_token_latency_seconds",

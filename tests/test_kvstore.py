@@ -666,7 +666,15 @@ def test_checkpoints_go_to_disk_and_branch_after_restore(store, model):
     with torch.no_grad():
         got = prefill(model, restored.slot(1), torch.tensor([other[48:]]), chunk=16)[0]
     assert (got - checkpointed(model, other, (17, 48))[1]).abs().max() <= 1e-5
-    assert store.restore(model.new_cache(1, CTX), tokens[:30]) is None and store.restored_checkpoints == {}
+    # A prompt diverging inside the snapshot (here: ending) is rewound to the checkpoint below the
+    # divergence, with the checkpoints up to it, and continues like a cold run.
+    short = model.new_cache(1, CTX)
+    assert store.restore(short, tokens[:30]) == (17, None) and list(store.restored_checkpoints) == [17]
+    with torch.no_grad():
+        got = prefill(model, short, torch.tensor([tokens[17:30]]), chunk=16)[0]
+    assert (got - checkpointed(model, tokens[:30], (17,))[1]).abs().max() <= 1e-5
+    assert store.stored_prefix(tokens[:30]) == 17 and store.stored_prefix(tokens[:10]) == 0
+    assert store.restore(model.new_cache(1, CTX), tokens[:10]) is None and store.restored_checkpoints == {}
 
 
 @pytest.mark.parametrize("section,fn,detail", [
@@ -708,3 +716,19 @@ def test_a_checkpoint_that_cannot_be_read_back_is_not_written(store, model):
     bad = dict(checkpoints[20], position=torch.tensor(24))                          # row counts disagree
     assert not store.save(cache, tokens, logits, checkpoints={24: bad})
     assert store.counts.saves == 0 and not store.entries
+
+
+def test_common_prefix_matches_a_token_walk():
+    """The block-wise common prefix (the store compares every snapshot with every prompt) equals
+    a token-by-token walk, at any block size."""
+    import random
+
+    from serve.kvstore import _common_prefix
+
+    rng = random.Random(3)
+    for _ in range(500):
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 300))]
+        b = a[:rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 20))]
+        want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        for block in (1, 3, 64, 2048):
+            assert _common_prefix(a, b, block) == _common_prefix(b, a, block) == want

@@ -139,7 +139,8 @@ def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
 # --------------------------------------------------------------------------- in-process servers
 @contextlib.contextmanager
 def server(model, tok, kv_dir, space_mb=8.0, **kw):
-    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK))
+    # Checkpoints off: a prompt sent again is not resumed from the live cache, so these tests reach the disk.
+    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK, checkpoint_interval=0))
     store = KVStore(kv_dir, space_mb, model, ctx=CTX, min_tokens=8, registry=app.state.metrics.registry, **kw)
     app.state.engine.kv_store = store
     with BackgroundServer(app) as srv:

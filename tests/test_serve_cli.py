@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from ds4_torch.cli import build_parser, main
-from serve.cli import build_parser as serve_parser
+from serve.cli import _api_key, build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,11 @@ def test_both_commands_take_the_same_flags():
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)  # loopback unless told
     args = build_parser().parse_args(["serve", "--kv-disk-dir", "/tmp/kv", "--kv-disk-space-mb", "64",
                                       "--max-queue", "3", "--api-key", "k"])
-    assert (args.kv_disk_dir, args.kv_disk_space_mb, args.max_queue, args.api_key) == ("/tmp/kv", 64, 3, "k")
+    assert (args.kv_disk_dir, args.kv_disk_space_mb, args.max_queue, args.api_key) == ("/tmp/kv", 64, 3, ["k"])
+    assert _api_key(args.api_key) == "k"  # one key: the config holds it as before
+    assert _api_key(["a", "b", "a"]) == ("a", "b")  # several: each a tenant
+    args = build_parser().parse_args(["serve", "--checkpoint-interval", "0", "--checkpoint-memory-mb", "8"])
+    assert (args.checkpoint_interval, args.checkpoint_memory_mb) == (0, 8)
 
 
 def test_serve_bad_model_dir(capsys, tmp_path):
@@ -66,5 +70,6 @@ def test_python_m_serve_process():
     lines.append(out)
     log = "".join(lines)
     assert proc.returncode == 0, log
-    assert re.search(r"ds4\.serve: 127\.0\.0\.1:\d+ \"POST /v1/chat/completions\" 200 .*prompt_tokens=\d+ cached_tokens=0 "
-                     r"generated_tokens=3 finish=length", log), log
+    # A first request reuses nothing: every prompt token is recomputed.
+    assert re.search(r"ds4\.serve: .*\"POST /v1/chat/completions\" 200 .*prompt_tokens=(\d+) cached_tokens=0 "
+                     r"recomputed_tokens=\1 generated_tokens=3 finish=length", log), log

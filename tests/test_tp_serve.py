@@ -168,6 +168,34 @@ def test_cancelled_stream_then_correct_answers(tp_server, single):
     assert chat(client, "Who are you?") == single["chat"]
 
 
+def test_branch_and_regenerate_across_ranks(tp_server):
+    """Real ranks: the same prompt again resumes from its end's checkpoint (a branch, no
+    prefill), a longer one from there with a prefill on the branched slot; both greedy outputs
+    are `generate`'s."""
+    from ds4_torch.default_model import build_default_model
+    from ds4_torch.generation import generate
+
+    model = build_default_model()
+    prompt = [(i * 17 + 5) % 900 + 3 for i in range(70)]
+    longer = prompt + [11, 12, 13, 14, 15]
+
+    def complete(ids):
+        r = httpx.post(tp_server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    branches = lambda: float(re.search(r"^ds4_branches_total (\S+)$",  # noqa: E731
+                                       httpx.get(tp_server.url + "/metrics").text, re.M).group(1))
+    first, _ = complete(prompt)
+    before = branches()
+    assert complete(prompt) == (first, len(prompt)) and first == list(generate(model, prompt, 6))
+    out, cached = complete(longer)
+    assert out == list(generate(model, longer, 6)) and cached == len(prompt)
+    assert branches() == before + 2
+
+
 def test_killed_follower_ends_the_server_with_503(tmp_path):
     timeout = 10
     ranks = launch_ranks(tmp_path, "--tp-timeout", str(timeout))
@@ -380,3 +408,56 @@ def test_checkpoint_operations_reach_the_followers():
     assert lead.checkpoint_bytes() == lead.resident.checkpoint_nbytes()
     with pytest.raises(KeyError, match="no checkpoint 'at32'"):
         lead.restore_checkpoint("resident", 0, "at32")
+
+
+def test_engine_checkpoints_reach_the_followers(tmp_path):
+    """The engine's checkpoints under tensor parallelism (mirrored in one process): taken in
+    prefill and decode, branched from, rewound to, dropped (budget and eviction) and imported
+    from disk, each sent to the follower first; its caches and checkpoints stay the lead's, and
+    the answers are the cold ones."""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from ds4_torch.generation import generate
+    from serve.app import ServerConfig, create_app
+    from serve.kvstore import KVStore
+    from serve.runner import BackgroundServer
+    from test_rewind_serve import complete
+
+    model, tok = build_default_model(), default_tokenizer()
+
+    def server(peers, max_sessions):
+        app = create_app(model, tok, ServerConfig(ctx=256, prefill_chunk=64, max_batch=2, max_sessions=max_sessions,
+                                                  checkpoint_interval=20), peers=peers)
+        app.state.engine.kv_store = KVStore(tmp_path / "kv", 8.0, model, ctx=256, min_tokens=8,
+                                            registry=app.state.metrics.registry)
+        return BackgroundServer(app)
+
+    def same(engine, follower):
+        assert_same_caches(engine.replica, follower)
+        assert list(follower.checkpoints) == list(engine.replica.checkpoints)
+        assert all(torch.equal(follower.checkpoints[i][k], t) for i, c in engine.replica.checkpoints.items()
+                   for k, t in c.items())
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(2, model.config.vocab_size, (90,), generator=g).tolist()
+    other = lambda d: base[:d] + torch.randint(2, model.config.vocab_size, (11,), generator=g).tolist()  # noqa: E731
+    # Four slots: the diverging requests branch; two: they rewind in place (dropping later checkpoints).
+    for max_sessions, ops in ((4, {"branch_from_checkpoint"}), (2, {"restore_checkpoint", "drop_checkpoint"})):
+        peers = MirrorPeers(model)
+        with server(peers, max_sessions) as srv:
+            engine = srv.app.state.engine
+            assert complete(srv, base, 30)[0] == list(generate(model, base, 30))  # decode-time checkpoints too
+            for d in (47, 75, 101):
+                prompt = other(d) if d < 90 else base + list(generate(model, base, 30))[:11] + [5]
+                out, cached = complete(srv, prompt)
+                assert out == list(generate(model, prompt, 6)) and cached >= d - 20
+            time.sleep(0.2)
+            same(engine, peers.follower)
+        assert {"take_checkpoint", *ops} <= set(peers.sent)
+    peers = MirrorPeers(model)
+    with server(peers, 4) as srv:  # a restart: a divergence inside a stored conversation, from disk
+        prompt = other(67)
+        out, cached = complete(srv, prompt)
+        assert out == list(generate(model, prompt, 6)) and cached == 60
+        time.sleep(0.2)
+        same(srv.app.state.engine, peers.follower)
+    assert {"import_sequence", "import_checkpoint"} <= set(peers.sent)

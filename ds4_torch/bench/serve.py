@@ -13,6 +13,9 @@
    chunk deep into a prompt costs more than the first). The engine runs one batched decode step
    then at most one prefill chunk per iteration, so that gap should stay within one decode step
    plus one chunk.
+
+`--scenario agents` runs `ds4_torch.bench.agents` instead: the tokens agents' conversations make
+the server prefill, with cache checkpoints on and off.
 """
 from __future__ import annotations
 
@@ -28,6 +31,16 @@ def add_arguments(p) -> None:
     from ..runtime import add_model_arguments, positive_int
 
     add_model_arguments(p)
+    p.add_argument("--scenario", choices=("throughput", "agents"), default="throughput",
+                   help="throughput: streaming clients against direct decode (default); agents: conversations "
+                        "sharing a system prompt, regenerating, editing and retrying (ds4_torch.bench.agents)")
+    p.add_argument("--system-tokens", type=positive_int, default=6000,
+                   help="agents: the shared system prompt's tokens (default 6000)")
+    p.add_argument("--user-tokens", type=positive_int, default=100, help="agents: tokens per user message (default 100)")
+    p.add_argument("--checkpoint-interval", type=positive_int, default=256,
+                   help="agents: the server's --checkpoint-interval in the run with checkpoints (default 256)")
+    p.add_argument("--checkpoint-memory-mb", type=float, default=1024,
+                   help="agents: the server's --checkpoint-memory-mb (default 1024)")
     p.add_argument("--clients", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
                    help="concurrent streaming clients, one run per count (default 1 2 4 8 16)")
     p.add_argument("--max-batch", type=positive_int, default=None,
@@ -148,6 +161,10 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype, quantized=args.quantized)
     tokenizer = load_model_tokenizer(args.model)
+    if args.scenario == "agents":
+        from . import agents
+
+        return agents.run(args, model, tokenizer)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 

@@ -1,0 +1,434 @@
+"""Resident sessions: which conversation each resident slot holds, where a prompt can resume,
+their checkpoints, LRU eviction and the disk store. The engine (serve.engine) schedules; this
+module decides what a request reuses and keeps the state it may reuse later.
+
+- **Index.** Every session with tokens is registered in a `PrefixIndex` under its slot and its
+  tenant (the API key that authenticated: reuse never crosses keys), with its checkpoints and its
+  end. `claim` matches a request's sequence against all of them at once.
+- **Checkpoints** (`DS4Cache.take_checkpoint`, held by the replica under an id, the logits here)
+  are taken at a prompt's end, at message boundaries and client hints (`GenRequest.boundaries`),
+  and every `interval` tokens of prefill (chunks end there) and decode (between steps, on the
+  batch slot; they join the session when it leaves the batch). They are kept within
+  `memory_bytes`: the least recently used go first, interval ones before boundary ones (a
+  boundary is where agents diverge: a new conversation, a regenerate, an edit).
+- **Reuse.** The best state at or below the divergence: a session's end (an idle session is
+  taken over, a busy one copied: a fork) or a checkpoint. From a checkpoint the request
+  *branches* into another slot (copying the source's compressed rows; a busy source is left as
+  it is) or *rewinds in place*. Rule: an idle session is rewound in place only when no empty
+  slot is free. Its later tokens are then lost, but keeping them would cost evicting another
+  whole conversation, and the tail past a divergence is what regenerates and edits replace.
+  With an empty slot free the request branches and both conversations stay.
+- **Eviction.** No empty slot: the least recently used idle session goes (snapshotted to disk
+  first with its checkpoints, when a store is attached). On a miss (or when the store holds a
+  longer prefix than any resident state) the store restores into a free slot; the checkpoints
+  the snapshot carried come back with it.
+
+Every cache operation goes through `run` (the engine's: sent to the other ranks first under
+tensor parallelism), so checkpoints exist on every rank under the same ids.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .prefix_index import CHECKPOINT, END, PrefixIndex
+
+if TYPE_CHECKING:
+    from .engine import GenRequest
+
+log = logging.getLogger("ds4.serve")
+
+SNAPSHOT_QUEUE = 8  # snapshots waiting for the writer; past that a new one is dropped, not queued
+DEFAULT_CHECKPOINT_INTERVAL = 256
+DEFAULT_CHECKPOINT_MEMORY_MB = 1024
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    id: int
+    position: int
+    logits: torch.Tensor | None    # the next token's logits (rank 0 keeps them; the replicas hold the rest)
+    boundary: bool                 # a prompt end, message boundary or hint: kept longer than interval ones
+    last_used: float = 0.0
+
+
+@dataclass(eq=False)
+class Session:
+    """One resident conversation: slot `slot` of the resident cache holds `tokens`."""
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    last_logits: torch.Tensor | None = None   # the next token's logits: a prompt equal to `tokens` needs no step
+    last_used: float = 0.0
+    request: "GenRequest | None" = None      # the request using it, if any
+    saved_at: int = 0                        # tokens at its last disk snapshot
+    restored: str | None = None              # the snapshot it was restored from, until a step confirms it
+    tenant: Hashable = None
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)   # position -> checkpoint (resident rows)
+    pending: list[Checkpoint] = field(default_factory=list)  # taken on its batch slot, joining when it leaves
+
+
+class SnapshotWriter:
+    """Writes prepared snapshots on its own thread, so disk I/O never sits between two steps."""
+
+    def __init__(self, store):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue(SNAPSHOT_QUEUE)
+        self.thread = threading.Thread(target=self._run, name="ds4-kv-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, pending, wait: float | None = None) -> bool:
+        """Queue `pending`; False when dropped: at once while the writer is behind (decoding never
+        waits for the disk), or after `wait` seconds for room (shutdown)."""
+        try:
+            if wait is None:
+                self.queue.put_nowait(pending)
+            else:
+                self.queue.put(pending, timeout=max(wait, 0.0))
+            return True
+        except queue.Full:
+            log.warning("engine: the disk writer is behind; snapshot of %d tokens dropped", len(pending.tokens))
+            return False
+
+    def _run(self) -> None:
+        while True:
+            pending = self.queue.get()
+            try:
+                if pending is None:
+                    return
+                self.store.write(pending)
+            except Exception as e:  # noqa: BLE001 - the disk cache must never fail anything
+                log.warning("engine: kv store write failed: %s: %s", type(e).__name__, e)
+            finally:
+                self.queue.task_done()
+
+    def flush(self) -> None:
+        self.queue.join()
+
+    def close(self, timeout: float = 30.0) -> list[int]:
+        """Write what is queued, then stop; the token counts of the snapshots left unwritten
+        after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.queue.put(None, timeout=max(timeout, 0.0))
+        except queue.Full:
+            pass
+        self.thread.join(max(deadline - time.monotonic(), 0.0))
+        if not self.thread.is_alive():
+            return []
+        with self.queue.mutex:  # still writing: what it has not taken yet is lost with the process
+            return [len(p.tokens) for p in self.queue.queue if p is not None]
+
+
+class Sessions:
+    """The resident sessions of one engine (iterable: every `Session`, by slot)."""
+
+    def __init__(self, replica, run: Callable, metrics, count: int, *, interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+                 memory_bytes: int = DEFAULT_CHECKPOINT_MEMORY_MB * 2**20, kv_store=None, peers=None):
+        if interval < 0:
+            raise ValueError(f"checkpoint interval must be >= 0, got {interval}")
+        self.replica, self.run, self.metrics = replica, run, metrics
+        self.interval = interval
+        self.memory_bytes = memory_bytes
+        self.kv_store = kv_store
+        self.peers = peers
+        self.writer: SnapshotWriter | None = None
+        self.slots = [Session(i) for i in range(count)]
+        self.index = PrefixIndex()
+        self._ids = itertools.count()
+        self._held: dict[int, Checkpoint] = {}   # id -> checkpoint (resident or pending)
+        vocab = replica.model.config.vocab_size
+        # Logits are kept as the model returns them (fp32 on the embedded model): counted at 4 bytes.
+        self.checkpoint_nbytes = replica.resident.checkpoint_nbytes() + 4 * vocab
+
+    def __iter__(self):
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> Session:
+        return self.slots[i]
+
+    @property
+    def enabled(self) -> bool:
+        """Checkpoints are taken at all (`interval` 0 and no memory: off, as before them)."""
+        return self.interval > 0 and self.memory_bytes >= self.checkpoint_nbytes
+
+    # ------------------------------------------------------------------ claiming
+    def claim(self, req: "GenRequest") -> int:
+        """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
+        seq = req.sequence()
+        if req.wants_prompt_logprobs():
+            # Cached tokens have no logits: prefill the whole prompt in a fresh session.
+            session = self.free_session()
+            req.plp = []
+            return self._attach(session, req)
+        reuse, source = self._best(req.tenant, seq)
+        disk = self._stored_prefix(seq) if self.kv_store is not None and not req.no_restore else 0
+        if source is None or disk > reuse:
+            session = self.free_session()
+            if disk:
+                self.restore(session, seq)
+            return self._attach(session, req)
+        session, kind = source
+        if kind == END and session.request is None:
+            return self._attach(session, req)          # take over an idle session: nothing to copy
+        if kind == END:  # busy: fork its state
+            target = self.free_session(keep=session)
+            self.run("copy", "resident", target.slot, session.slot, "resident")
+            target.tokens, target.last_logits = list(session.tokens), session.last_logits
+            return self._attach(target, req)
+        ck = session.checkpoints[reuse]
+        ck.last_used = time.monotonic()
+        if session.request is None and not any(s.request is None and not s.tokens for s in self.slots):
+            self.run("restore_checkpoint", "resident", session.slot, ck.id)
+            self._truncate(session, reuse, ck.logits)
+            self.metrics.rewinds.inc()
+            return self._attach(session, req)
+        target = self.free_session(keep=session)
+        self.run("branch_from_checkpoint", "resident", target.slot, "resident", session.slot, ck.id)
+        target.tokens, target.last_logits = list(seq[:reuse]), ck.logits
+        self.metrics.branches.inc()
+        return self._attach(target, req)
+
+    def _best(self, tenant, seq: list[int]) -> tuple[int, tuple[Session, str] | None]:
+        """The furthest reusable state of `tenant`'s sessions for `seq`: (position, (session,
+        END or CHECKPOINT)), preferring an idle session's end, then a checkpoint, then a busy end.
+        A state at the whole sequence needs its logits (else a token is left to prefill)."""
+        for cap in (len(seq), len(seq) - 1):
+            if cap <= 0:
+                break
+            m = self.index.match(tenant, seq, max_reuse=cap)
+            if m.reuse == 0:
+                return 0, None
+            usable = []
+            for slot, kind in m.sources:
+                s = self.slots[slot]
+                logits = s.last_logits if kind == END else s.checkpoints[m.reuse].logits
+                if m.reuse < len(seq) or logits is not None:
+                    rank = 0 if kind == END and s.request is None else 1 if kind == CHECKPOINT else 2
+                    usable.append((rank, s.slot, s, kind))
+            if usable:
+                _, _, s, kind = min(usable, key=lambda u: u[:2])
+                return m.reuse, (s, kind)
+        return 0, None
+
+    def _attach(self, session: Session, req: "GenRequest") -> int:
+        if session.tenant != req.tenant or session.slot not in self.index:
+            self.index.remove(session.slot)
+            session.tenant = req.tenant
+            self.index.add(session.slot, req.tenant, session.tokens, list(session.checkpoints))
+        session.request = req
+        session.last_used = time.monotonic()
+        req.session = session
+        return len(session.tokens)
+
+    def _truncate(self, session: Session, n: int, logits) -> None:
+        """`session` was rewound to its first `n` tokens: later checkpoints go with them."""
+        for p in [p for p in session.checkpoints if p > n]:
+            self._drop(session.checkpoints.pop(p))
+        del session.tokens[n:]
+        session.last_logits = logits
+        session.saved_at = min(session.saved_at, n)
+        if session.slot in self.index:
+            self.index.truncate(session.slot, n)
+
+    def free_session(self, keep: Session | None = None) -> Session:
+        """An empty session: a free one, else the least recently used idle one (never `keep`), evicted."""
+        for s in self.slots:
+            if s.request is None and not s.tokens and s is not keep:
+                return s
+        idle = [s for s in self.slots if s.request is None and s is not keep]
+        if not idle:  # every other slot is busy (max_sessions == max_batch and a fork): take `keep`'s place
+            raise RuntimeError("no resident session can be freed")
+        victim = min(idle, key=lambda s: s.last_used)
+        self.snapshot(victim, self.replica.resident.slot(victim.slot), victim.tokens, victim.last_logits, "evicted")
+        self.clear(victim)
+        self.metrics.session_evictions.inc()
+        return victim
+
+    def clear(self, session: Session) -> None:
+        self.run("reset", "resident", session.slot)
+        for ck in [*session.checkpoints.values(), *session.pending]:
+            self._drop(ck)
+        session.checkpoints, session.pending = {}, []
+        session.tokens, session.last_logits, session.saved_at, session.restored = [], None, 0, None
+        self.index.remove(session.slot)
+
+    # ------------------------------------------------------------------ growing
+    def extend(self, session: Session, tokens: list[int], logits) -> None:
+        """`session`'s resident slot now also holds `tokens` (a prefill chunk, or what it decoded)."""
+        session.tokens.extend(tokens)
+        session.last_logits = logits
+        if session.slot in self.index:
+            self.index.extend(session.slot, tokens)
+
+    def settle_pending(self, session: Session) -> None:
+        """The batch slot was copied back into `session`'s resident slot: the checkpoints taken on
+        it are valid there now."""
+        for ck in session.pending:
+            if ck.position <= len(session.tokens) and ck.position not in session.checkpoints:
+                self._register(session, ck)
+            else:
+                self._drop(ck)
+        session.pending = []
+
+    def drop_pending(self, session: Session) -> None:
+        for ck in session.pending:
+            self._drop(ck)
+        session.pending = []
+
+    def next_stop(self, req: "GenRequest", start: int, end: int) -> int:
+        """Where a prefill chunk from `start` (at most to `end`) should stop: the first checkpoint
+        position after `start`, so the chunk's end state is the checkpoint's."""
+        if not self.enabled:
+            return end
+        k = self.interval
+        stops = [p for p in req.boundaries if start < p < end]
+        stops.append((start // k + 1) * k)
+        return min(end, *stops)
+
+    def wanted(self, req: "GenRequest", position: int) -> bool | None:
+        """Whether a checkpoint is due at `position` of `req`'s sequence: None (no), False (an
+        interval one), True (a boundary: a prompt end, message boundary or hint)."""
+        if not self.enabled or position <= 0:
+            return None
+        # Past the prompt (every decode step asks) no boundary can match: the interval only.
+        if position == len(req.prompt_ids) or (position < len(req.prompt_ids) and position in req.boundaries):
+            return True
+        return False if position % self.interval == 0 else None
+
+    def take(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
+             pending: bool = False) -> None:
+        """Checkpoint slot `slot` of `cache` (holding `session`'s first `position` tokens). A
+        device copy, no host sync: cheap between steps. `pending`: it was taken on a batch slot."""
+        if position in session.checkpoints:
+            session.checkpoints[position].boundary |= boundary
+            return
+        # A copy: a decode step's logits are one row of the batch's, which would stay alive whole.
+        ck = Checkpoint(next(self._ids), position, None if logits is None else logits.clone(), boundary,
+                        time.monotonic())
+        self.run("take_checkpoint", ck.id, cache, slot)
+        self._held[ck.id] = ck
+        if pending:
+            session.pending.append(ck)
+        else:
+            self._register(session, ck)
+        self._trim()
+
+    def _register(self, session: Session, ck: Checkpoint) -> None:
+        session.checkpoints[ck.position] = ck
+        if session.slot in self.index:
+            self.index.add_checkpoint(session.slot, ck.position)
+
+    def _drop(self, ck: Checkpoint) -> None:
+        if self._held.pop(ck.id, None) is not None:
+            self.run("drop_checkpoint", ck.id)
+        self._update_bytes()
+
+    def _trim(self) -> None:
+        """Within the memory budget: the least recently used go first, interval ones before boundaries."""
+        excess = len(self._held) - self.memory_bytes // self.checkpoint_nbytes
+        if excess > 0:
+            owners = {ck.id: s for s in self.slots for ck in [*s.checkpoints.values(), *s.pending]}
+            for ck in sorted(self._held.values(), key=lambda c: (c.boundary, c.last_used))[:excess]:
+                s = owners.get(ck.id)
+                if s is not None:
+                    if s.checkpoints.get(ck.position) is ck:
+                        del s.checkpoints[ck.position]
+                        if s.slot in self.index:
+                            self.index.remove_checkpoint(s.slot, ck.position)
+                    else:
+                        s.pending.remove(ck)
+                self._drop(ck)
+        self._update_bytes()
+
+    def _update_bytes(self) -> None:
+        self.metrics.checkpoint_bytes.set(len(self._held) * self.checkpoint_nbytes)
+
+    # ------------------------------------------------------------------ disk
+    def _stored_prefix(self, seq: list[int]) -> int:
+        fn = getattr(self.kv_store, "stored_prefix", None)
+        if fn is None:  # a store without it: asked on every miss, as before
+            return 1
+        try:
+            return fn(seq)
+        except Exception as e:  # noqa: BLE001 - a store bug: serve without it
+            log.warning("engine: kv store stored_prefix failed: %s: %s", type(e).__name__, e)
+            return 0
+
+    def restore(self, session: Session, seq: list[int]) -> None:
+        try:
+            restored = self.kv_store.restore(self.replica.resident.slot(session.slot), seq)
+        except Exception as e:  # noqa: BLE001 - a store bug: serve without it
+            log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
+            self.clear(session)
+            return
+        if restored is None:
+            return
+        count, logits = restored
+        if self.peers is not None:  # the other ranks' caches hold what this one read from disk
+            step = self.peers.send("import_sequence",
+                                   (session.slot, self.replica.resident.export_sequence(session.slot, "cpu")), model=False)
+            self.peers.acknowledge(step, ok=True)
+        session.tokens, session.last_logits = list(seq[:count]), logits
+        session.saved_at = count
+        session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
+        for position, checkpoint in sorted((getattr(self.kv_store, "restored_checkpoints", None) or {}).items()):
+            if not 0 < position <= count or not self.enabled:
+                continue
+            ck = Checkpoint(next(self._ids), position, None, True, time.monotonic())
+            try:
+                self.run("import_checkpoint", ck.id, checkpoint)
+            except ValueError as e:  # checked like the rest of the file: this one is not used
+                log.warning("engine: a restored checkpoint at %d was refused: %s", position, e)
+                continue
+            self._held[ck.id] = ck
+            session.checkpoints[position] = ck
+        self._trim()
+
+    def snapshot(self, session: Session, view, tokens: list[int], logits, why: str,
+                 wait: float | None = None) -> bool:
+        """Read a sequence out for the disk store, with the session's checkpoints within it; the
+        writer thread writes it (`wait`: see `SnapshotWriter.submit`). False only when a snapshot
+        worth writing was dropped."""
+        if self.kv_store is None or not tokens or logits is None or session.restored is not None:
+            return True
+        checkpoints = {}
+        for p, ck in session.checkpoints.items():
+            state = self.replica.checkpoints.get(ck.id)
+            if state is not None and p < len(tokens):  # the snapshot format keeps no checkpoint logits
+                checkpoints[p] = state
+        pending = self.kv("prepare", view, list(tokens), logits, why, checkpoints=checkpoints)
+        if pending is None:
+            return True
+        if self.writer is None:
+            self.writer = SnapshotWriter(self.kv_store)
+        if not self.writer.submit(pending, wait):
+            return False
+        session.saved_at = len(tokens)
+        return True
+
+    def kv(self, method: str, *args, **kwargs):
+        """Call an (optional) store method; its failures are logged, never raised."""
+        fn = getattr(self.kv_store, method, None)
+        if fn is None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the disk cache must never fail a request
+            log.warning("engine: kv store %s failed: %s: %s", method, type(e).__name__, e)
+            return None
+
+    def confirm_restored(self, session: Session) -> None:
+        if session.restored is not None:
+            name, session.restored = session.restored, None
+            self.kv("restore_ok", name)
