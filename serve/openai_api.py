@@ -326,6 +326,10 @@ def parse_prompts(body: dict, state) -> list[tuple[list[int], str]]:
     """The prompts of a completions request, each as (token ids, text): a string, a list of token
     ids, or a list of either (OpenAI's batch: the choices of each, in order)."""
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) >= max(state.config.ctx, state.config.max_queue):
+        # More token ids than the context holds, or more prompts than the queue: known from the
+        # length, before any per-element work.
+        check_fits(len(prompt), state.config.ctx, "prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts, params = [prompt], ["prompt"]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):

@@ -35,14 +35,13 @@ import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from .prefix_index import CHECKPOINT, END, PrefixIndex
 
-if TYPE_CHECKING:
-    from .engine import GenRequest
+# (A session's request is the engine's GenRequest: named in annotations only, so no import cycle.)
 
 log = logging.getLogger("ds4.serve")
 

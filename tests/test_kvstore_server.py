@@ -20,7 +20,7 @@ import pytest
 from ds4_torch import faults
 from serve.app import ServerConfig, create_app
 import serve.engine
-from serve.engine import SNAPSHOT_QUEUE
+from serve.sessions import SNAPSHOT_QUEUE
 from serve.kvstore import WRITE_DELAY_ENV, KVStore
 from serve.runner import BackgroundServer
 from helpers import wait_for

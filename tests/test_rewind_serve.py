@@ -204,7 +204,7 @@ def agent_session(srv, api):
     engine = srv.app.state.engine
     submitted = []
     submit_all = engine.submit_all
-    engine.submit_all = lambda reqs: (submitted.extend(reqs), submit_all(reqs))[1]
+    engine.submit_all = lambda reqs, **kw: (submitted.extend(reqs), submit_all(reqs, **kw))[1]
     seen: list[list[int]] = []
     log = []
     replies = []
