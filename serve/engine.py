@@ -39,6 +39,9 @@ Disk snapshots (with a store): after a prompt's prefill (once its first token is
 conversation: the shutdown waits up to `SHUTDOWN_SAVE_S` for the writer, and logs any it could
 not save). The state is read out of the cache between steps (a host copy of what the sequence
 holds); encoding and writing run on a background writer thread, never between two decode steps.
+A request that will take its state from disk has the snapshot read and checked on a reader thread
+(`store.load`) while it waits aside and the others go on; this thread only copies it in
+(`store.apply`).
 
 Checkpoints (`serve.sessions`): a prefill chunk ends where one is due (a message start, a client
 hint, every `checkpoint_interval` tokens, the prompt's end) and it is taken right after the chunk;
@@ -76,6 +79,7 @@ What clients ask beyond plain sampling:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -121,7 +125,9 @@ class KVStore(Protocol):
         """Load the longest stored state of `prompt_ids` into sequence 0 of `cache` (a batch-1
         view of a clean slot); return (tokens restored, logits of the next token: None when fewer
         than the prompt's), or None. Optional: `stored_prefix(prompt_ids)`, that count, asked first;
-        `restored_checkpoints`, {position: checkpoint} that came with it."""
+        `restored_checkpoints`, {position: checkpoint} that came with it; `load(prompt_ids)` and
+        `apply(cache, loaded)`, the same split in two (read and checked on a reader thread, then
+        copied in here), used when the store has them."""
 
     def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str):
         """Read sequence 0 of `cache` (holding `token_ids`) out for a snapshot; None if not worth one."""
@@ -182,6 +188,8 @@ class GenRequest:
     generator: torch.Generator | None = field(default=None, repr=False)
     text_state: "_TextState | None" = field(default=None, repr=False)
     no_restore: bool = field(default=False, repr=False)         # a disk restore failed: prefill cleanly
+    disk: Any = field(default=None, repr=False)                 # its disk state read off the engine thread:
+                                                                # a LoadedSnapshot, False for a miss, None: not read
     constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
     plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
     prompt_tensor: torch.Tensor | None = field(default=None, repr=False)  # for the repetition penalty
@@ -277,6 +285,10 @@ class Engine:
         self.retry_after_s = 1
 
         self._queue: collections.deque[GenRequest] = collections.deque()
+        # Requests whose disk state is being read and checked on the reader thread (never on this
+        # one: a slow disk must not stall a step); they wait aside, then are admitted first.
+        self._loading: dict[GenRequest, concurrent.futures.Future] = {}
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -450,7 +462,8 @@ class Engine:
         self.warm = True
 
     def _has_work(self) -> bool:
-        return bool(self._queue) or self.prefilling is not None or bool(self.running)
+        return bool(self._queue) or self.prefilling is not None or bool(self.running) or \
+            any(f.done() for f in self._loading.values())
 
     def _loop(self) -> None:
         torch.set_num_threads(self.num_threads)
@@ -524,14 +537,58 @@ class Engine:
 
     # ------------------------------------------------------------------ admission and prefill
     def _next_waiting(self) -> GenRequest | None:
+        """The next request to start: one whose disk state was read, else the queue's next, except
+        that a request wanting a disk read is sent to the reader thread and waits aside."""
+        req = self._loaded()
+        if req is not None:
+            return req
+        while True:
+            with self._cv:
+                req = None
+                while self._queue:
+                    req = self._queue.popleft()
+                    self.metrics.queue_depth.set(len(self._queue))
+                    if not req.cancel.is_set():
+                        break
+                    self._abort(req, "queued")
+                    req = None
+            if req is None or req.disk is not None or not self.sessions.wants_disk(req):
+                return req
+            self._read_aside(req)
+
+    def _read_aside(self, req: GenRequest) -> None:
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4-kv-reader")
+        future = self._reader.submit(self.kv_store.load, req.sequence())
+        self._loading[req] = future
+        future.add_done_callback(lambda _: self._wake())
+
+    def _wake(self) -> None:
         with self._cv:
-            while self._queue:
-                req = self._queue.popleft()
-                self.metrics.queue_depth.set(len(self._queue))
-                if not req.cancel.is_set():
-                    return req
+            self._cv.notify()
+
+    def _loaded(self) -> GenRequest | None:
+        """A request whose disk read finished (its state in `req.disk`), if any."""
+        for req, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[req]
+            try:
+                req.disk = future.result() or False
+            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
+                log.warning("engine: kv store read failed: %s: %s", type(e).__name__, e)
+                req.disk = False
+            if req.cancel.is_set():
                 self._abort(req, "queued")
+                continue
+            return req
         return None
+
+    def _waiting_aside(self) -> list[GenRequest]:
+        """The requests waiting for their disk reads, taken out (shutdown, group failure)."""
+        reqs = list(self._loading)
+        self._loading.clear()
+        return reqs
 
     def _prefill_step(self) -> None:
         req = self.prefilling
@@ -905,7 +962,7 @@ class Engine:
         self.metrics.healthy.set(0)
         with self._cv:
             self._stopping = True
-            queued = list(self._queue)
+            queued = list(self._queue) + self._waiting_aside()
             self._queue.clear()
             self.metrics.queue_depth.set(0)
         error = APIError(503, f"{reason}; the server is exiting", code="engine_unavailable",
@@ -929,11 +986,13 @@ class Engine:
         if self.prefilling is not None:
             self._end(self.prefilling, "cancelled", stage="prefill")
         with self._cv:  # put back by a failure (_failed) after stop() took the queue: answer them too
-            left = list(self._queue)
+            left = list(self._queue) + self._waiting_aside()
             self._queue.clear()
             self.metrics.queue_depth.set(0)
         for req in left:
             self._fail(req, self._shutting_down())
+        if self._reader is not None:
+            self._reader.shutdown(wait=False)
         if self.kv_store is None:
             return
         # Clean shutdown: keep the conversations on disk, waiting for the writer (a bounded time),

@@ -123,6 +123,15 @@ class _PromMetrics:
 
 
 @dataclass
+class LoadedSnapshot:
+    """A stored state read and checked (`KVStore.load`), not yet in a cache (`KVStore.apply`):
+    `count` tokens of it are used (its end, or its checkpoint at a divergence)."""
+    entry: Entry
+    snapshot: object  # serve.snapshot.Snapshot
+    count: int
+
+
+@dataclass
 class PendingSnapshot:
     """A snapshot read out of the cache, not yet written (see `KVStore.prepare`)."""
     name: str
@@ -243,46 +252,76 @@ class KVStore:
         that is a prefix of it, or one diverging from it, rewound to its checkpoint at or below the
         divergence (`Entry.reuse`). Return (tokens restored, logits of the next token: None from a
         checkpoint) or None. Snapshots that fail validation are quarantined and the next best is
-        tried; `cache` is only written once one passed."""
+        tried; `cache` is only written once one passed. `load` then `apply`, on one thread (the
+        engine runs `load` on a reader thread and only `apply` on its own)."""
+        with self._lock:
+            self._restored, self.restored_checkpoints = None, {}
+        if not self._check_cache(cache):
+            return None
+        while True:
+            loaded = self.load(prompt_ids)
+            if loaded is None:
+                return None
+            restored = self.apply(cache, loaded)
+            if restored is not None or loaded.entry.name in self.entries:
+                return restored  # else `apply` quarantined it: the next best
+
+    def load(self, prompt_ids: list[int]) -> "LoadedSnapshot | None":
+        """The best stored state of `prompt_ids`, read and fully checked into host memory, or None
+        (a miss). Any thread: the file is read without holding the index lock the engine takes.
+        Snapshots that fail validation are quarantined and the next best is tried."""
+        with self._lock:
+            scored = sorted(((e.reuse(prompt_ids), e) for e in self.entries.values()), key=lambda s: s[0],
+                            reverse=True)
+        for count, entry in scored:
+            if count == 0:
+                break
+            try:
+                snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
+                if snap.tokens != entry.tokens:
+                    raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
+                if count < entry.n and count not in snap.checkpoints:
+                    raise SnapshotError("state", f"no checkpoint at {count}")
+            except SnapshotError as e:
+                error = e
+            except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
+                error = SnapshotError("state", f"{type(e).__name__}: {e}")
+            else:
+                return LoadedSnapshot(entry, snap, count)
+            with self._lock:
+                if entry.name in self.entries:  # else evicted meanwhile: nothing wrong with it
+                    self._quarantine(entry.name, error)
+        self._count("misses")
+        return None
+
+    def apply(self, cache: DS4Cache, loaded: "LoadedSnapshot") -> tuple[int, torch.Tensor | None] | None:
+        """Copy a loaded state into sequence 0 of `cache` (all the engine thread does of a restore):
+        (tokens restored, logits of the next token: None from a checkpoint), or None when the
+        cache refused it (the snapshot is quarantined)."""
+        entry, snap, count = loaded.entry, loaded.snapshot, loaded.count
         with self._lock:
             self._restored, self.restored_checkpoints = None, {}
             if not self._check_cache(cache):
                 return None
-            scored = sorted(((e.reuse(prompt_ids), e) for e in self.entries.values()), key=lambda s: s[0],
-                            reverse=True)
-            for count, entry in scored:
-                if count == 0:
-                    break
-                try:
-                    snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
-                    if snap.tokens != entry.tokens:
-                        raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
-                except SnapshotError as e:
-                    self._quarantine(entry.name, e)
-                    continue
-                except Exception as e:  # noqa: BLE001 - whatever else reading this file causes, it is not tried again
-                    self._quarantine(entry.name, SnapshotError("state", f"{type(e).__name__}: {e}"))
-                    continue
-                try:  # checks every name, shape and dtype before it writes anything into the live cache
-                    cache.import_sequence(0, snap.state)
-                    if count < entry.n:  # the prompt diverges inside it: rewind to the checkpoint
-                        cache.restore_checkpoint(0, snap.checkpoints[count])
-                except (ValueError, KeyError) as e:  # any other error (a device failing) is the engine's
-                    cache.reset(0)
+            try:  # checks every name, shape and dtype before it writes anything into the live cache
+                cache.import_sequence(0, snap.state)
+                if count < entry.n:  # the prompt diverges inside it: rewind to the checkpoint
+                    cache.restore_checkpoint(0, snap.checkpoints[count])
+            except (ValueError, KeyError) as e:  # any other error (a device failing) is the engine's
+                cache.reset(0)
+                if entry.name in self.entries:
                     self._quarantine(entry.name, SnapshotError("state", f"the cache refused it: {e}"))
-                    continue
-                entry.hits += 1
-                entry.last_used = time.time()
-                _touch(os.path.join(self.dir, entry.name))
-                self._restored = entry.name
-                self.restored_checkpoints = {c: ck for c, ck in snap.checkpoints.items() if c <= count}
-                self._count("hits")
-                self._count("restored_tokens", count)
-                log.info("kvstore: restored %d tokens from %s%s", count, entry.name,
-                         "" if count == entry.n else f" (its checkpoint at {count} of {entry.n})")
-                return count, (snap.logits.to(cache.device).clone() if count == entry.n else None)
-            self._count("misses")
-            return None
+                return None
+            entry.hits += 1
+            entry.last_used = time.time()
+            self._restored = entry.name
+            self.restored_checkpoints = {c: ck for c, ck in snap.checkpoints.items() if c <= count}
+            self._count("hits")
+            self._count("restored_tokens", count)
+        _touch(os.path.join(self.dir, entry.name))
+        log.info("kvstore: restored %d tokens from %s%s", count, entry.name,
+                 "" if count == entry.n else f" (its checkpoint at {count} of {entry.n})")
+        return count, (snap.logits.to(cache.device).clone() if count == entry.n else None)
 
     @property
     def last_restored(self) -> str | None:

@@ -175,7 +175,7 @@ class Sessions:
         if source is None or disk > reuse:
             session = self.free_session()
             if disk:
-                self.restore(session, seq)
+                self.restore(session, seq, req.disk)
             return self._attach(session, req)
         session, kind = source
         if kind == END and session.request is None:
@@ -364,9 +364,22 @@ class Sessions:
             log.warning("engine: kv store stored_prefix failed: %s: %s", type(e).__name__, e)
             return 0
 
-    def restore(self, session: Session, seq: list[int]) -> None:
+    def wants_disk(self, req: "GenRequest") -> bool:
+        """Whether `req` would take its state from a disk snapshot (to read it before `claim`)."""
+        if self.kv_store is None or req.no_restore or req.wants_prompt_logprobs() or \
+                not hasattr(self.kv_store, "load"):
+            return False
+        return self._stored_prefix(req.sequence()) > self._best(req.tenant, req.sequence())[0]
+
+    def restore(self, session: Session, seq: list[int], loaded=None) -> None:
+        """Bring `seq`'s stored state into `session`'s clean slot: `loaded` (what the reader thread
+        read: `KVStore.load`, False for a miss) is only copied in; without it the store reads here."""
         try:
-            restored = self.kv_store.restore(self.replica.resident.slot(session.slot), seq)
+            slot = self.replica.resident.slot(session.slot)
+            if loaded is None:
+                restored = self.kv_store.restore(slot, seq)
+            else:
+                restored = self.kv_store.apply(slot, loaded) if loaded else None
         except Exception as e:  # noqa: BLE001 - a store bug: serve without it
             log.warning("engine: kv store restore failed: %s: %s", type(e).__name__, e)
             self.clear(session)

@@ -302,3 +302,42 @@ def test_a_slow_snapshot_write_stalls_no_request(tmp_path, model, tok, monkeypat
         monkeypatch.delenv(WRITE_DELAY_ENV)
         wait_idle(srv)
         assert srv.store.counts.saves == 2
+
+
+def test_a_slow_disk_read_stalls_no_stream(tmp_path, model, tok, monkeypatch):
+    """A request restored from disk has its snapshot read and checked on the reader thread: while
+    that read is held up, a stream beside it runs to its end; then the restored request is served
+    from disk with the output it has without a restart."""
+    import serve.kvstore as kvstore
+
+    d = tmp_path / "kv"
+    a, b = prompt(41), prompt(42)
+    want, _ = expected(model, tok, a + [7], 8)
+    with server(model, tok, d) as srv:
+        complete(srv, a)
+        wait_idle(srv)
+    gate, reading = threading.Event(), threading.Event()
+    read = kvstore.read_snapshot
+
+    def held_read(*args, **kw):
+        reading.set()
+        assert gate.wait(60)
+        return read(*args, **kw)
+
+    with server(model, tok, d) as srv:  # a restart: `a` is on disk only
+        monkeypatch.setattr(kvstore, "read_snapshot", held_read)  # (after the store indexed the directory)
+        results = {}
+        restored = threading.Thread(target=lambda: results.setdefault("a", complete(srv, a + [7])))
+        restored.start()
+        assert reading.wait(30)
+        beside = threading.Thread(target=lambda: results.setdefault("b", complete(srv, b, n=24)))
+        beside.start()
+        beside.join(60)
+        finished_while_held = not beside.is_alive()
+        gate.set()
+        beside.join(60)
+        restored.join(60)
+        assert finished_while_held, "the stream waited for another request's disk read"
+        assert results["a"] == (want, len(a))
+        assert len(results["b"][0]) == 24
+
