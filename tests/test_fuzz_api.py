@@ -1,7 +1,7 @@
 """Bad input is never a 500: seeded random bodies against every POST route of the server.
 
 Bodies are valid requests with fields mutated (a random type, NaN, Infinity, huge numbers, lone
-surrogates, deep nesting, unknown keys), random JSON values, truncated JSON, raw bytes. Each
+surrogates, deep nesting, unknown keys, hostile sizes), random JSON values, truncated JSON, raw bytes. Each
 must be answered below 500, in the error shape of the API that received it; afterwards the
 server still answers a normal request on every route.
 """
@@ -88,6 +88,9 @@ def _value(rng: random.Random, depth: int = 0) -> object:
         return rng.choice(["user", "assistant", "system", "tool", "function", "text", "json_schema", "required"])
     if kind == 10:
         return [rng.randrange(-5, 2000) for _ in range(rng.randrange(1, 6))]
+    if kind == 11:  # hostile sizes: past every bound of serve.request_policy
+        return rng.choice([["s"] * 70_000, "x" * 300_000, list(range(30_000)), {str(i): 1 for i in range(5000)},
+                           [{"type": "function", "function": {"name": f"f{i}"}} for i in range(600)]])
     return rng.choice([{}, [], "", 0])
 
 
