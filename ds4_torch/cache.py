@@ -299,13 +299,18 @@ class DS4Cache:
                     indexer = _compressor_state(batch_size, capacity, rate, config.index_head_dim, True, dtype,
                                                 self.device)
             self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
+        # The MTP layers' attention state: a cache of their own (positions of their own: while
+        # speculating they run ahead of the main layers), in this one's tensors, resets and views.
+        self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device)
+                    if config.num_nextn_predict_layers else None)
 
     def capacity(self, rate: int) -> int:
         """Compressed rows a layer of rate `rate` can hold: ceil(max_context / rate)."""
         return math.ceil(self.max_context / rate)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.positions] + [t for layer in self.layers for t in layer.tensors()]
+        own = [self.positions] + [t for layer in self.layers for t in layer.tensors()]
+        return own + (self.mtp.tensors() if self.mtp is not None else [])
 
     @property
     def nbytes(self) -> int:
@@ -328,6 +333,8 @@ class DS4Cache:
             layer.window[sel] = 0
             for state in layer.states:
                 state.reset(batch_index)
+        if self.mtp is not None:
+            self.mtp.reset(batch_index)
 
     def sequence_spec(self, n: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """`sequence_spec` for this cache's config and dtype."""
@@ -508,6 +515,7 @@ class DS4Cache:
                          for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]
+        view.mtp = self.mtp._view(start, n) if self.mtp is not None else None
         return view
 
     def is_invalid(self, index: int) -> bool:

@@ -1,0 +1,142 @@
+"""Speculative decoding with the model's own MTP layer (DeepSeek-V4's multi-token prediction).
+
+Each step drafts N tokens with the MTP layer (`DS4ForCausalLM.mtp_forward`, fed back its own
+output for drafts past the first) and verifies them in one forward of the main model over the
+tokens not yet in its cache plus the N drafts. Tokens are chosen by `BatchSampler` with noise
+that depends only on (seed, position): the drafts with the noise of the positions they draft,
+the verified positions with their own, all 1 + N rows in one call. A draft is accepted exactly
+when it equals the token the main model samples at its position (greedy: its argmax), and the
+first mismatch is replaced by that token (the bonus token when all N match). So the tokens are
+the ones plain decoding with the same sampler gives, whatever the drafts: speculation changes
+only how many forwards it takes.
+
+Rollback (exact, with the checkpoint machinery of `DS4Cache`): a checkpoint of the main layers
+is taken before a verify forward. When a draft is rejected, the cache is restored to it (the
+ring, the open windows and overlaps, and any compressed row a rejected token closed), and the
+accepted tokens, which are no longer in the cache, are fed again in front of the next step's
+drafts: in the same forward, so a rejection costs a longer verify forward, not an extra one.
+The MTP layer's cache (`cache.mtp`, its own positions) only ever holds positions fed with the
+main model's hidden streams and true tokens; drafts past the first run on it after a checkpoint
+of its own and are rolled back the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import DS4Cache
+from .decode import prefill, synchronize
+from .faults import fault_point
+from .sampling import BatchSampler
+
+MAX_DRAFT_TOKENS = 3
+
+
+@dataclass
+class SpeculationStats:
+    steps: int = 0       # verify forwards
+    drafted: int = 0     # draft tokens proposed
+    accepted: int = 0    # draft tokens accepted
+    emitted: int = 0     # tokens emitted by verify steps (accepted drafts + one sampled token each)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify step, the bonus token included."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+def check_draft_tokens(model, n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculative_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}], got {n!r}")
+    if n and getattr(model, "mtp", None) is None:
+        raise ValueError("speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1 "
+                         "and mtp.* weights in the checkpoint)")
+
+
+class Speculator:
+    """Speculative decoding of sequence 0 of `cache` (batch size 1) with `sampler` slot 0.
+
+        spec = Speculator(model, cache, sampler, draft_tokens=N)
+        first = spec.start(prompt_ids, chunk)       # prefill; the first token
+        tokens, logits = spec.step(limit)          # 1 .. N+1 tokens, and the logits they came from
+
+    `limit`: the most tokens this step may emit (drafts are cut to fit it and the cache)."""
+
+    def __init__(self, model, cache: DS4Cache, sampler: BatchSampler, draft_tokens: int,
+                 stats: SpeculationStats | None = None):
+        check_draft_tokens(model, draft_tokens)
+        if cache.mtp is None:
+            raise ValueError("the cache has no MTP layer state: make it with the MTP model's new_cache()")
+        self.model, self.cache, self.sampler, self.n = model, cache.narrow(1), sampler, draft_tokens
+        self.stats = stats if stats is not None else SpeculationStats()
+        self.device = cache.device
+        self.checkpoint = None  # of the main layers at the cache's position, while it still holds there
+
+    def start(self, prompt_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
+        """Prefill `prompt_ids` [1, T] (main and MTP layers); the first token and its logits [V]."""
+        logits, streams = prefill(self.model, self.cache, prompt_ids, chunk, mtp=True)
+        token = self.sampler.sample(logits).tokens
+        self.sampler.append(token)
+        self.pending = token.view(1, 1)           # tokens at positions cache.positions.. not in the cache
+        self.mtp_streams, self.mtp_ids = streams, token.view(1, 1)  # what the MTP layer is fed next
+        return int(token), logits[0]
+
+    def room(self) -> int:
+        """Positions left in the cache once the pending tokens are in."""
+        return self.cache.max_context - int(self.cache.positions[0]) - self.pending.shape[1]
+
+    def _draft(self, n: int) -> torch.Tensor:
+        """n draft tokens [1, n] for the positions after the last pending token."""
+        model, mtp_cache = self.model, self.cache.mtp
+        logits, out = model.mtp_forward(self.mtp_streams, self.mtp_ids, self.cache, logits_to_keep=1)
+        drafts = [self.sampler.sample(logits[:, -1], ahead=torch.zeros(1, dtype=torch.long, device=self.device)).tokens]
+        if n > 1:
+            self.mtp_checkpoint = mtp_cache.take_checkpoint(0)  # the drafts past the first are rolled back
+        for k in range(1, n):
+            logits, out = model.mtp_forward(out[:, -1:], drafts[-1].view(1, 1), self.cache)
+            ahead = torch.full((1,), k, dtype=torch.long, device=self.device)
+            drafts.append(self.sampler.sample(logits[:, -1], ahead=ahead).tokens)
+        if n > 1:
+            mtp_cache.restore_checkpoint(0, self.mtp_checkpoint)
+        return torch.stack(drafts, dim=1)
+
+    def step(self, limit: int) -> tuple[list[int], torch.Tensor]:
+        """One verify step: the tokens it emits (at most `limit`, >= 1) and the verified logits
+        they were sampled from [k, V] (fp32 rows of the main model at their positions)."""
+        n = max(0, min(self.n, limit - 1, self.room()))
+        L = self.pending.shape[1]
+        try:
+            fault_point("decode")
+            with torch.inference_mode():
+                drafts = self._draft(n) if n else self.pending.new_zeros(1, 0)
+                if n and self.checkpoint is None:
+                    self.checkpoint = self.cache.take_checkpoint(0)
+                fed = torch.cat([self.pending, drafts], dim=1)
+                logits, streams = self.model._forward(fed, self.cache, logits_to_keep=n + 1, return_streams=True)
+                rows = logits[0].float()                                          # positions E .. E+n
+                ahead = torch.arange(n + 1, device=self.device)
+                target = self.sampler.sample(rows, slots=[0] * (n + 1), ahead=ahead).tokens
+                match = (target[:n] == drafts[0]).long()
+                accepted = int(match.cumprod(0).sum())                            # the one host read
+                tokens = target[:accepted + 1]
+                if accepted < n:  # a rejected draft is in the cache: back to the checkpoint
+                    self.cache.restore_checkpoint(0, self.checkpoint)
+                    self.pending = torch.cat([fed[:, :L + accepted], tokens[-1:].view(1, 1)], dim=1)
+                else:
+                    self.checkpoint = None
+                    self.pending = tokens[-1:].view(1, 1)
+                # The MTP layer catches up on the true positions E .. E+accepted.
+                self.mtp_streams = streams[:, L - 1:L + accepted]
+                self.mtp_ids = tokens.view(1, -1)
+                synchronize(self.device)
+        except BaseException:
+            self.cache.invalidate([0])
+            raise
+        self.sampler.append(tokens, slots=[0] * tokens.numel())
+        self.stats.steps += 1
+        self.stats.drafted += n
+        self.stats.accepted += accepted
+        self.stats.emitted += accepted + 1
+        return tokens.tolist(), rows[:accepted + 1]
