@@ -55,6 +55,30 @@ def check_draft_tokens(model, n: int) -> None:
                          "and mtp.* weights in the checkpoint)")
 
 
+def rejection_sample(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard speculative rejection sampling (Leviathan et al., Chen et al.): `target` [n+1, V]
+    the main model's probabilities at the n drafted positions and the one after, `draft` [n, V]
+    the probabilities the drafts [n] were sampled from. Draft i is accepted with probability
+    min(1, p_i(d_i) / q_i(d_i)) while all before it were; the first rejected one is replaced by a
+    draw from max(0, p_i - q_i) renormalised, or, when all are accepted, a bonus token is drawn
+    from p_n. Returns the emitted tokens [accepted + 1]: distributed exactly as sampling from the
+    target one token at a time."""
+    n = drafts.shape[0]
+    p = target[:n].gather(-1, drafts.view(-1, 1)).squeeze(-1)
+    q = draft.gather(-1, drafts.view(-1, 1)).squeeze(-1)
+    u = torch.rand(n, generator=generator, device=target.device)
+    accepted = int((u * q <= p).long().cumprod(0).sum())
+    if accepted < n:
+        residual = (target[accepted] - draft[accepted]).clamp(min=0)
+        if not bool(residual.sum() > 0):  # p == q: the rejection had probability 0
+            residual = target[accepted]
+    else:
+        residual = target[n]
+    last = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return torch.cat([drafts[:accepted], last])
+
+
 class Speculator:
     """Speculative decoding of sequence 0 of `cache` (batch size 1) with `sampler` slot 0.
 
@@ -62,11 +86,20 @@ class Speculator:
         first = spec.start(prompt_ids, chunk)       # prefill; the first token
         tokens, logits = spec.step(limit)          # 1 .. N+1 tokens, and the logits they came from
 
-    `limit`: the most tokens this step may emit (drafts are cut to fit it and the cache)."""
+    `limit`: the most tokens this step may emit (drafts are cut to fit it and the cache).
+
+    `acceptance`: "match" (the default, see the module docstring: the tokens of plain decoding
+    with the same sampler) or "rejection": drafts drawn from the MTP layer's distribution and
+    accepted by `rejection_sample` with `generator`, the textbook algorithm, for samplers whose
+    noise is not a function of the position (the same distribution, other tokens)."""
 
     def __init__(self, model, cache: DS4Cache, sampler: BatchSampler, draft_tokens: int,
-                 stats: SpeculationStats | None = None):
+                 stats: SpeculationStats | None = None, acceptance: str = "match",
+                 generator: torch.Generator | None = None):
         check_draft_tokens(model, draft_tokens)
+        if acceptance not in ("match", "rejection"):
+            raise ValueError(f"acceptance must be 'match' or 'rejection', got {acceptance!r}")
+        self.acceptance, self.generator = acceptance, generator
         if cache.mtp is None:
             raise ValueError("the cache has no MTP layer state: make it with the MTP model's new_cache()")
         self.model, self.cache, self.sampler, self.n = model, cache.narrow(1), sampler, draft_tokens
@@ -91,16 +124,37 @@ class Speculator:
         """n draft tokens [1, n] for the positions after the last pending token."""
         model, mtp_cache = self.model, self.cache.mtp
         logits, out = model.mtp_forward(self.mtp_streams, self.mtp_ids, self.cache, logits_to_keep=1)
-        drafts = [self.sampler.sample(logits[:, -1], ahead=torch.zeros(1, dtype=torch.long, device=self.device)).tokens]
+        self.draft_probs = []  # the distributions the drafts came from ("rejection")
+        drafts = [self._pick(logits[:, -1], 0)]
         if n > 1:
             self.mtp_checkpoint = mtp_cache.take_checkpoint(0)  # the drafts past the first are rolled back
         for k in range(1, n):
             logits, out = model.mtp_forward(out[:, -1:], drafts[-1].view(1, 1), self.cache)
-            ahead = torch.full((1,), k, dtype=torch.long, device=self.device)
-            drafts.append(self.sampler.sample(logits[:, -1], ahead=ahead).tokens)
+            drafts.append(self._pick(logits[:, -1], k))
         if n > 1:
             mtp_cache.restore_checkpoint(0, self.mtp_checkpoint)
         return torch.stack(drafts, dim=1)
+
+    def _pick(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Draft k [1] from the MTP layer's logits [1, V]."""
+        if self.acceptance == "rejection":
+            q = self.sampler.probabilities(logits)
+            self.draft_probs.append(q[0])
+            return torch.multinomial(q, 1, generator=self.generator)[0]
+        return self.sampler.sample(logits, ahead=torch.full((1,), k, dtype=torch.long, device=self.device)).tokens
+
+    def _verify(self, rows: torch.Tensor, drafts: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(accepted drafts, emitted tokens) from the verified logits [n+1, V]."""
+        n = drafts.shape[0]
+        if self.acceptance == "rejection":
+            p = self.sampler.probabilities(rows, slots=[0] * (n + 1))
+            q = torch.stack(self.draft_probs) if n else p[:0]
+            tokens = rejection_sample(p, q, drafts, self.generator)
+            return tokens.shape[0] - 1, tokens
+        ahead = torch.arange(n + 1, device=self.device)
+        target = self.sampler.sample(rows, slots=[0] * (n + 1), ahead=ahead).tokens
+        accepted = int((target[:n] == drafts).long().cumprod(0).sum())  # the one host read
+        return accepted, target[:accepted + 1]
 
     def step(self, limit: int) -> tuple[list[int], torch.Tensor]:
         """One verify step: the tokens it emits (at most `limit`, >= 1) and the verified logits
@@ -116,11 +170,7 @@ class Speculator:
                 fed = torch.cat([self.pending, drafts], dim=1)
                 logits, streams = self.model._forward(fed, self.cache, logits_to_keep=n + 1, return_streams=True)
                 rows = logits[0].float()                                          # positions E .. E+n
-                ahead = torch.arange(n + 1, device=self.device)
-                target = self.sampler.sample(rows, slots=[0] * (n + 1), ahead=ahead).tokens
-                match = (target[:n] == drafts[0]).long()
-                accepted = int(match.cumprod(0).sum())                            # the one host read
-                tokens = target[:accepted + 1]
+                accepted, tokens = self._verify(rows, drafts[0])
                 if accepted < n:  # a rejected draft is in the cache: back to the checkpoint
                     self.cache.restore_checkpoint(0, self.checkpoint)
                     self.pending = torch.cat([fed[:, :L + accepted], tokens[-1:].view(1, 1)], dim=1)
