@@ -133,10 +133,22 @@ class DS4Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "DS4Config":
+        """The config of a checkpoint directory. Its MTP layers count only when its weights hold
+        `mtp.*` tensors: transformers writes `num_nextn_predict_layers: 1` and drops the weights."""
         file = os.path.join(path, "config.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_json_file(file)
+        config = cls.from_json_file(file)
+        if config.num_nextn_predict_layers:
+            from .loading import CheckpointError, checkpoint_tensor_names
+
+            try:
+                names = checkpoint_tensor_names(path)
+            except CheckpointError:  # a directory with a config alone (`ds4-torch info`): as configured
+                return config
+            if not any(n.startswith(("mtp.", "model.mtp.")) for n in names):
+                config = config.replace(num_nextn_predict_layers=0, mtp_layer_types=())
+        return config
 
     def replace(self, **changes) -> "DS4Config":
         return dataclasses.replace(self, **changes)

@@ -657,15 +657,12 @@ class DS4ForCausalLM(nn.Module):
         :class:`ds4_torch.parallel.TensorParallel`. None or 1: one process.
 
         Sets ``model.checkpoint_fingerprint`` (:func:`ds4_torch.loading.checkpoint_fingerprint`)."""
-        from .loading import checkpoint_fingerprint, checkpoint_tensor_names, load_checkpoint_into
+        from .loading import checkpoint_fingerprint, load_checkpoint_into
 
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
-        config = DS4Config.from_pretrained(path)
-        if config.num_nextn_predict_layers and not any(n.startswith(("mtp.", "model.mtp."))
-                                                       for n in checkpoint_tensor_names(path)):
-            config = config.replace(num_nextn_predict_layers=0, mtp_layer_types=())  # none shipped
+        config = DS4Config.from_pretrained(path)  # without MTP layers unless the weights hold them
         device = torch.device(device) if device is not None else torch.device("cpu")
         with torch.device("meta"):
             model = cls(config, attn_backend=attn_backend)
