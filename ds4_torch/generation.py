@@ -93,12 +93,17 @@ def _speculate(model, cache, ids, params, eos, max_new_tokens, chunk, draft_toke
     sampler.admit(0, params)
     spec = Speculator(model, cache, sampler, draft_tokens, stats)
     token, _ = spec.start(ids, chunk)
-    yield token
-    produced = 1
-    while token not in eos and produced < max_new_tokens and spec.room() >= 0:
-        tokens, _ = spec.step(max_new_tokens - produced)
-        for token in tokens:
-            yield token
-            produced += 1
-            if token in eos:
-                return
+    unused = 0  # tokens of the last step not taken (after an EOS, or when the caller stops)
+    try:
+        yield token
+        produced = 1
+        while token not in eos and produced < max_new_tokens and spec.room() >= 0:
+            tokens, _ = spec.step(max_new_tokens - produced)
+            for i, token in enumerate(tokens):
+                unused = len(tokens) - i - 1
+                yield token
+                produced += 1
+                if token in eos:
+                    return
+    finally:
+        spec.finish(unused)  # the cache as plain decoding leaves it, however the caller stops

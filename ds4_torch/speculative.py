@@ -108,13 +108,35 @@ class Speculator:
         self.checkpoint = None  # of the main layers at the cache's position, while it still holds there
 
     def start(self, prompt_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
-        """Prefill `prompt_ids` [1, T] (main and MTP layers); the first token and its logits [V]."""
+        """Prefill `prompt_ids` [1, T] (main and MTP layers); the first token and its logits [V].
+        A cache whose MTP state does not stand where its main layers do (filled without it, or
+        rewound with a checkpoint of the main layers) gets a blank MTP state at their position:
+        drafts start cold, the output is the same, and the MTP positions never run ahead."""
+        mtp_cache = self.cache.mtp
+        if int(mtp_cache.positions[0]) != int(self.cache.positions[0]):
+            mtp_cache.reset(0)
+            mtp_cache.positions[0] = self.cache.positions[0]
         logits, streams = prefill(self.model, self.cache, prompt_ids, chunk, mtp=True)
         token = self.sampler.sample(logits).tokens
         self.sampler.append(token)
         self.pending = token.view(1, 1)           # tokens at positions cache.positions.. not in the cache
         self.mtp_streams, self.mtp_ids = streams, token.view(1, 1)  # what the MTP layer is fed next
         return int(token), logits[0]
+
+    def finish(self, unused: int = 0) -> None:
+        """Leave the cache as plain decoding would have: holding every token but the last one
+        taken, when the caller took all but `unused` of the last step's tokens (an EOS among
+        them, or it stopped early). Rewinds to the last step's checkpoint where that step put
+        more in the cache, then feeds the true tokens up to there."""
+        if self.cache.is_invalid(0) or (unused == 0 and self.pending.shape[1] == 1):
+            return
+        if unused and self.last_full:  # its drafts past the last token taken are in the cache
+            self.cache.restore_checkpoint(0, self.last_checkpoint)
+        keep = self.last_L - 1 + self.last_emitted - unused  # true tokens from the checkpoint on
+        with torch.inference_mode():
+            if keep:
+                self.model._forward(self.last_true[:, :keep], self.cache, logits_to_keep=1)
+        self.pending, self.checkpoint = self.last_true[:, keep:keep + 1], None
 
     def room(self) -> int:
         """Positions left in the cache once the pending tokens are in."""
@@ -171,9 +193,14 @@ class Speculator:
                 logits, streams = self.model._forward(fed, self.cache, logits_to_keep=n + 1, return_streams=True)
                 rows = logits[0].float()                                          # positions E .. E+n
                 accepted, tokens = self._verify(rows, drafts[0])
+                # What `finish` needs: the true tokens from the checkpoint's position on, and how
+                # many this step emitted.
+                self.last_true = torch.cat([fed[:, :L + accepted], tokens[-1:].view(1, 1)], dim=1)
+                self.last_L, self.last_emitted, self.last_full = L, accepted + 1, accepted == n
+                self.last_checkpoint = self.checkpoint
                 if accepted < n:  # a rejected draft is in the cache: back to the checkpoint
                     self.cache.restore_checkpoint(0, self.checkpoint)
-                    self.pending = torch.cat([fed[:, :L + accepted], tokens[-1:].view(1, 1)], dim=1)
+                    self.pending = self.last_true
                 else:
                     self.checkpoint = None
                     self.pending = tokens[-1:].view(1, 1)

@@ -76,6 +76,37 @@ def test_greedy_speculation_is_plain_greedy(model, draft_tokens):
         assert stats.emitted == NEW - 1 and stats.drafted > 0
 
 
+def test_speculation_after_a_rewind_is_plain_greedy(model):
+    """A cache that already holds a conversation, rewound to a checkpoint (main layers only; the
+    MTP layer's state is then stale, which costs acceptance, never exactness), continues with
+    speculation exactly as without."""
+    first, second = PROMPTS[2], [4, 8, 15, 16, 23, 42]
+    truth = list(generate(model, first, 24))
+    for n in range(2, 24, 3):  # stopped by EOS or by the caller after n tokens, whatever the step accepted
+        for eos in [None] + ([truth[n - 1]] if truth[n - 1] not in truth[:n - 1] else []):
+            cache = model.new_cache(1, 60)
+            tokens = generate(model, first, 40, cache=cache, speculative_tokens=3, eos_token_id=eos)
+            got = [next(tokens) for _ in range(n)]
+            tokens.close()
+            assert got == truth[:n]
+            plain = model.new_cache(1, 60)
+            list(generate(model, first, n, cache=plain))
+            assert int(cache.positions[0]) == int(plain.positions[0])  # every token but the last
+            ours, theirs = cache.take_checkpoint(0), plain.take_checkpoint(0)
+            for name in theirs:  # the same state (chunked and one-token forwards round alike to 1e-5)
+                torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0)
+    outs = []
+    for n in (0, 2):
+        cache = model.new_cache(1, 160)
+        list(generate(model, first, 5, cache=cache, speculative_tokens=n))
+        assert int(cache.positions[0]) == len(first) + 4  # every token but the last, as plain decoding
+        checkpoint = cache.take_checkpoint(0)
+        list(generate(model, second, 30, cache=cache, speculative_tokens=n))
+        cache.restore_checkpoint(0, checkpoint)
+        outs.append(list(generate(model, second, NEW, cache=cache, speculative_tokens=n)))
+    assert outs[0] == outs[1]
+
+
 class OracleDrafts(Speculator):
     """Drafts from the known plain continuation, the first `pattern[step]` of them right and
     the rest wrong: every acceptance count, including none and all, at every phase."""
