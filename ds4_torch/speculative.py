@@ -109,13 +109,16 @@ class Speculator:
 
     def start(self, prompt_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
         """Prefill `prompt_ids` [1, T] (main and MTP layers); the first token and its logits [V].
-        A cache whose MTP state does not stand where its main layers do (filled without it, or
-        rewound with a checkpoint of the main layers) gets a blank MTP state at their position:
-        drafts start cold, the output is the same, and the MTP positions never run ahead."""
+        The MTP state is moved to where the main layers stand: a lagging one (a previous call
+        left its last positions unfed, or the cache was filled without it) skips the positions
+        it lacks, one ahead (main layers rewound without it) starts blank. Either only costs
+        drafts: the output is the same, and the MTP positions never run ahead."""
         mtp_cache = self.cache.mtp
-        if int(mtp_cache.positions[0]) != int(self.cache.positions[0]):
+        held, main = int(mtp_cache.positions[0]), int(self.cache.positions[0])
+        if held > main:
             mtp_cache.reset(0)
-            mtp_cache.positions[0] = self.cache.positions[0]
+        if held != main:
+            mtp_cache.positions[0] = main
         logits, streams = prefill(self.model, self.cache, prompt_ids, chunk, mtp=True)
         token = self.sampler.sample(logits).tokens
         self.sampler.append(token)

@@ -107,6 +107,26 @@ def test_speculation_after_a_rewind_is_plain_greedy(model):
     assert outs[0] == outs[1]
 
 
+def test_checkpoints_can_cover_the_mtp_state(model):
+    """take_checkpoint(mtp=True) holds the MTP layer's state too, and a restore rewinds both
+    exactly (the MTP layer here is CSA: ring, open windows, overlaps, rows)."""
+    cache = model.new_cache(1, 120)
+    list(generate(model, PROMPTS[2], 10, cache=cache, speculative_tokens=2))
+    checkpoint = cache.take_checkpoint(0, mtp=True)
+    assert any(k.startswith("mtp.layers.0.compressor.") for k in checkpoint)
+    before = (cache.export_sequence(0), cache.mtp.export_sequence(0))
+    list(generate(model, [7, 7, 7], 30, cache=cache, speculative_tokens=2))
+    assert int(cache.mtp.positions[0]) > int(before[1]["position"])
+    cache.restore_checkpoint(0, checkpoint)
+    for got, want in zip((cache.export_sequence(0), cache.mtp.export_sequence(0)), before):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    from ds4_torch.cache import DS4Cache
+
+    without = DS4Cache(model.config.replace(num_nextn_predict_layers=0, mtp_layer_types=()), 1, 120)
+    with pytest.raises(ValueError, match="no MTP layers"):
+        without.restore_checkpoint(0, checkpoint)
+
+
 class OracleDrafts(Speculator):
     """Drafts from the known plain continuation, the first `pattern[step]` of them right and
     the rest wrong: every acceptance count, including none and all, at every phase."""
