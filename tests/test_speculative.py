@@ -304,6 +304,12 @@ def test_embedded_mtp_drafts_well_on_held_out_text(embedded):
         plain = list(generate(model, ids, 48))
         assert list(generate(model, ids, 48, speculative_tokens=1, stats=stats)) == plain
     assert stats.acceptance_length > 1.5
+    seeded = SpeculationStats()  # sampled at 0.7 with a seed: plain seeded decoding's tokens, drafts accepted
+    for n in (1, 3):
+        ids = tok.encode(text[400:600])
+        plain = list(generate(model, ids, 48, temperature=0.7, seed=5))
+        assert list(generate(model, ids, 48, temperature=0.7, seed=5, speculative_tokens=n, stats=seeded)) == plain
+    assert seeded.accepted > seeded.drafted / 3
 
 
 def test_cli_speculative_tokens(embedded, capsys):
