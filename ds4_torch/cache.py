@@ -267,6 +267,17 @@ def check_checkpoint(config: DS4Config, dtype: torch.dtype, max_context: int,
     return n
 
 
+MTP_PREFIX = "mtp."
+
+
+def split_mtp(checkpoint: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(the main layers' part, the MTP layers' part without its prefix) of a checkpoint."""
+    if not isinstance(checkpoint, Mapping):
+        return checkpoint, {}  # the layout check names the problem
+    own = {k: v for k, v in checkpoint.items() if not k.startswith(MTP_PREFIX)}
+    return own, {k[len(MTP_PREFIX):]: v for k, v in checkpoint.items() if k.startswith(MTP_PREFIX)}
+
+
 class DS4Cache:
     """Preallocated decode state for `batch_size` sequences of up to `max_context` tokens."""
 
@@ -299,13 +310,18 @@ class DS4Cache:
                     indexer = _compressor_state(batch_size, capacity, rate, config.index_head_dim, True, dtype,
                                                 self.device)
             self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
+        # The MTP layers' attention state: a cache of their own (positions of their own: while
+        # speculating they run ahead of the main layers), in this one's tensors, resets and views.
+        self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device)
+                    if config.num_nextn_predict_layers else None)
 
     def capacity(self, rate: int) -> int:
         """Compressed rows a layer of rate `rate` can hold: ceil(max_context / rate)."""
         return math.ceil(self.max_context / rate)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.positions] + [t for layer in self.layers for t in layer.tensors()]
+        own = [self.positions] + [t for layer in self.layers for t in layer.tensors()]
+        return own + (self.mtp.tensors() if self.mtp is not None else [])
 
     @property
     def nbytes(self) -> int:
@@ -328,6 +344,8 @@ class DS4Cache:
             layer.window[sel] = 0
             for state in layer.states:
                 state.reset(batch_index)
+        if self.mtp is not None:
+            self.mtp.reset(batch_index)
 
     def sequence_spec(self, n: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """`sequence_spec` for this cache's config and dtype."""
@@ -414,11 +432,14 @@ class DS4Cache:
         """Bytes of one checkpoint of this cache (with logits of `logits_dtype` when given)."""
         return checkpoint_nbytes(self.config, self.dtype, logits_dtype)
 
-    def take_checkpoint(self, index: int, logits: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def take_checkpoint(self, index: int, logits: torch.Tensor | None = None, mtp: bool = False
+                        ) -> dict[str, torch.Tensor]:
         """Copies (on the cache's device) of what sequence `index` would lose by moving on: its
         ring, open windows, overlaps, position and row counts, plus `logits` ([vocab], the next
         token's) when given. Fixed size and no host sync: cheap to take every K tokens, even
-        between decode steps. Canonical, as `export_sequence`."""
+        between decode steps. Canonical, as `export_sequence`. `mtp`: also the MTP layers'
+        state (`self.mtp`'s own checkpoint, its names prefixed `mtp.`), which every restore and
+        branch then rewinds with the rest."""
         self._check_index(index)
         self.check_usable_index(index)
         views = self._sequence_views(index, 0)
@@ -427,6 +448,8 @@ class DS4Cache:
         out["row_counts"] = row_counts(self.layer_rates, out["position"])
         if logits is not None:
             out["logits"] = logits.detach().reshape(-1).clone()
+        if mtp and self.mtp is not None:
+            out.update({f"{MTP_PREFIX}{k}": v for k, v in self.mtp.take_checkpoint(index).items()})
         return out
 
     def check_checkpoint(self, checkpoint: Mapping[str, torch.Tensor]) -> int:
@@ -449,7 +472,21 @@ class DS4Cache:
         `import_sequence` checks a state's); its values are trusted, as they are for a checkpoint
         this process took (`import_checkpoint` checks those of one from elsewhere). The slot must
         hold at least p tokens (the rows come from it); for another slot's rows use
-        `branch_from_checkpoint`."""
+        `branch_from_checkpoint`. A checkpoint taken with `mtp=True` rewinds the MTP layers' state too
+        (in place only: branches and imports take checkpoints of the main layers)."""
+        own, mtp = split_mtp(checkpoint)
+        if mtp and self.mtp is None:
+            raise ValueError("checkpoint holds MTP layer state but this cache has no MTP layers")
+        if mtp:  # checked (both layouts and positions) before anything is written
+            check_checkpoint_layout(self.mtp.config, self.dtype, self.max_context, mtp)
+            if int(mtp["position"]) > int(self.mtp.positions[index]):
+                raise ValueError(f"cannot rewind the MTP state of sequence {index} to position {int(mtp['position'])}")
+        self._restore_checkpoint(index, own)
+        if mtp:
+            self.mtp._restore_checkpoint(index, mtp)
+
+    def _restore_checkpoint(self, index: int, checkpoint: Mapping[str, torch.Tensor]) -> None:
+        """`restore_checkpoint` of the main layers."""
         self._check_index(index)
         self.check_usable_index(index)
         n = check_checkpoint_layout(self.config, self.dtype, self.max_context, checkpoint)
@@ -508,6 +545,7 @@ class DS4Cache:
                          for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]
+        view.mtp = self.mtp._view(start, n) if self.mtp is not None else None
         return view
 
     def is_invalid(self, index: int) -> bool:

@@ -42,6 +42,7 @@ def cmd_generate(args) -> int:
 def _generate(args, tok, model, seed, lead: bool) -> int:
     from .generation import generate
     from .sampling import stop_token_ids
+    from .speculative import SpeculationStats
     from .tokenizer import StreamDecoder
 
     if args.chat:
@@ -55,11 +56,13 @@ def _generate(args, tok, model, seed, lead: bool) -> int:
     out = sys.stdout if lead else io.StringIO()  # the other ranks compute the same text silently
     start = time.perf_counter()
     n = 0
+    stats = SpeculationStats()
     try:
         for token in generate(
             model, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, seed=seed,
             eos_token_id=stop_token_ids(model.config, tok), decode_mode=args.decode_mode,
+            speculative_tokens=args.speculative_tokens, stats=stats,
         ):
             n += 1
             out.write(stream.push(token))
@@ -70,8 +73,10 @@ def _generate(args, tok, model, seed, lead: bool) -> int:
     out.flush()
     elapsed = time.perf_counter() - start
     if lead:
+        spec = (f", {stats.drafted} drafted, {stats.accepted} accepted, {stats.acceptance_length:.2f} tokens per "
+                f"verify step" if args.speculative_tokens else "")
         print(f"[{len(ids)} prompt tokens, {n} new tokens, {elapsed:.2f} s, {model.device}, "
-              f"{str(model.dtype).removeprefix('torch.')}]", file=sys.stderr)
+              f"{str(model.dtype).removeprefix('torch.')}{spec}]", file=sys.stderr)
     return 0
 
 
@@ -153,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="0 = no min-p cut")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat format")
+    g.add_argument("--speculative-tokens", type=int, default=0, choices=range(0, 4), metavar="N",
+                   help="draft N tokens per step with the model's MTP layer and verify them in one forward "
+                        "(0-3; default 0 = off): the same tokens, fewer forwards")
     g.add_argument("--decode-mode", choices=DECODE_MODES, default="auto",
                    help="decode path: graph = captured CUDA graphs (an emulator off CUDA), compile = torch.compile; "
                         "auto picks graph where the device supports it, else eager (env DS4_TORCH_DECODE_MODE "

@@ -30,7 +30,7 @@ _IGNORED_KEYS = {
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "initializer_range",
     "attention_bias", "mlp_bias", "attention_dropout", "keys_to_ignore_at_inference",
-    "quantization_config", "expert_dtype", "num_nextn_predict_layers", "auto_map", "n_group",
+    "quantization_config", "expert_dtype", "auto_map", "n_group",
     "topk_group", "topk_method", "first_k_dense_replace", "moe_layer_freq", "ep_size",
     "aux_loss_alpha", "seq_aux", "num_key_value_heads", "tie_word_embeddings", "pad_token_id",
     "bos_token_id", "eos_token_id", "norm_topk_prob", "hidden_act", "intermediate_size",
@@ -86,6 +86,10 @@ class DS4Config:
     eos_token_id: int | list | None = 1
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False
+    # Multi-token prediction (MTP) layers: their count and attention kinds (the MTP slots of the
+    # upstream `compress_ratios`; sliding when a config does not name them).
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
 
     def __post_init__(self):
         _validate(self)
@@ -103,6 +107,13 @@ class DS4Config:
         if isinstance(self.eos_token_id, (list, tuple)):
             return tuple(int(e) for e in self.eos_token_id)
         return (int(self.eos_token_id),)
+
+    def mtp_config(self) -> "DS4Config":
+        """The config an MTP layer and its cache are built from: its layers are the MTP layers
+        (routed by score, never hashed: they sit past the hash layers)."""
+        n = self.num_nextn_predict_layers
+        return self.replace(num_hidden_layers=n, layer_types=self.mtp_layer_types, mlp_layer_types=("moe",) * n,
+                            num_nextn_predict_layers=0, mtp_layer_types=())
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -122,10 +133,22 @@ class DS4Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "DS4Config":
+        """The config of a checkpoint directory. Its MTP layers count only when its weights hold
+        `mtp.*` tensors: transformers writes `num_nextn_predict_layers: 1` and drops the weights."""
         file = os.path.join(path, "config.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_json_file(file)
+        config = cls.from_json_file(file)
+        if config.num_nextn_predict_layers:
+            from .loading import CheckpointError, checkpoint_tensor_names
+
+            try:
+                names = checkpoint_tensor_names(path)
+            except CheckpointError:  # a directory with a config alone (`ds4-torch info`): as configured
+                return config
+            if not any(n.startswith(("mtp.", "model.mtp.")) for n in names):
+                config = config.replace(num_nextn_predict_layers=0, mtp_layer_types=())
+        return config
 
     def replace(self, **changes) -> "DS4Config":
         return dataclasses.replace(self, **changes)
@@ -183,6 +206,9 @@ class DS4Config:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "tie_word_embeddings": self.tie_word_embeddings,
+            # transformers ignores both (and every `mtp.*` weight); ds4_torch reads them back
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+            "mtp_layer_types": list(self.mtp_layer_types),
         }
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -278,6 +304,13 @@ def _resolve(raw: dict) -> dict:
         raise ValueError("config needs `layer_types` (or the legacy `compress_ratios`): the default "
                          "pattern differs between model sizes, so it is never guessed")
     out["layer_types"] = tuple(layer_types[:n_layers]) if isinstance(layer_types, (list, tuple)) else layer_types
+    n_mtp = _pop_int(raw, "num_nextn_predict_layers", 0)
+    mtp_types = raw.pop("mtp_layer_types", None)
+    if mtp_types is None:  # the upstream spelling: the slots of `compress_ratios` past the layers
+        extra = list(layer_types[n_layers:]) if isinstance(layer_types, (list, tuple)) else []
+        mtp_types = (extra + [SLIDING] * n_mtp)[:n_mtp]
+    out["num_nextn_predict_layers"] = n_mtp
+    out["mtp_layer_types"] = tuple(mtp_types) if isinstance(mtp_types, (list, tuple)) else mtp_types
 
     mlp_types = raw.pop("mlp_layer_types", None)
     n_hash = _pop_int(raw, "num_hash_layers")
@@ -356,6 +389,13 @@ def _validate(c: DS4Config) -> None:
     bad = sorted({t for t in c.mlp_layer_types if t not in MLP_LAYER_TYPES})
     if bad:
         raise ValueError(f"config field `mlp_layer_types` has unknown types {bad}; allowed {list(MLP_LAYER_TYPES)}")
+    n_mtp = c.num_nextn_predict_layers
+    if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or n_mtp < 0:
+        raise ValueError(f"config field `num_nextn_predict_layers` must be an integer >= 0, got {n_mtp!r}")
+    if not isinstance(c.mtp_layer_types, tuple) or len(c.mtp_layer_types) != n_mtp or \
+            any(t not in LAYER_TYPES for t in c.mtp_layer_types):
+        raise ValueError(f"config field `mtp_layer_types` must list one of {list(LAYER_TYPES)} per MTP layer "
+                         f"({n_mtp}), got {c.mtp_layer_types!r}")
     for kind in (CSA, HCA):
         rate = c.compress_rates.get(kind)
         if isinstance(rate, bool) or not isinstance(rate, int) or rate <= 0:

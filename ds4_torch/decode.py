@@ -71,27 +71,40 @@ def resolve_mode(mode: str, device) -> str:
 
 
 def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, on_chunk=None,
-            full_logits: bool = False):
+            full_logits: bool = False, mtp: bool = False):
     """Feed `input_ids` [B, T] through the cache in chunks of `chunk` tokens; return the logits of
     the last token fed [B, V]. `on_chunk(tokens_done, logits)` runs after each chunk (`logits`: the
     chunk's last token's, [B, V]; with `full_logits`, every token's of the chunk, [B, chunk, V], for
     prompt logprobs): returning False stops early (the prefix fed so far stays valid in the cache)
     and `prefill` returns None. The one chunked prefill loop: `generate()`, the server's engine and
     the tests all feed prompts through it.
-    A failing chunk invalidates the batch's sequences and re-raises."""
+    A failing chunk invalidates the batch's sequences and re-raises.
+    `mtp`: also feed the model's MTP layer (`cache.mtp`) every position but the last (its input at
+    position p is the hidden streams at p and token p+1: the last one waits for the sampled
+    token), and return (logits, the last token's hidden streams [B, 1, n, H]): what speculative
+    decoding starts from."""
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
     B, T = input_ids.shape
     cache.check_usable(B)
     cache.check_room(T, B)
     target = cache.narrow(B)
-    logits = None
+    logits = last_streams = None
     for a in range(0, T, chunk):
         try:
             fault_point("prefill")
             with torch.inference_mode():  # no autograd bookkeeping per op (transformers' generate does the same)
                 # Only the last token's logits unless the caller wants every token's (prompt logprobs).
-                every = model(input_ids[:, a:a + chunk], cache=target, logits_to_keep=0 if full_logits else 1)
+                keep = 0 if full_logits else 1
+                every = (model(input_ids[:, a:a + chunk], cache=target, logits_to_keep=keep, return_streams=True)
+                         if mtp else model(input_ids[:, a:a + chunk], cache=target, logits_to_keep=keep))
+                if mtp:
+                    every, streams = every
+                    # MTP positions a-1 .. a+c-2: the previous chunk's last streams join this one's.
+                    fed = streams[:, :-1] if last_streams is None else torch.cat([last_streams, streams[:, :-1]], 1)
+                    if fed.shape[1]:
+                        model.mtp_forward(fed, input_ids[:, max(a, 1):a + chunk], target, logits_to_keep=1)
+                    last_streams = streams[:, -1:].clone()
             logits = every[:, -1].clone()  # a normal tensor: callers may update it in place
             synchronize(cache.device)
         except BaseException:
@@ -99,7 +112,7 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
             raise
         if on_chunk is not None and on_chunk(min(a + chunk, T), every if full_logits else logits) is False:
             return None if a + chunk < T else logits
-    return logits
+    return (logits, last_streams) if mtp else logits
 
 
 def make_decoder(model, cache: DS4Cache, mode: str = "auto", scratch_padding: bool = False) -> "Decoder":

@@ -60,8 +60,14 @@ FINGERPRINT_SAMPLE_POINTS = 5
 # safetensors refuses headers above 100 MB; a larger length prefix means a corrupt file.
 MAX_SAFETENSORS_HEADER = 100_000_000
 
-# Checkpoint keys silently skipped (multi-token-prediction heads), as transformers does.
+# Checkpoint keys silently skipped (multi-token-prediction layers) by a model built without them,
+# as transformers does.
 IGNORED_KEYS = re.compile(r"(^|\.)mtp\.")
+# An MTP layer's upstream names (`mtp.K.attn.wq_a.weight`, ...) are a decoder layer's, plus its
+# own norm and mHC head, which the layer renames would take for a compressor's and the model's.
+MTP_KEY = re.compile(r"^mtp\.(\d+)\.(.*)$")
+MTP_OWN = {"norm.weight": "norm.weight", "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base",
+           "hc_head_scale": "hc_head.hc_scale"}
 
 # Upstream DeepSeek-V4 -> HF renames, applied in order, each at most once, to the key
 # with any leading "model." removed (transformers' conversion_mapping["deepseek_v4"]).
@@ -304,6 +310,9 @@ def checkpoint_fingerprint(path) -> str:
 def rename_checkpoint_key(name: str) -> str:
     """Upstream DeepSeek name -> HF name (without resolving the ``model.`` prefix)."""
     key = name[len("model."):] if name.startswith("model.") else name
+    m = MTP_KEY.match(key)
+    if m and m[2] in MTP_OWN:
+        return f"mtp.{m[1]}.{MTP_OWN[m[2]]}"
     for pattern, repl in RENAMES:
         key = pattern.sub(repl, key, count=1)
     return key
@@ -781,10 +790,11 @@ def load_checkpoint_into(
     scale_of = _pair_scales(names)
     scale_names = set(scale_of.values())
     model_keys = set(model.state_dict(keep_vars=True).keys())
+    has_mtp = any(k.startswith("mtp.") for k in model_keys)
     tasks: list[_Task] = []
     unexpected: list[str] = []
     for name in sorted(names, key=_natural_key):
-        if name in scale_names or IGNORED_KEYS.search(name):
+        if name in scale_names or (not has_mtp and IGNORED_KEYS.search(name)):
             continue
         hit = _target_of(name, model_keys)
         if hit is None:

@@ -27,7 +27,8 @@ from .kernels.sinkhorn import sinkhorn
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
 # sinks, biases); we do the same so bf16 models round the same way.
 FP32_PARAM_MARKERS = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias",
-                      "q_a_norm", "kv_norm", "input_layernorm", "post_attention_layernorm", "model.norm")
+                      "q_a_norm", "kv_norm", "input_layernorm", "post_attention_layernorm", "model.norm",
+                      "enorm", "hnorm", ".norm.weight")
 
 
 # --------------------------------------------------------------------------- small pieces
@@ -568,6 +569,29 @@ class DecoderLayer(nn.Module):
         return self._mix(post, comb, self.mlp(self.post_attention_layernorm(collapsed), token_ids), streams)
 
 
+class MTPBlock(DecoderLayer):
+    """DeepSeek-V4's multi-token-prediction layer (upstream `MTPBlock`): the hidden streams at
+    position p (the main model's, or this block's own when it drafts further) and the embedding
+    of token p+1, each RMS-normed, projected and added (`e_proj(enorm(e))` broadcast over the
+    mHC streams + `h_proj(hnorm(streams))`), then one decoder layer of the model's kind with its
+    own attention cache, then its own mHC head and final norm; the embedding and the output head
+    are the main model's. Its logits at p predict token p+2."""
+
+    def __init__(self, config: DS4Config, layer_idx: int):
+        super().__init__(config, layer_idx)  # `config`: DS4Config.mtp_config()
+        H = config.hidden_size
+        self.enorm = RMSNorm(H, config.rms_norm_eps)
+        self.hnorm = RMSNorm(H, config.rms_norm_eps)
+        self.e_proj = nn.Linear(H, H, bias=False)
+        self.h_proj = nn.Linear(H, H, bias=False)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+    def combine(self, embedded, streams):
+        """embedded [B, T, H] (tokens p+1), streams [B, T, n, H] (hidden at p) -> input streams."""
+        return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+
+
 class DS4Model(nn.Module):
     def __init__(self, config: DS4Config):
         super().__init__()
@@ -587,6 +611,9 @@ class DS4ForCausalLM(nn.Module):
         self.config = config
         self.model = DS4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.num_nextn_predict_layers:  # state-dict names mtp.{k}.* (transformers ignores them)
+            mtp_config = config.mtp_config()
+            self.mtp = nn.ModuleList(MTPBlock(mtp_config, k) for k in range(config.num_nextn_predict_layers))
         self.attn_backend = attn_backend
 
     @property
@@ -644,7 +671,7 @@ class DS4ForCausalLM(nn.Module):
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
-        config = DS4Config.from_pretrained(path)
+        config = DS4Config.from_pretrained(path)  # without MTP layers unless the weights hold them
         device = torch.device(device) if device is not None else torch.device("cpu")
         with torch.device("meta"):
             model = cls(config, attn_backend=attn_backend)
@@ -709,7 +736,8 @@ class DS4ForCausalLM(nn.Module):
         return self.new_cache(1, context).nbytes / context
 
     # ----------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor, cache: DS4Cache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: DS4Cache | None = None, logits_to_keep: int = 0,
+                return_streams: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] for `input_ids` [B, T]; with `logits_to_keep` = n > 0, only the
         last n tokens' [B, n, vocab] (the output head runs on those alone: a prefill needs one).
 
@@ -731,9 +759,11 @@ class DS4ForCausalLM(nn.Module):
             cache.check_room(T)
             if self.ops.name in BACKENDS:  # (training swaps in autograd-able reference functions)
                 kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run
-        return self._forward(input_ids, cache, logits_to_keep)
+        return self._forward(input_ids, cache, logits_to_keep, return_streams)
 
-    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0):
+    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0, return_streams: bool = False):
+        """Logits; with `return_streams`, also the last layer's hidden streams [B, T, n, H] of
+        every token (what the MTP layer drafts from)."""
         T = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
         plan = ForwardPlan(self.model, cache, T, x.dtype)
@@ -741,7 +771,25 @@ class DS4ForCausalLM(nn.Module):
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             streams = layer(streams, input_ids, layer_cache, plan, self.ops)
         cache.positions.add_(T)
+        logits = self._head(self.model.hc_head, self.model.norm, streams, logits_to_keep)
+        return (logits, streams) if return_streams else logits
+
+    def _head(self, hc_head, norm, streams, logits_to_keep: int = 0):
+        T = streams.shape[1]
         if 0 < logits_to_keep < T:
             streams = streams[:, -logits_to_keep:]
-        hidden = self.model.norm(self.model.hc_head(streams))
-        return self.lm_head(hidden)
+        return self.lm_head(norm(hc_head(streams)))
+
+    def mtp_forward(self, streams, input_ids, cache: DS4Cache, logits_to_keep: int = 0):
+        """One pass of MTP layer 0 over T positions p..p+T-1 of `cache.mtp` (its own positions):
+        `streams` [B, T, n, H] the hidden streams at those positions (the main model's from
+        `_forward(..., return_streams=True)`, or this layer's own output when drafting further),
+        `input_ids` [B, T] the tokens at p+1..p+T. Returns (draft logits [B, T or logits_to_keep,
+        V] for the tokens at p+2.., the layer's output streams [B, T, n, H])."""
+        block, mtp_cache = self.mtp[0], cache.mtp
+        T = input_ids.shape[1]
+        x = block.combine(self.model.embed_tokens(input_ids), streams.to(self.model.embed_tokens.weight.dtype))
+        plan = ForwardPlan(self.model, mtp_cache, T, x.dtype)
+        out = block(x, input_ids, mtp_cache.layers[0], plan, self.ops)
+        mtp_cache.positions.add_(T)
+        return self._head(block.hc_head, block.norm, out, logits_to_keep), out

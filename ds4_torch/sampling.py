@@ -445,13 +445,39 @@ class BatchSampler:
             x = x - counts * self.frequency[rows].unsqueeze(-1) - (counts > 0).float() * self.presence[rows].unsqueeze(-1)
         return x
 
+    def _filtered(self, x: torch.Tensor, rows, sampled: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy rows [B], the temperature-scaled and filtered logits [B, V]) of adjusted logits."""
+        temperature = self.temperature[rows]
+        greedy = temperature == 0
+        scaled = x / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+        max_top_k = max(p.top_k for p in sampled)
+        return greedy, filter_logits(
+            scaled, top_k=self.top_k[rows] if max_top_k else None,
+            top_p=self.top_p[rows] if any(p.top_p < 1 for p in sampled) else None,
+            min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None, max_top_k=max_top_k)
+
+    def probabilities(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution [B, V] (float32) `sample` draws each row from: after the adjustments,
+        the temperature and the filters; a greedy row is one-hot on its argmax."""
+        rows, params = self._rows(slots, logits.shape[0])
+        x = self.adjust(logits, rows, params)
+        onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+        sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
+        if not sampled:
+            return onehot
+        greedy, scaled = self._filtered(x, rows, sampled)
+        return torch.where(greedy.unsqueeze(-1), onehot, torch.softmax(scaled, dim=-1))
+
     def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, logprobs: int | None = None,
-               slots: Sequence[int] | torch.Tensor | None = None) -> SampledTokens:
+               slots: Sequence[int] | torch.Tensor | None = None, ahead: torch.Tensor | None = None) -> SampledTokens:
         """The next token of every row of `logits` [B, V]. `allowed`: bool [B, V], the tokens each
         row's grammar allows (all True for a row without one), never lifted. `logprobs` k: the
         chosen token's raw logprob and the k best (k = the most any row asked for; None: none).
         A row whose logits hold NaN or inf, or that allows no token, comes back `failed` (its
-        token is meaningless); the other rows are unaffected."""
+        token is meaningless); the other rows are unaffected. `ahead` (int64 [B]): row b samples
+        the token `ahead[b]` places after its slot's next one (its noise position moves on by
+        that much; the history the penalties see does not): speculative decoding's drafts and
+        verified positions, one row each."""
         if logits.dim() != 2 or logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits must be [batch, {self.vocab_size}], got shape {tuple(logits.shape)}")
         B = logits.shape[0]
@@ -464,15 +490,9 @@ class BatchSampler:
         tokens = torch.argmax(x, dim=-1)
         sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
         if sampled:
-            temperature = self.temperature[rows]
-            greedy = temperature == 0
-            scaled = x / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
-            max_top_k = max(p.top_k for p in sampled)
-            scaled = filter_logits(
-                scaled, top_k=self.top_k[rows] if max_top_k else None,
-                top_p=self.top_p[rows] if any(p.top_p < 1 for p in sampled) else None,
-                min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None, max_top_k=max_top_k)
-            drawn = torch.argmax(scaled + gumbel_noise(self.seeds[rows], self.generated[rows], self.vocab_size), dim=-1)
+            greedy, scaled = self._filtered(x, rows, sampled)
+            position = self.generated[rows] if ahead is None else self.generated[rows] + ahead
+            drawn = torch.argmax(scaled + gumbel_noise(self.seeds[rows], position, self.vocab_size), dim=-1)
             tokens = torch.where(greedy, tokens, drawn)
         out = SampledTokens(tokens, failed, self.stop_ids[rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
         if logprobs is not None:

@@ -116,11 +116,24 @@ _GROUPS = [
 ]
 
 
+# An MTP layer's own tensors (upstream `MTPBlock`): the rest of it is named as a layer is.
+_MTP_OWN = {"hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+
+
 def to_upstream(hf_key: str) -> str:
-    """HF name -> DeepSeek upstream name (stacked experts are handled by upstream_state)."""
+    """HF name -> DeepSeek upstream name (stacked experts are handled by upstream_state).
+    MTP layers: `mtp.K.<layer name>` -> `mtp.K.<upstream layer name>`."""
     k = hf_key[len("model."):] if hf_key.startswith("model.") else hf_key
     if k in _TOP:
         return _TOP[k]
+    mtp = re.fullmatch(r"mtp\.(\d+)\.(.+)", k)
+    if mtp:
+        depth, rest = mtp.groups()
+        if rest in _MTP_OWN:
+            return f"mtp.{depth}.{_MTP_OWN[rest]}"
+        if rest.split(".")[0] in ("enorm", "hnorm", "e_proj", "h_proj", "norm"):
+            return k
+        return "mtp." + to_upstream(f"layers.{depth}.{rest}")[len("layers."):]
     layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", k).groups()
     for hf_prefix, up_prefix, leaves in _GROUPS:
         if rest.startswith(hf_prefix):
@@ -137,11 +150,11 @@ def upstream_state(state: dict) -> dict:
     """HF state dict -> upstream names, routed experts split into per-expert w1/w3/w2."""
     out = {}
     for k, v in state.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", k)
+        m = re.fullmatch(r"(model\.layers|mtp)\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", k)
         if m:
-            layer, which = m.groups()
+            group, layer, which = m.groups()
             for e in range(v.shape[0]):
-                base = f"layers.{layer}.ffn.experts.{e}"
+                base = f"{'mtp' if group == 'mtp' else 'layers'}.{layer}.ffn.experts.{e}"
                 if which == "gate_up_proj":
                     half = v.shape[1] // 2
                     out[f"{base}.w1.weight"] = v[e, :half].clone()

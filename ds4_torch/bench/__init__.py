@@ -14,12 +14,13 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `checkpoint` (`checkpoint.py`): cache checkpoints (take, restore, branch, import) at V4-Flash's
   layout vs copying the whole sequence.
 - `quant`      (`quant.py`): a real-size FP8/FP4 checkpoint kept quantized vs dequantized to bf16.
+- `speculative` (`speculative.py`): decode with MTP speculation vs without, acceptance and costs.
 """
 from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint", "quant")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint", "quant", "speculative")
 
 
 def _threads(args) -> None:
@@ -87,6 +88,11 @@ def _run_quant(args) -> int:
     return importlib.import_module(".quant", __name__).run(args)
 
 
+def _run_speculative(args) -> int:
+    _threads(args)
+    return importlib.import_module(".speculative", __name__).run(args)
+
+
 def add_parser(sub) -> None:
     """The `bench` command and its targets, under the CLI's subparsers `sub`."""
     from ..runtime import add_model_arguments, add_tp_argument, positive_int
@@ -113,6 +119,16 @@ def add_parser(sub) -> None:
     m.add_argument("--repeats", type=positive_int, default=3,
                    help="runs per implementation, interleaved; the best of each is shown (default 3)")
     common(m)
+
+    sp = target("speculative", "decode with MTP speculation vs without: speed, acceptance, cost ratios", _run_speculative)
+    add_model_arguments(sp)
+    sp.add_argument("--prompt", default=None, help="prompt text (default: a few lines of Romeo and Juliet)")
+    sp.add_argument("--new-tokens", type=positive_int, default=128, help="generated tokens (default 128)")
+    sp.add_argument("--speculative-tokens", type=positive_int, nargs="+", default=[1, 2, 3],
+                    help="draft tokens per step to measure (default 1 2 3)")
+    sp.add_argument("--repeats", type=positive_int, default=3,
+                    help="runs per setting, interleaved with plain decoding; the best is shown (default 3)")
+    common(sp)
 
     a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)
     a.add_argument("--contexts", type=positive_int, nargs="+", default=[4096, 16384, 65536, 262144])

@@ -1,0 +1,113 @@
+"""`ds4-torch bench speculative`: single-stream decode with and without MTP speculation, in the
+same run (interleaved, best of `--repeats` each), with the acceptance length, the cost ratios
+that explain the speed-up, and what that acceptance would give DeepSeek-V4-Flash.
+
+Speed-up model: a step emits `a` tokens (the acceptance length) for one verify forward of 1 + N
+tokens (cost `v` decode steps) and N MTP passes (cost `m` each), so speed-up = a / (v + N m).
+V4-Flash at batch 1 is bound by reading its weights: a verify of a few tokens costs one decode
+step (v = 1) and its MTP block is one layer of 43 (m = 1/43).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from .report import machine
+
+DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+                  "Arise, fair sun, and kill the envious moon,\n")
+FLASH_LAYERS = 43
+
+
+def _decode_time(model, prompt, new_tokens, n, stats=None):
+    from ..generation import generate
+
+    tokens, first = [], None
+    for t in generate(model, prompt, new_tokens, prefill_chunk=len(prompt), speculative_tokens=n, stats=stats,
+                      decode_mode="eager"):
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(t)
+    return time.perf_counter() - first, tokens
+
+
+@torch.inference_mode()
+def cost_ratios(model, prompt, n, repeats=30) -> tuple[float, float]:
+    """(verify forward of 1 + n tokens, one MTP pass), each in decode steps, at the prompt's end."""
+    cache = model.new_cache(1, len(prompt) + n + 1)
+    ids = torch.tensor([prompt])
+    _, streams = model._forward(ids, cache, return_streams=True)
+
+    def timed(fn, T, positions):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            positions.sub_(T)  # back to the same position: only the time matters here
+        return statistics.median(times)
+
+    one = ids[:, -1:]
+    step = timed(lambda: model._forward(one, cache), 1, cache.positions)
+    verify = timed(lambda: model._forward(ids[:, -1 - n:], cache, logits_to_keep=n + 1, return_streams=True),
+                   n + 1, cache.positions)
+    mtp = timed(lambda: model.mtp_forward(streams[:, -1:], one, cache), 1, cache.mtp.positions)
+    return verify / step, mtp / step
+
+
+def run(args) -> int:
+    from ..runtime import UserError, load_model
+    from ..speculative import SpeculationStats
+    from ..tokenizer import load_tokenizer
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    if getattr(model, "mtp", None) is None:
+        raise UserError("this model has no MTP layer (mtp.* weights): nothing to speculate with")
+    if args.model:
+        tok = load_tokenizer(args.model)
+    else:
+        from ..default_model import default_tokenizer
+
+        tok = default_tokenizer()
+    prompt = tok.encode(args.prompt or DEFAULT_PROMPT)
+    print(f"bench speculative: {args.model or 'built-in default'}, prompt {len(prompt)} tokens, {args.new_tokens} new "
+          f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, eager; {machine()}; best of "
+          f"{args.repeats} interleaved runs", file=sys.stderr)
+    print(f"{'draft tokens':>12} {'decode tok/s':>13} {'speed-up':>9} {'accept len':>11} {'verify cost':>12} "
+          f"{'MTP cost':>9} {'predicted':>10} {'V4-Flash':>9} {'identical':>10}")
+    rows = []
+    for n in [0, *args.speculative_tokens]:
+        plain_s, spec_s, stats = [], [], SpeculationStats()
+        for _ in range(args.repeats):  # interleaved, so a noisy stretch of the machine hits both alike
+            t, plain = _decode_time(model, prompt, args.new_tokens, 0)
+            plain_s.append(t)
+            if n:
+                stats = SpeculationStats()
+                t, tokens = _decode_time(model, prompt, args.new_tokens, n, stats)
+                spec_s.append(t)
+        base = (args.new_tokens - 1) / min(plain_s)
+        if not n:
+            print(f"{0:>12} {base:>13.1f} {1.0:>8.2f}x {1.0:>11.2f}")
+            rows.append({"draft_tokens": 0, "decode_tok_s": base, "speedup": 1.0})
+            continue
+        speed = (args.new_tokens - 1) / min(spec_s)
+        verify, mtp = cost_ratios(model, prompt, n)
+        a = stats.acceptance_length
+        predicted, flash = a / (verify + n * mtp), a / (1 + n / FLASH_LAYERS)
+        same = f"{sum(x == y for x, y in zip(tokens, plain))}/{len(plain)}"
+        print(f"{n:>12} {speed:>13.1f} {speed / base:>8.2f}x {a:>11.2f} {verify:>12.2f} {mtp:>9.2f} "
+              f"{predicted:>9.2f}x {flash:>8.2f}x {same:>10}")
+        rows.append({"draft_tokens": n, "decode_tok_s": speed, "speedup": speed / base, "acceptance_length": a,
+                     "verify_cost": verify, "mtp_cost": mtp, "predicted_speedup": predicted,
+                     "v4_flash_speedup": flash})
+    print("speed-up: against plain decoding of the same run; accept len: tokens emitted per verify step (bonus "
+          "included); costs in decode steps; predicted = accept len / (verify + N x MTP); V4-Flash = accept len / "
+          f"(1 + N/{FLASH_LAYERS}): a weight-bound verify costs one step, its MTP block one layer of {FLASH_LAYERS}")
+    if args.csv:
+        from .report import write_csv
+
+        write_csv(rows, args.csv)
+    return 0
