@@ -50,7 +50,7 @@ from .engine import Engine
 from .guard import BrowserGuard
 from .metrics import Metrics
 from .protocol import APIError, bad, parse_json_object, type_name
-from .request_policy import LIMITS
+from .request_policy import LIMITS, ignore_unknown
 from .replay import ReplayStore
 
 log = logging.getLogger("ds4.serve")
@@ -368,11 +368,7 @@ class AppState:
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_json(request)
-        allowed = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"}
-        unknown = set(body) - allowed
-        if unknown:
-            raise bad(f"Unrecognized request argument supplied: {sorted(unknown)[0]}", sorted(unknown)[0],
-                      "unknown_parameter")
+        ignore_unknown("tokenize", body, {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"})
         self.check_model(body.get("model"))
         if ("prompt" in body) == ("messages" in body):
             raise bad("send exactly one of 'prompt' (a string) or 'messages' (a chat)", "prompt",
@@ -398,10 +394,7 @@ class AppState:
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_json(request)
-        unknown = set(body) - {"model", "tokens"}
-        if unknown:
-            raise bad(f"Unrecognized request argument supplied: {sorted(unknown)[0]}", sorted(unknown)[0],
-                      "unknown_parameter")
+        ignore_unknown("detokenize", body, {"model", "tokens"})
         self.check_model(body.get("model"))
         ids = body.get("tokens")
         vocab = self.model.config.vocab_size
