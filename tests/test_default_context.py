@@ -78,3 +78,40 @@ def test_serve_loads_with_the_default_ctx_and_explicit_ctx_still_wins(monkeypatc
     assert server_config.ctx == DS4Config.from_pretrained(DEFAULT_MODEL_DIR).max_position_embeddings
     args = cli.build_parser().parse_args(["--ctx", "1000"])
     assert cli.load(args)[2].ctx == 1000
+
+
+@torch.no_grad()
+def test_a_large_cache_reads_only_visible_rows_and_gives_the_same_logits():
+    """Eager CPU steps read the compressed rows some sequence can see; the graph path (traced:
+    every row, masked) is the independent reference, at a context past several row bounds."""
+    from ds4_torch.decode import make_decoder, prefill
+    from ds4_torch.model import DS4ForCausalLM
+
+    model = DS4ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, model.config.vocab_size, (2, 1100), generator=g)
+    caches = [model.new_cache(2, 4096) for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, prompt, chunk=300)
+    eager, graph = make_decoder(model, caches[0], "eager"), make_decoder(model, caches[1], "graph")
+    tokens = torch.tensor([5, 9])
+    for _ in range(6):
+        a, b = eager.step(tokens), graph.step(tokens)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        tokens = a.argmax(-1)
+
+
+def test_bench_context(tmp_path, capsys):
+    import csv
+
+    from ds4_torch.cli import main
+
+    table = tmp_path / "context.csv"
+    assert main(["bench", "context", "--contexts", "64", "700", "--ctx", "2048", "--new-tokens", "3",
+                 "--csv", str(table)]) == 0
+    rows = list(csv.DictReader(table.open()))
+    assert [int(r["context"]) for r in rows] == [64, 700]
+    assert all(float(r["prefill_tok_s"]) > 0 and float(r["decode_tok_s"]) > 0 for r in rows)
+    assert "decode at 700 / at 64" in capsys.readouterr().out
+    assert main(["bench", "context", "--contexts", "2047", "--ctx", "2048", "--new-tokens", "3"]) == 2
+    assert "does not fit the cache" in capsys.readouterr().err
