@@ -80,22 +80,27 @@ def _drill_with_tools(rng: random.Random) -> dict:
     return {**conv, "tools": [tool_corpus.tool_schema(n, with_description=False) for n in dict.fromkeys(called)]}
 
 
-def agent_sequence(tok, rng: random.Random, length: int, train_text: torch.Tensor
-                   ) -> tuple[list[int], list[int], list[bool]]:
+MIX = (0.55, 0.15, 0.15, 0.15)  # agent chats, four-tool chats, drills, Shakespeare passages
+
+
+def agent_sequence(tok, rng: random.Random, length: int, train_text: torch.Tensor, mix=MIX,
+                   rounds: tuple[int, int] = (1, 6)) -> tuple[list[int], list[int], list[bool]]:
     """One packed `length`-token agent sequence: token ids, labels (IGNORE where no loss) and
-    whether each label is chat (True) or Shakespeare (False)."""
+    whether each label is chat (True) or Shakespeare (False). `mix`: the shares of each kind of
+    document; `rounds`: requests per agent chat."""
     ids: list[int] = []
     labels: list[int] = []
     chat: list[bool] = []
+    edges = [sum(mix[:k + 1]) / sum(mix) for k in range(3)]
     while len(ids) < length + 1:
         room = length + 1 - len(ids)
         r = rng.random()
-        if r < 0.55 and room > 2000:
+        if r < edges[0] and room > 2000:
             system = rng.randint(1000, max(1000, min(40000, room - 1500)))
-            conv = agent_corpus.agent_conversation(rng, "train", system_tokens=system, tok=tok, rounds=(1, 6))
-        elif r < 0.7:
+            conv = agent_corpus.agent_conversation(rng, "train", system_tokens=system, tok=tok, rounds=rounds)
+        elif r < edges[1]:
             conv = tool_corpus.conversation(rng, "train", rounds=(1, 3), novel=0.7, names="mixed")
-        elif r < 0.85:
+        elif r < edges[2]:
             conv = _drill_with_tools(rng)
         else:
             n = rng.randint(256, 4096)
@@ -289,6 +294,10 @@ def main(argv=None):
     p.add_argument("--max-length", type=int, default=32768)
     p.add_argument("--text-share", type=float, default=0.35, help="share of steps on plain Shakespeare")
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--mix", type=float, nargs=4, default=MIX, metavar=("AGENT", "CHATS", "DRILLS", "TEXT"),
+                   help="shares of the documents packed into agent sequences")
+    p.add_argument("--rounds", type=int, nargs=2, default=(1, 6), metavar=("MIN", "MAX"),
+                   help="requests per agent chat")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=7)
@@ -306,6 +315,7 @@ def main(argv=None):
         result = evaluate_long(args.out, args.data, args.rotations, args.probes, args.quick_eval)
         record = json.loads((args.out / "training.json").read_text())
         record.setdefault("stage3", [{}])[-1]["evaluation"] = result
+        record["held_out_loss"] = result["held_out_loss"]  # the model's headline number (windowed, as stage 1)
         (args.out / "training.json").write_text(json.dumps(record, indent=2, ensure_ascii=False))
         print(json.dumps(result, indent=1))
         return
@@ -315,9 +325,11 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     record = json.loads((args.base / "training.json").read_text())
     config = json.loads((args.base / "config.json").read_text())
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if args.base.resolve() != args.out.resolve():
-            (args.out / name).write_bytes((args.base / name).read_bytes())
+    if args.base.resolve() != args.out.resolve():
+        (args.out / "tokenizer.json").write_bytes((args.base / "tokenizer.json").read_bytes())
+    tok_config = json.loads((args.base / "tokenizer_config.json").read_text())
+    tok_config["model_max_length"] = max(config["max_position_embeddings"], LONG_CONTEXT)
+    (args.out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
     model = DS4ForCausalLM.from_pretrained(args.base)
     if config["max_position_embeddings"] < LONG_CONTEXT:
         config = long_config(config)
@@ -342,7 +354,7 @@ def main(argv=None):
         length = int(math.exp(rng.uniform(math.log(args.min_length), math.log(args.max_length))))
         kind = "text" if rng.random() < args.text_share else "agent"
         ids, labels, chat = (text_sequence(rng, length, train_text) if kind == "text"
-                             else agent_sequence(tok, rng, length, train_text))
+                             else agent_sequence(tok, rng, length, train_text, args.mix, tuple(args.rounds)))
         opt.zero_grad(set_to_none=True)
         out = train_sequence(model, ids, labels, chat, args.chunk)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -355,22 +367,26 @@ def main(argv=None):
         history.append({"step": step, "kind": kind, "length": length, **losses})
         print(f"step {step:4d} {kind:5s} {length:6d} tokens  chat loss {losses['chat_loss']}  "
               f"text loss {losses['text_loss']}  {time.time() - t0:7.1f} s", flush=True)
-        if step % args.save_every == 0:
+        if step % args.save_every == 0:  # a run stopped early leaves a model and its record
             model.eval().save_pretrained(args.out)
+            save_record(args, record, step, time.time() - t0, tokens, history, config)
             model.train()
-    train_time = time.time() - t0
     model.eval().save_pretrained(args.out)
-    runs = record.get("stage3", [])
+    save_record(args, record, step, time.time() - t0, tokens, history, config)
+    print(f"trained {step} steps in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+
+def save_record(args, record: dict, step: int, train_time: float, tokens: dict, history: list, config: dict) -> None:
+    """training.json: the base's record with this run appended to stage 3."""
+    runs = list(record.get("stage3", []))
     runs.append({"script": "examples/train_long.py", "base": str(args.base), "steps": step,
                  "schedule_steps": args.steps, "min_length": args.min_length, "max_length": args.max_length,
                  "text_share": args.text_share, "chunk": args.chunk, "lr": args.lr,
                  "weight_decay": args.weight_decay, "seed": args.seed, "tokens": tokens,
                  "train_minutes": round(train_time / 60, 1), "torch": torch.__version__, "threads": args.threads,
                  "max_position_embeddings": config["max_position_embeddings"],
-                 "losses": history})
-    record["stage3"] = runs
-    (args.out / "training.json").write_text(json.dumps(record, indent=2, ensure_ascii=False))
-    print(f"trained {step} steps in {train_time / 60:.1f} min", flush=True)
+                 "mix": list(args.mix), "rounds": list(args.rounds), "losses": history})
+    (args.out / "training.json").write_text(json.dumps({**record, "stage3": runs}, indent=2, ensure_ascii=False))
 
 
 if __name__ == "__main__":

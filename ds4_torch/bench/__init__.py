@@ -162,7 +162,8 @@ def add_parser(sub) -> None:
                      help="prompt lengths; decode is timed right after each (default 1024 40960)")
     ctx.add_argument("--ctx", type=positive_int, default=None,
                      help="cache size in tokens (default: the model's max_position_embeddings, serve's default)")
-    ctx.add_argument("--prefill-chunk", type=positive_int, default=2048, help="tokens per prefill chunk (default 2048)")
+    ctx.add_argument("--prefill-chunk", type=positive_int, default=256,
+                     help="tokens per prefill chunk (default 256, as serve)")
     ctx.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed (default 32)")
     common(ctx)
 
