@@ -60,6 +60,9 @@ DESCRIPTIONS = {
               "Manages the agent's plan.", "Talks to another agent.", "Edits a file by replacing text."],
 }
 
+KNOWN_NAMES = {n.lower() for family in (SHELL_TOOLS, LIST_TOOLS, READ_TOOLS, SEARCH_TOOLS, WRITE_TOOLS)
+               for n, _ in family} | {n.lower() for n in OTHER_TOOLS} | {n for n, _ in SERVICE_TOOLS.values()}
+
 # Made-up tool names: training draws from these words, the held-out split from others.
 NAME_WORDS = {
     "train": ["fetch", "run", "get", "show", "list", "read", "scan", "find", "call", "look", "query", "load", "peek",
@@ -71,15 +74,20 @@ NAME_WORDS = {
 
 
 def novel_tool_name(rng: random.Random, split: str = "train") -> str:
-    """A made-up tool name ("zorb_fetch", "LumenAtlas", "quix"): thousands of them."""
+    """A made-up tool name ("zorb_fetch", "LumenAtlas", "quix"): thousands of them, never the
+    name of a listed tool ("Read" would teach that a weather tool may be called Read)."""
     words = NAME_WORDS[split]
-    parts = [rng.choice(words) for _ in range(rng.randint(1, 3))]
-    style = rng.random()
-    if style < 0.5:
-        return "_".join(parts)
-    if style < 0.8:
-        return "".join(p.capitalize() for p in parts)
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 10)))
+    while True:
+        parts = [rng.choice(words) for _ in range(rng.randint(1, 3))]
+        style = rng.random()
+        if style < 0.5:
+            name = "_".join(parts)
+        elif style < 0.8:
+            name = "".join(p.capitalize() for p in parts)
+        else:
+            name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 10)))
+        if name.lower() not in KNOWN_NAMES:
+            return name
 
 
 # ---------------------------------------------------------------- files and filler
