@@ -84,10 +84,12 @@ MIX = (0.55, 0.15, 0.15, 0.15)  # agent chats, four-tool chats, drills, Shakespe
 
 
 def agent_sequence(tok, rng: random.Random, length: int, train_text: torch.Tensor, mix=MIX,
-                   rounds: tuple[int, int] = (1, 6)) -> tuple[list[int], list[int], list[bool]]:
+                   rounds: tuple[int, int] = (1, 6), novel_tools: float = 0.3
+                   ) -> tuple[list[int], list[int], list[bool]]:
     """One packed `length`-token agent sequence: token ids, labels (IGNORE where no loss) and
     whether each label is chat (True) or Shakespeare (False). `mix`: the shares of each kind of
-    document; `rounds`: requests per agent chat."""
+    document; `rounds`: requests per agent chat; `novel_tools`: the chance that an agent chat's
+    tool gets a made-up name."""
     ids: list[int] = []
     labels: list[int] = []
     chat: list[bool] = []
@@ -97,7 +99,8 @@ def agent_sequence(tok, rng: random.Random, length: int, train_text: torch.Tenso
         r = rng.random()
         if r < edges[0] and room > 2000:
             system = rng.randint(1000, max(1000, min(40000, room - 1500)))
-            conv = agent_corpus.agent_conversation(rng, "train", system_tokens=system, tok=tok, rounds=rounds)
+            conv = agent_corpus.agent_conversation(rng, "train", system_tokens=system, tok=tok, rounds=rounds,
+                                                   novel=novel_tools)
         elif r < edges[1]:
             conv = tool_corpus.conversation(rng, "train", rounds=(1, 3), novel=0.7, names="mixed")
         elif r < edges[2]:
@@ -298,6 +301,7 @@ def main(argv=None):
                    help="shares of the documents packed into agent sequences")
     p.add_argument("--rounds", type=int, nargs=2, default=(1, 6), metavar=("MIN", "MAX"),
                    help="requests per agent chat")
+    p.add_argument("--novel-tools", type=float, default=0.3, help="chance of a made-up tool name in agent chats")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=7)
@@ -354,7 +358,8 @@ def main(argv=None):
         length = int(math.exp(rng.uniform(math.log(args.min_length), math.log(args.max_length))))
         kind = "text" if rng.random() < args.text_share else "agent"
         ids, labels, chat = (text_sequence(rng, length, train_text) if kind == "text"
-                             else agent_sequence(tok, rng, length, train_text, args.mix, tuple(args.rounds)))
+                             else agent_sequence(tok, rng, length, train_text, args.mix, tuple(args.rounds),
+                                                            args.novel_tools))
         opt.zero_grad(set_to_none=True)
         out = train_sequence(model, ids, labels, chat, args.chunk)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -385,7 +390,8 @@ def save_record(args, record: dict, step: int, train_time: float, tokens: dict, 
                  "weight_decay": args.weight_decay, "seed": args.seed, "tokens": tokens,
                  "train_minutes": round(train_time / 60, 1), "torch": torch.__version__, "threads": args.threads,
                  "max_position_embeddings": config["max_position_embeddings"],
-                 "mix": list(args.mix), "rounds": list(args.rounds), "losses": history})
+                 "mix": list(args.mix), "rounds": list(args.rounds), "novel_tools": args.novel_tools,
+                 "losses": history})
     (args.out / "training.json").write_text(json.dumps({**record, "stage3": runs}, indent=2, ensure_ascii=False))
 
 
