@@ -19,9 +19,16 @@ most one prefill chunk (`prefill_chunk` tokens) of the request being prefilled, 
 delays the running streams by at most one chunk per token. A decode step reads and writes only
 the batch cache: a resident idle session is never touched by a step it is not part of.
 
-Sampling is per request (its own settings and generator): a request's tokens do not depend on
-what else is in the batch. A request's client that leaves is noticed at the next step or chunk:
-its slot is freed and its prefix stays resident.
+Sampling is one `BatchSampler` call per step for the whole batch (grammar masks, penalties,
+bias, bans, filters, logprobs): each request's settings are written into its sampler slot once,
+when it takes its batch slot, and move with it. Seeded draws are Gumbel-max over noise hashed from
+(seed, token index, token id): a request's tokens do not depend on what else is in the batch. The
+step's token ids are the one thing read back to the host. Text is not made here: the tokens (and
+the ends of requests) are handed, once per iteration, to the output part (serve.output, its own
+thread), which detokenizes, matches stop strings and emits the events; a stop string it finds
+ends the request at the engine's next iteration (the session keeps what was fed). A request's
+client that leaves is noticed at the next step or chunk: its slot is freed and its prefix stays
+resident.
 
 A failure in a step (a device error, an OOM, anything raised by the model or injected with
 `DS4_TORCH_FAULT`) resets the batch (captured graphs dropped, the batch cache cleared, CUDA
@@ -55,10 +62,8 @@ order; sampling, sessions and the disk store stay here. While idle the worker se
 every `peers.heartbeat_s`. A rank that dies or stops answering breaks the group: every request
 is answered 503 and the engine stops (`peers.failed` then ends the server).
 
-Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app):
-``("prompt_logprobs", [TokenOut])`` (once, before the first token, when asked for),
-``("token", TokenOut)``, ``("done", finish_reason)``, ``("error", APIError)``,
-``("cancelled", stage)``.
+Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app),
+called by the output part in order (serve.sequence lists the events).
 
 What clients ask beyond plain sampling:
 
@@ -83,19 +88,18 @@ import concurrent.futures
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from ds4_torch.faults import fault_point
-from ds4_torch.sampling import SamplingParams, sample, stop_token_ids
-from ds4_torch.tokenizer import StreamDecoder
+from ds4_torch.sampling import BatchSampler, stop_token_ids
 
 from .metrics import Metrics
+from .output import End, Output, PromptLogprobs, TextState as _TextState, Token  # noqa: F401 - _TextState: old name
 from .protocol import APIError
 from .replica import MODEL_OPERATIONS, Replica
+from .sequence import GenRequest, TokenOut  # noqa: F401 - the engine's request types, imported from here by the API
 from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
                        SnapshotWriter as _SnapshotWriter)
 
@@ -139,106 +143,6 @@ class KVStore(Protocol):
     # checkpoint_due(n_tokens, saved_at), close().
 
 
-@dataclass
-class TokenOut:
-    token_id: int
-    text: str                          # text this token releases (may be "" while held back)
-    logprob: float | None = None       # raw log-softmax of the model (None for a prompt's first token)
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass(eq=False)
-class GenRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    prompt_logprobs: int | None = None   # k: each prompt token's logprob and its k best (event "prompt_logprobs")
-    grammar: Any = None                  # a ds4_torch.structured.Grammar: the output follows it
-    tenant: Any = None                   # who asked (the API key): prefix reuse never crosses tenants
-    boundaries: tuple[int, ...] = ()     # prompt positions worth a checkpoint (message ends, client hints)
-    emit: Callable[[tuple], None] = lambda event: None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-    cancel: threading.Event = field(default_factory=threading.Event)
-    # filled in by the engine
-    generated: list[int] = field(default_factory=list)
-    text: str = ""
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0          # tokens run through prefill (recomputed), retries included
-    prefill_chunks: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    attempts: int = 0
-    prompt_logprob_outs: list[TokenOut] | None = None   # once computed (also sent as an event)
-    cumulative_logprob: float = 0.0    # sum of the generated tokens' logprobs, when `logprobs` is set (best_of)
-    state: str = "new"                 # new, queued, running, done, cancelled, failed
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_start: float | None = None
-    t_first: float | None = None
-    t_last: float | None = None        # when the last token went out (inter-token latency)
-    t_end: float | None = None
-    # the engine's bookkeeping while the request runs
-    session: "Session | None" = field(default=None, repr=False)
-    decode_slot: int | None = field(default=None, repr=False)   # its batch slot while decoding
-    held: list[int] = field(default_factory=list, repr=False)   # tokens its batch slot holds
-    pending: int | None = field(default=None, repr=False)       # sampled, to be fed by the next step
-    logits: torch.Tensor | None = field(default=None, repr=False)
-    generator: torch.Generator | None = field(default=None, repr=False)
-    text_state: "_TextState | None" = field(default=None, repr=False)
-    no_restore: bool = field(default=False, repr=False)         # a disk restore failed: prefill cleanly
-    disk: Any = field(default=None, repr=False)                 # its disk state read off the engine thread:
-                                                                # a LoadedSnapshot, False for a miss, None: not read
-    constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
-    plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
-    prompt_tensor: torch.Tensor | None = field(default=None, repr=False)  # for the repetition penalty
-    failure: APIError | None = field(default=None, repr=False)  # its own error, once it raised (_take_token_or_fail)
-
-    def wants_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and self.prompt_logprob_outs is None
-
-    def finished(self) -> bool:
-        return self.state in ("done", "cancelled", "failed")
-
-    def sequence(self) -> list[int]:
-        """Everything the model must have seen before the next token: prompt and tokens sent."""
-        return self.prompt_ids + self.generated
-
-
-class _TextState:
-    """Detokenizes the stream and cuts it at stop strings, holding back any tail that could
-    still become a stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, token_id: int, final: bool = False) -> str:
-        piece = self.decoder.push(token_id) if token_id is not None else ""
-        if final:
-            piece += self.decoder.flush()
-        buf = self.pending + piece
-        if self.stops:
-            hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                self.pending, self.stopped = "", True
-                return buf[:min(hits)]
-        if final or not self.stops:
-            self.pending = ""
-            return buf
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
-
-
 class _StepFailed(Exception):
     """A prefill chunk or decode step failed; `requests` were in it."""
 
@@ -268,8 +172,18 @@ class Engine:
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
 
         # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
-        self.replica = Replica(model, ctx=ctx, sessions=max_sessions, batch_slots=1 << (max_batch - 1).bit_length(),
+        batch_slots = 1 << (max_batch - 1).bit_length()
+        self.replica = Replica(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
                                decode_mode=decode_mode)
+        # One sampler call per step for the whole batch: sampler slot i is batch slot i (a request's
+        # settings are written once, when it takes its slot, and move with it).
+        self.vocab_size = model.config.vocab_size
+        self.sampler = BatchSampler(batch_slots, self.vocab_size, self.device)
+        # Token ids to text, stop strings and events, on a thread of its own (serve.output).
+        self.output = Output(tokenizer, self.metrics, wake=self._wake)
+        self._handed: list = []     # this iteration's records for the output part, handed over at its end
+        self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
+        self.decode_rows = 0        # sequences x decode steps
         # Tensor parallel (serve.tp.Lead): the other ranks, sent every replica call before it runs here.
         self.peers = peers
         if peers is not None:
@@ -292,6 +206,9 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._model_cpu = 0.0       # this iteration's CPU time in the model and the sampler
+        self._step_model_s = 0.0    # this iteration's wall time in the model (decode and prefill)
+        self._step_sampling_s = 0.0  # ... in the sampler
         self.served = 0
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
@@ -362,6 +279,7 @@ class Engine:
     # ------------------------------------------------------------------ control (any thread)
     def start(self) -> None:
         if self._thread is None:
+            self.output.start()
             self._thread = threading.Thread(target=self._loop, name="ds4-engine", daemon=True)
             self._thread.start()
 
@@ -381,6 +299,7 @@ class Engine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("engine: the worker did not stop within %.0f s", timeout)
+        self.output.close()
 
     def _shutting_down(self) -> APIError:
         return APIError(503, "the server is shutting down", code="server_shutting_down",
@@ -402,8 +321,8 @@ class Engine:
         return len(self._queue)
 
     def idle(self) -> bool:
-        """Nothing waiting, prefilling or decoding."""
-        return not self._queue and self.prefilling is None and not self.running
+        """Nothing waiting, prefilling, decoding or still to be output."""
+        return not self._queue and self.prefilling is None and not self.running and not self.output.busy()
 
     def flush_snapshots(self) -> None:
         """Wait until every disk snapshot handed to the background writer is written."""
@@ -477,19 +396,36 @@ class Engine:
             if idle:
                 self.peers.heartbeat()
             else:
+                c0 = time.thread_time()
+                self._model_cpu = 0.0
                 try:
                     with torch.no_grad():
                         self._iteration()
                 except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
                     log.exception("engine: unexpected error; resetting the batch")
                     self._recover_from_bug()
+                self._hand_over()
+                self.host_cpu_s += time.thread_time() - c0 - self._model_cpu
             if self.peers is not None and self.peers.broken is not None:
                 self._group_failed()
                 break
         with torch.no_grad():
             self._shutdown()
+        self._hand_over()
         if self.peers is not None:
             self.peers.stop()
+
+    def _hand(self, record) -> None:
+        """Give `record` to the output part: with the iteration's others when on the engine thread,
+        else (a cancel or a shutdown answered from another thread) at once."""
+        if threading.current_thread() is self._thread:
+            self._handed.append(record)
+        else:
+            self.output.put([record])
+
+    def _hand_over(self) -> None:
+        batch, self._handed = self._handed, []
+        self.output.put(batch)
 
     def _wait_for_work(self) -> bool:
         """Wait (holding `_cv`) for work or a stop. Under tensor parallelism, return True after
@@ -501,12 +437,21 @@ class Engine:
         return False
 
     def _iteration(self) -> None:
+        t0 = time.perf_counter()
+        self._step_model_s = self._step_sampling_s = 0.0
         self._reap_cancelled()
-        if self.running:
+        decoded = bool(self.running)
+        if decoded:
             self._decode_step()
         if self.peers is None or self.peers.broken is None:
             self._prefill_step()
         self._update_gauges()
+        if decoded:  # one step's time: the model (with any prefill chunk beside it), the sampler, the rest
+            wall = time.perf_counter() - t0
+            self.metrics.step_time.labels(part="model").observe(self._step_model_s)
+            self.metrics.step_time.labels(part="sampling").observe(self._step_sampling_s)
+            self.metrics.step_time.labels(part="host").observe(max(0.0, wall - self._step_model_s -
+                                                                   self._step_sampling_s))
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.running) + (self.prefilling is not None))
@@ -611,7 +556,12 @@ class Engine:
             if session.restored is not None:
                 fault_point("restore")
             # every: the chunk's full logits, for prompt logprobs
-            logits, every = self._run("prefill", session.slot, piece, req.wants_prompt_logprobs())
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                logits, every = self._run("prefill", session.slot, piece, req.wants_prompt_logprobs())
+            finally:
+                self._model_cpu += time.thread_time() - c0
+                self._step_model_s += time.perf_counter() - t0
             if every is not None:
                 self._collect_prompt_logprobs(req, start, every)
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
@@ -663,12 +613,9 @@ class Engine:
                 tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
             for j, token in enumerate(prompt[start + 1:end + 1]):
                 req.plp.append(TokenOut(token, "", chosen[j], tops[j] if k else None))
-        if len(req.plp) == len(prompt):
-            text = StreamDecoder(self.tokenizer)  # each token's text, as generated tokens carry theirs
-            for i, out in enumerate(req.plp):
-                out.text = text.push(out.token_id) + (text.flush() if i == len(prompt) - 1 else "")
+        if len(req.plp) == len(prompt):  # each token's text is the output part's
             req.prompt_logprob_outs, req.plp = req.plp, None
-            self._emit(req, ("prompt_logprobs", req.prompt_logprob_outs))
+            self._hand(PromptLogprobs(req, req.prompt_logprob_outs))
 
     def _admit(self, req: GenRequest) -> bool:
         """Start `req`: a session, then either its prefill (True) or, when the session already
@@ -676,13 +623,6 @@ class Engine:
         req.state = "running"
         if req.t_start is None:
             req.t_start = time.perf_counter()
-            try:
-                req.generator = req.sampling.generator(self.device)
-                req.text_state = _TextState(self.tokenizer, req.stop)
-            except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
-                self._own_failure(req, e, "starting")
-                self._fail(req, req.failure)
-                return False
         if req.attempts == 0:
             req.attempts = 1
         try:
@@ -699,16 +639,27 @@ class Engine:
         return False
 
     def _start_decoding(self, req: GenRequest, logits: torch.Tensor, prefilled: bool) -> None:
-        """The prompt is in the session: sample the first token, then join the batch."""
+        """The prompt is in the session: sample the first token, then join the batch (its batch
+        slot, and its sampler slot, the next free one)."""
         session = req.session
         if req.cancel.is_set():
             self._end(req, "cancelled", stage="prefill")
             return
         if req.max_tokens <= 0:  # the prompt only (its logprobs): nothing to sample
-            req.finish_reason = "length"
-            self._end(req, "done")
+            self._end(req, "done", reason="length")
             return
-        finish = self._take_token_or_fail(req, logits)
+        slot = len(self.running)
+        try:  # its settings, written once: the tokens it sent already count (a retried request)
+            self.sampler.admit(slot, req.sampling, req.prompt_ids, req.generated,
+                               () if req.ignore_eos else self.eos_ids)
+        except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
+            self._own_failure(req, e, "starting")
+            self.sampler.release(slot)
+            self._end(req, "failed")
+            return
+        finish = self._sample([req], logits.reshape(1, -1), slots=[slot])[0]
+        if finish is not None:
+            self.sampler.release(slot)
         if finish == "error":
             self._end(req, "failed")
             return
@@ -717,11 +668,11 @@ class Engine:
         if finish is not None:
             self._end(req, "done")
             return
-        slot = len(self.running)
         try:
             self._run("copy", "batch", slot, session.slot, "resident")
         except BaseException as e:  # noqa: BLE001
             self._run("reset", "batch", slot)
+            self.sampler.release(slot)
             self._failed([req], e, "admit")
             return
         req.decode_slot, req.held = slot, list(session.tokens)
@@ -730,19 +681,26 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
         reqs = list(self.running)
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             if any(r.session.restored is not None for r in reqs):
                 fault_point("restore")
             logits = self._run("decode", [r.pending for r in reqs])
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
+            self._model_cpu += time.thread_time() - c0
             self._failed(reqs, e, "decode")
             return
+        self._model_cpu += time.thread_time() - c0
+        self._step_model_s += time.perf_counter() - t0
         self.metrics.batch_size.observe(len(reqs))
-        done = []
-        for i, req in enumerate(reqs):
+        self.decode_rows += len(reqs)
+        for req in reqs:
             self._confirm_restored(req.session)
             req.held.append(req.pending)
-            if self._take_token_or_fail(req, logits[i]) is not None:
+        finishes = self._sample(reqs, logits)
+        done = []
+        for i, req in enumerate(reqs):
+            if finishes[i] is not None:
                 done.append(req)
                 continue
             boundary = self.sessions.wanted(req, len(req.held))
@@ -757,19 +715,8 @@ class Engine:
         if self.token_delay:
             time.sleep(self.token_delay)
 
-    def _take_token_or_fail(self, req: GenRequest, logits: torch.Tensor) -> str | None:
-        """`_take_token`, where anything it raises (sampling, penalties, grammar, detokenizing, stop
-        matching) is this request's failure alone: "error", with `req.failure` set; the caller ends
-        it, and the batch goes on. The batch slot and `req.held` are intact (the step itself ran)."""
-        try:
-            return self._take_token(req, logits)
-        except Exception as e:  # noqa: BLE001 - one request's bug or hostile settings: not the batch's
-            self._own_failure(req, e, "taking its next token")
-            req.pending = None
-            return "error"
-
     def _own_failure(self, req: GenRequest, error: Exception, doing: str) -> None:
-        log.exception("engine: %s failed while %s", req.id, doing)
+        log.error("engine: %s failed while %s", req.id, doing, exc_info=error)
         req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
                                     f"{error}); other requests were not affected", code="internal_error")
 
@@ -781,62 +728,122 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
             log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
 
-    def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
-        """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
-        req.logits = logits
+    def _sample(self, reqs: list[GenRequest], logits: torch.Tensor, slots: list[int] | None = None) -> list[str | None]:
+        """The next token of every request of `reqs` (row i of `logits` [B, V], sampler slot
+        `slots[i]`, or i), from one batched sampler call: grammar masks, penalties, bias, bans,
+        filters and logprobs all in it. Each token is recorded in its request and handed to the
+        output part. Returns per request None (it goes on), "end" (it is done) or "error" (its own
+        failure, `req.failure` set: what raises for one request, or logits that are NaN or inf,
+        fails that request alone; the caller ends it and the batch goes on)."""
+        B = len(reqs)
+        results: list[str | None] = [None] * B
+        # Tokens each may still emit, this one included: max_tokens, and the context.
+        remaining = [min(r.max_tokens - len(r.generated), self.ctx + 1 - len(r.prompt_ids) - len(r.generated))
+                     for r in reqs]
+        allowed = None
+        for i, req in enumerate(reqs):
+            if req.constraint is not None:
+                if allowed is None:
+                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=logits.device)
+                try:
+                    allowed[i] = req.constraint.begin(remaining[i]).to(logits.device)
+                except Exception as e:  # noqa: BLE001
+                    self._own_failure(req, e, "taking its next token")
+                    results[i] = "error"
+        want = [r.logprobs for r in reqs if r.logprobs is not None]
+        k = max(want) if want else None
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            rows = self._draw(logits, allowed, k, slots, reqs, results)
+        finally:
+            self._model_cpu += time.thread_time() - c0
+            self._step_sampling_s += time.perf_counter() - t0
+        taken = [0] * B
+        for i, req in enumerate(reqs):
+            if results[i] is not None:
+                continue
+            try:
+                results[i] = self._take(req, logits[i], rows[i], remaining[i])
+                taken[i] = req.generated[-1]
+            except Exception as e:  # noqa: BLE001 - one request's bug or hostile settings: not the batch's
+                self._own_failure(req, e, "taking its next token")
+                results[i] = "error"
+            if results[i] == "error":
+                req.pending = None
+        try:  # the history the penalties, min_tokens and the noise position see
+            self.sampler.append(torch.tensor(taken, dtype=torch.long), slots)
+        except Exception as e:  # noqa: BLE001 - a bug: every row's history is now unknown
+            for i, req in enumerate(reqs):
+                if results[i] is None:
+                    self._own_failure(req, e, "recording its token")
+                    results[i], req.pending = "error", None
+        return results
+
+    def _draw(self, logits, allowed, k, slots, reqs, results) -> list:
+        """The batched sampler call: per row (token, failed, logprob, top ids, top logprobs). If the
+        call raises, each row is drawn alone (the same tokens: a row depends on nothing else), so
+        only the rows that raise fail."""
+        try:
+            out = self.sampler.sample(logits, allowed, k, slots=slots)
+            return self._rows(out, len(reqs))
+        except Exception:  # noqa: BLE001 - one row's settings or a bug: find the row
+            log.warning("engine: the batched sampler raised; drawing row by row", exc_info=True)
+        rows = [None] * len(reqs)
+        for i, req in enumerate(reqs):
+            if results[i] is not None:
+                continue
+            try:
+                out = self.sampler.sample(logits[i:i + 1], None if allowed is None else allowed[i:i + 1], k,
+                                          slots=[slots[i] if slots is not None else i])
+                rows[i] = self._rows(out, 1)[0]
+            except Exception as e:  # noqa: BLE001
+                self._own_failure(req, e, "sampling")
+                results[i] = "error"
+        return rows
+
+    @staticmethod
+    def _rows(out, n: int) -> list:
+        # The one read back to the host per step: the tokens (the next step feeds them).
+        tokens, failed = out.tokens.tolist(), out.failed.tolist()
+        if out.logprob is None:
+            return [(tokens[i], failed[i], None, None, None) for i in range(n)]
+        lp, ids, tops = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        return [(tokens[i], failed[i], lp[i], ids[i], tops[i]) for i in range(n)]
+
+    def _take(self, req: GenRequest, logits: torch.Tensor, row, remaining: int) -> str | None:
+        """`req` takes its drawn token (or what its grammar forces instead); hands it to the output
+        part; returns "end", "error" or None."""
+        token, failed, logprob, top_ids, top_lps = row
+        if failed:
+            req.failure = APIError(500, "this request failed in the engine while sampling: its logits are not "
+                                        "finite (NaN or inf) or its settings allow no token; other requests were "
+                                        "not affected", code="internal_error")
+            log.error("engine: %s: logits not finite or nothing allowed", req.id)
+            return "error"
         c = req.constraint
         if c is not None:
-            # Tokens it may still emit, this one included: max_tokens, and the context.
-            remaining = min(req.max_tokens - len(req.generated), self.ctx + 1 - len(req.sequence()))
-            token = c.step(lambda allowed: self._sample(req, logits, allowed), remaining)
-        else:
-            token = self._sample(req, logits)
-        out = TokenOut(token, "")
-        if req.logprobs is not None:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            out.logprob = float(lp[token])
-            req.cumulative_logprob += out.logprob
-            if req.logprobs > 0:
-                vals, idx = torch.topk(lp, min(req.logprobs, lp.numel()))
-                out.top = list(zip(idx.tolist(), vals.tolist()))
+            forced = c.finish(token, remaining)
+            if forced != token and req.logprobs is not None:
+                logprob = float(torch.log_softmax(logits.float(), dim=-1)[forced])
+            token = forced
+        req.logits = logits
+        top = None
+        if req.logprobs is not None and req.logprobs > 0:
+            top = list(zip(top_ids[:req.logprobs], top_lps[:req.logprobs]))
         req.generated.append(token)
-        self.metrics.generated_tokens.inc()
-        now = time.perf_counter()
-        if req.t_first is None:
-            req.t_first = now
-            self.metrics.ttft.observe(now - req.t_arrival)
-        elif req.t_last is not None:
-            self.metrics.inter_token.observe(now - req.t_last)
-        req.t_last = now
-        finish = None
-        text = req.text_state
         # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
         if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
-            finish = "stop"
-            out.text = text.push(None, final=True)
+            end = "eos"
+        elif c is not None and c.done:  # the value is whole: nothing can follow
+            end = "stop"
+        # Feeding this token back needs room for the whole sequence in the context.
+        elif len(req.generated) >= req.max_tokens or len(req.prompt_ids) + len(req.generated) > self.ctx:
+            end = "length"
         else:
-            complete = c is not None and c.done  # the value is whole: nothing can follow
-            # Feeding this token back needs room for the whole sequence in the context.
-            final = complete or len(req.generated) >= req.max_tokens or len(req.sequence()) > self.ctx
-            out.text = text.push(token, final=final)
-            if text.stopped or complete:
-                finish = "stop"
-            elif final:
-                finish = "length"
-        req.text += out.text
-        self._emit(req, ("token", out))
-        req.pending = None if finish is not None else token
-        req.finish_reason = finish
-        return finish
-
-    def _sample(self, req: GenRequest, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
-        prompt = req.prompt_ids
-        if req.sampling.repetition_penalty != 1.0:  # the prompt as a tensor once, not every token
-            if req.prompt_tensor is None:
-                req.prompt_tensor = torch.tensor(prompt, dtype=torch.long, device=logits.device)
-            prompt = req.prompt_tensor
-        return sample(logits, req.sampling, req.generator, output_ids=req.generated, prompt_ids=prompt,
-                      stop_ids=() if req.ignore_eos else self.eos_ids, allowed=allowed)
+            end = None
+        self._hand(Token(req, token, end, logprob if req.logprobs is not None else None, top))
+        req.pending = None if end is not None else token
+        return None if end is None else "end"
 
     # ------------------------------------------------------------------ leaving the batch
     def _release(self, req: GenRequest) -> None:
@@ -856,9 +863,11 @@ class Engine:
             if slot != last:  # keep decoding slots first: the last one fills the hole
                 moved = self.running[last]
                 self._run("copy", "batch", slot, last, "batch")
+                self.sampler.move(slot, last)
                 moved.decode_slot = slot
                 self.running[slot] = moved
             self.running.pop()
+            self.sampler.release(last)
             self._run("reset", "batch", last)
             req.decode_slot = None
         if self.prefilling is req:
@@ -867,19 +876,26 @@ class Engine:
         session.last_used = time.monotonic()
         req.session = None
 
-    def _end(self, req: GenRequest, outcome: str, stage: str = "decode") -> None:
-        """`outcome`: "done", "failed" (with `req.failure`) or "cancelled"."""
+    def _end(self, req: GenRequest, outcome: str, stage: str = "decode", reason: str | None = None) -> None:
+        """`outcome`: "done" (its finish reason from its tokens, else `reason`), "failed" (with
+        `req.failure`) or "cancelled"."""
         self._release(req)
         if outcome == "done":
-            self._finish(req)
+            self._finish(req, reason)
         elif outcome == "failed":
             self._fail(req, req.failure)
         else:
             self._abort(req, stage)
 
     def _reap_cancelled(self) -> None:
-        for req in sorted((r for r in self.running if r.cancel.is_set()), key=lambda r: -r.decode_slot):
-            self._end(req, "cancelled", stage="decode")
+        """End the requests whose client left, and those the output part found a stop string in
+        (or failed to detokenize): done (or failed), their session keeping what was fed."""
+        for req in sorted((r for r in self.running if r.cancel.is_set() or r.stop_found.is_set()),
+                          key=lambda r: -r.decode_slot):
+            if req.cancel.is_set():
+                self._end(req, "cancelled", stage="decode")
+            else:
+                self._end(req, "failed" if req.failure is not None else "done")
         req = self.prefilling
         if req is not None and req.cancel.is_set():
             self._end(req, "cancelled", stage="prefill")
@@ -909,6 +925,8 @@ class Engine:
                 req.session = None
             if self.prefilling is req:
                 self.prefilling = None
+            if req.decode_slot is not None:
+                self.sampler.release(req.decode_slot)
             req.decode_slot, req.pending, req.held = None, None, []
             if blame_snapshot:
                 log.warning("engine: %s: the first step after a disk restore failed; snapshot quarantined, "
@@ -917,6 +935,11 @@ class Engine:
                 req.no_restore = True
             if req.cancel.is_set():
                 self._abort(req, stage)
+            elif req.stop_found.is_set():  # its reply already ended at a stop string
+                if req.failure is not None:
+                    self._fail(req, req.failure)
+                else:
+                    self._finish(req)
             elif not blame_snapshot and not group_gone and req.attempts >= 2:
                 self.degraded = f"a request failed twice in a row: {type(error).__name__}: {error}"
                 self.metrics.healthy.set(0)
@@ -1013,15 +1036,12 @@ class Engine:
         self._kv("close")
 
     # ------------------------------------------------------------------ outcomes
-    def _emit(self, req: GenRequest, event: tuple) -> None:
-        try:
-            req.emit(event)
-        except BaseException as e:  # noqa: BLE001 - e.g. the event loop is gone: the client is
-            log.debug("engine: cannot deliver %s to %s: %s", event[0], req.id, e)
-
-    def _finish(self, req: GenRequest) -> None:
-        req.state = "done"
-        req.t_end = time.perf_counter()
+    # The end of a request is handed to the output part, after its tokens: the client's fields are
+    # final and its end event is emitted there (serve.output). `req.ended` says it was handed.
+    def _finish(self, req: GenRequest, reason: str | None = None) -> None:
+        if req.ended:
+            return
+        req.ended = True
         self.served += 1
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.metrics.cached_prompt_tokens.inc(req.cached_tokens)
@@ -1029,25 +1049,20 @@ class Engine:
             log.info("engine: healthy again after a successful request")
         self.degraded = None
         self.metrics.healthy.set(1)
-        self._emit(req, ("done", req.finish_reason))
+        self._hand(End(req, "done", reason=reason))
 
     def _abort(self, req: GenRequest, stage: str) -> None:
-        if req.finished():
+        if req.ended:
             return
-        req.state = "cancelled"
-        req.finish_reason = "cancelled"
-        req.t_end = time.perf_counter()
+        req.ended = True
         self.metrics.prefill_aborted.inc()
         self.metrics.aborted.labels(stage=stage).inc()
         log.info("engine: %s abandoned by its client while %s", req.id,
                  "queued" if stage == "queued" else f"in {stage}")
-        self._emit(req, ("cancelled", stage))
+        self._hand(End(req, "cancelled", stage=stage))
 
     def _fail(self, req: GenRequest, error: APIError) -> None:
-        if req.finished():
+        if req.ended:
             return
-        req.state = "failed"
-        req.error = error.message
-        req.finish_reason = "error"
-        req.t_end = time.perf_counter()
-        self._emit(req, ("error", error))
+        req.ended = True
+        self._hand(End(req, "failed", error=error))
