@@ -2,7 +2,7 @@
 
 - `serve.app.create_app(model, tokenizer, ServerConfig(...))`: the Starlette app;
 - `serve.engine.Engine`: the worker thread that owns the model and the live KV cache;
-- `serve.runner.BackgroundServer`: uvicorn on a background thread (tests, benchmark);
+- `serve.background.BackgroundServer`: uvicorn on a background thread (tests, benchmark);
 - `serve.cli`: the flags, shared by both commands.
 """
 from __future__ import annotations

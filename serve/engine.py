@@ -1,4 +1,15 @@
-"""The engine: one worker thread, continuous batching over resident sessions.
+"""The engine: one worker thread, continuous batching over resident sessions; the small loop on
+top of the server's parts, handing data between them and handling faults.
+
+The parts, each with one job (they share only `serve.sequence.GenRequest`, and import that and
+lower modules, never each other):
+
+- `serve.scheduler.Scheduler`: who runs next (the queue, disk reads aside, the choices of one
+  request admitted together);
+- `serve.sessions.Sessions`: resident slots, the prefix index, checkpoints, LRU and the disk store;
+- `serve.runner.Runner`: the only part touching tensors: prefill chunks, decode steps, cache copies
+  (through `serve.replica`, on every rank under tensor parallelism) and the batched sampler;
+- `serve.output.Output`: token ids to text, stop strings and events, on a thread of its own.
 
 Two caches, each allocated once at start:
 
@@ -55,8 +66,8 @@ hint, every `checkpoint_interval` tokens, the prompt's end) and it is taken righ
 in decode, one is taken between steps on the request's batch slot (a device copy, no host sync)
 and joins its session when the request leaves the batch (dropped if its step fails).
 
-Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
-with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
+Every model or cache operation goes through the runner to its `Replica` (serve.replica), by name
+and with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
 is first sent to the other ranks, which run the same operations on their replicas in the same
 order; sampling, sessions and the disk store stay here. While idle the worker sends a heartbeat
 every `peers.heartbeat_s`. A rank that dies or stops answering breaks the group: every request
@@ -83,8 +94,6 @@ What clients ask beyond plain sampling:
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import logging
 import threading
 import time
@@ -93,12 +102,13 @@ from typing import Protocol
 import torch
 
 from ds4_torch.faults import fault_point
-from ds4_torch.sampling import BatchSampler, stop_token_ids
+from ds4_torch.sampling import stop_token_ids
 
 from .metrics import Metrics
 from .output import End, Output, PromptLogprobs, TextState as _TextState, Token  # noqa: F401 - _TextState: old name
 from .protocol import APIError
-from .replica import MODEL_OPERATIONS, Replica
+from .runner import Drawn, Runner
+from .scheduler import EngineStopped, QueueFull, Scheduler  # noqa: F401 - imported from here by the API
 from .sequence import GenRequest, TokenOut  # noqa: F401 - the engine's request types, imported from here by the API
 from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
                        SnapshotWriter as _SnapshotWriter)
@@ -108,14 +118,6 @@ log = logging.getLogger("ds4.serve")
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
 SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
-
-
-class QueueFull(Exception):
-    pass
-
-
-class EngineStopped(Exception):
-    pass
 
 
 class KVStore(Protocol):
@@ -143,9 +145,6 @@ class KVStore(Protocol):
     # checkpoint_due(n_tokens, saved_at), close().
 
 
-class _StepFailed(Exception):
-    """A prefill chunk or decode step failed; `requests` were in it."""
-
 
 class Engine:
     def __init__(self, model, tokenizer, *, ctx: int = 4096, prefill_chunk: int = 256, decode_mode: str = "auto",
@@ -164,32 +163,27 @@ class Engine:
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.decode_mode = decode_mode
-        self.max_queue = max_queue
         self.max_batch = max_batch
         self.max_sessions = max_sessions
         self.metrics = metrics or Metrics()
         self.device = model.device
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
-
-        # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
-        batch_slots = 1 << (max_batch - 1).bit_length()
-        self.replica = Replica(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
-                               decode_mode=decode_mode)
-        # One sampler call per step for the whole batch: sampler slot i is batch slot i (a request's
-        # settings are written once, when it takes its slot, and move with it).
-        self.vocab_size = model.config.vocab_size
-        self.sampler = BatchSampler(batch_slots, self.vocab_size, self.device)
-        # Token ids to text, stop strings and events, on a thread of its own (serve.output).
-        self.output = Output(tokenizer, self.metrics, wake=self._wake)
-        self._handed: list = []     # this iteration's records for the output part, handed over at its end
-        self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
-        self.decode_rows = 0        # sequences x decode steps
         # Tensor parallel (serve.tp.Lead): the other ranks, sent every replica call before it runs here.
         self.peers = peers
-        if peers is not None:
-            peers.open(self.replica.shape())
-        self.sessions = Sessions(self.replica, self._run, self.metrics, max_sessions, interval=checkpoint_interval,
-                                 memory_bytes=int(checkpoint_memory_mb * 2**20), kv_store=kv_store, peers=peers)
+
+        # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
+        # Sampler slot i is batch slot i (a request's settings move with it).
+        self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=1 << (max_batch - 1).bit_length(),
+                             decode_mode=decode_mode, peers=peers)
+        self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
+                                 interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
+                                 kv_store=kv_store, peers=peers)
+        self.scheduler = Scheduler(max_queue=max_queue, max_batch=max_batch, metrics=self.metrics,
+                                   wants_disk=self.sessions.wants_disk, load=lambda ids: self.kv_store.load(ids),
+                                   abandoned=lambda req: self._abort(req, "queued"))
+        self.output = Output(tokenizer, self.metrics, wake=self.scheduler.wake)
+        self._handed: list = []     # this iteration's records for the output part, handed over at its end
+
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
 
@@ -198,28 +192,29 @@ class Engine:
         self.token_delay = 0.0                  # test hook: seconds slept after each decode step
         self.retry_after_s = 1
 
-        self._queue: collections.deque[GenRequest] = collections.deque()
-        # Requests whose disk state is being read and checked on the reader thread (never on this
-        # one: a slow disk must not stall a step); they wait aside, then are admitted first.
-        self._loading: dict[GenRequest, concurrent.futures.Future] = {}
-        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
-        self._cv = threading.Condition()
-        self._stopping = False
         self._thread: threading.Thread | None = None
-        self._model_cpu = 0.0       # this iteration's CPU time in the model and the sampler
-        self._step_model_s = 0.0    # this iteration's wall time in the model (decode and prefill)
-        self._step_sampling_s = 0.0  # ... in the sampler
         self.served = 0
+        self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
+        self.decode_rows = 0        # sequences x decode steps
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
         self.warm = False
         self._structured = None
         self._structured_lock = threading.Lock()
 
-    # The replica's caches and decoder, read by the app's log line and by tests.
-    resident = property(lambda self: self.replica.resident)
-    batch = property(lambda self: self.replica.batch)
-    decoder = property(lambda self: self.replica.decoder)
+    # The runner's replica, caches and decoder, read by the app's log line and by tests.
+    replica = property(lambda self: self.runner.replica)
+    resident = property(lambda self: self.runner.resident)
+    batch = property(lambda self: self.runner.batch)
+    decoder = property(lambda self: self.runner.decoder)
+
+    @property
+    def max_queue(self) -> int:
+        return self.scheduler.max_queue
+
+    @max_queue.setter
+    def max_queue(self, n: int) -> None:
+        self.scheduler.max_queue = n
 
     # The disk store and its writer live with the sessions (serve.sessions); attached after start by serve.cli.
     @property
@@ -235,18 +230,7 @@ class Engine:
         return self.sessions.writer
 
     def _run(self, operation: str, *args):
-        """Run one replica operation: on every rank under tensor parallelism (sent first, and
-        acknowledged by every rank after: see serve.tp), else here."""
-        if self.peers is None:
-            return getattr(self.replica, operation)(*args)
-        step = self.peers.send(operation, args, model=operation in MODEL_OPERATIONS)
-        try:
-            result = getattr(self.replica, operation)(*args)
-        except BaseException:
-            self.peers.acknowledge(step, ok=False)  # a fault on every rank alike: recovered as usual
-            raise
-        self.peers.acknowledge(step, ok=True)
-        return result
+        return self.runner.run(operation, *args)
 
     @property
     def cache_bytes(self) -> int:
@@ -284,15 +268,12 @@ class Engine:
             self._thread.start()
 
     def stop(self, timeout: float = SHUTDOWN_SAVE_S + 10) -> None:
-        with self._cv:
-            self._stopping = True
-            pending = list(self._queue)
-            self._queue.clear()
-            self.metrics.queue_depth.set(0)
+        pending = self.scheduler.stop()
+        with self.scheduler.cv:
             for req in [*self.running, self.prefilling]:
                 if req is not None:
                     req.cancel.set()
-            self._cv.notify_all()
+            self.scheduler.cv.notify_all()
         for req in pending:
             self._fail(req, self._shutting_down())
         if self._thread is not None:
@@ -318,11 +299,11 @@ class Engine:
         return self.degraded
 
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self.scheduler)
 
     def idle(self) -> bool:
         """Nothing waiting, prefilling, decoding or still to be output."""
-        return not self._queue and self.prefilling is None and not self.running and not self.output.busy()
+        return not len(self.scheduler) and self.prefilling is None and not self.running and not self.output.busy()
 
     def flush_snapshots(self) -> None:
         """Wait until every disk snapshot handed to the background writer is written."""
@@ -344,34 +325,16 @@ class Engine:
         for a full queue: its request was counted when it arrived."""
         for req in reqs:
             self.check(req)
-        with self._cv:
-            if self._stopping or not self.alive:
-                raise EngineStopped("the engine is not running")
-            if not continuation and len(self._queue) + len(reqs) > self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
-            for req in reqs:
-                req.state = "queued"
-            if continuation:
-                self._queue.extendleft(reversed(reqs))
-            else:
-                self._queue.extend(reqs)
-            self.metrics.queue_depth.set(len(self._queue))
-            self._cv.notify()
+        self.scheduler.submit(reqs, continuation, self.alive)
 
     def cancel(self, req: GenRequest) -> None:
         """The client went away: stop the request at its next chunk/step boundary (or drop it
         from the queue now)."""
         req.cancel.set()
-        with self._cv:
-            try:
-                self._queue.remove(req)
-            except ValueError:
-                self._cv.notify()  # a running request: the worker notices at its next boundary
-                return
-            self.metrics.queue_depth.set(len(self._queue))
-        self._abort(req, "queued")
+        if self.scheduler.remove(req):
+            self._abort(req, "queued")
 
-    # ------------------------------------------------------------------ worker
+    # ------------------------------------------------------------------ the loop
     def warmup(self) -> None:
         """Run the model once (first calls pay one-off initialisation), then clear the cache."""
         try:
@@ -380,24 +343,24 @@ class Engine:
             log.warning("engine: warm-up failed: %s: %s", type(e).__name__, e)
         self.warm = True
 
-    def _has_work(self) -> bool:
-        return bool(self._queue) or self.prefilling is not None or bool(self.running) or \
-            any(f.done() for f in self._loading.values())
+    def _busy(self) -> bool:
+        return self.prefilling is not None or bool(self.running)
 
     def _loop(self) -> None:
         torch.set_num_threads(self.num_threads)
         if not self.warm:
             self.warmup()
+        heartbeat_s = None if self.peers is None else self.peers.heartbeat_s
         while True:
-            with self._cv:
-                idle = self._wait_for_work()
-                if self._stopping:
+            with self.scheduler.cv:
+                idle = self.scheduler.wait_for_work(self._busy, heartbeat_s)
+                if self.scheduler.stopping:
                     break
             if idle:
                 self.peers.heartbeat()
             else:
                 c0 = time.thread_time()
-                self._model_cpu = 0.0
+                self.runner.clear_timers()
                 try:
                     with torch.no_grad():
                         self._iteration()
@@ -405,7 +368,7 @@ class Engine:
                     log.exception("engine: unexpected error; resetting the batch")
                     self._recover_from_bug()
                 self._hand_over()
-                self.host_cpu_s += time.thread_time() - c0 - self._model_cpu
+                self.host_cpu_s += time.thread_time() - c0 - self.runner.cpu_s
             if self.peers is not None and self.peers.broken is not None:
                 self._group_failed()
                 break
@@ -414,6 +377,26 @@ class Engine:
         self._hand_over()
         if self.peers is not None:
             self.peers.stop()
+
+    def _iteration(self) -> None:
+        t0 = time.perf_counter()
+        self._reap()
+        decoded = bool(self.running)
+        if decoded:
+            self._decode_step()
+        if self.peers is None or self.peers.broken is None:
+            self._prefill_step()
+        self._update_gauges()
+        if decoded:  # one step's time: the model (with any prefill chunk beside it), the sampler, the rest
+            model, sampling = self.runner.model_s, self.runner.sampling_s
+            self.metrics.step_time.labels(part="model").observe(model)
+            self.metrics.step_time.labels(part="sampling").observe(sampling)
+            self.metrics.step_time.labels(part="host").observe(max(0.0, time.perf_counter() - t0 - model - sampling))
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self.running) + (self.prefilling is not None))
+        self.metrics.resident_sessions.set(sum(1 for s in self.sessions if s.tokens))
+        self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
 
     def _hand(self, record) -> None:
         """Give `record` to the output part: with the iteration's others when on the engine thread,
@@ -427,46 +410,7 @@ class Engine:
         batch, self._handed = self._handed, []
         self.output.put(batch)
 
-    def _wait_for_work(self) -> bool:
-        """Wait (holding `_cv`) for work or a stop. Under tensor parallelism, return True after
-        `peers.heartbeat_s` idle seconds: the other ranks wait on rank 0's next message, and a
-        heartbeat keeps that wait short (and shows a dead rank at once)."""
-        while not self._has_work() and not self._stopping:
-            if not self._cv.wait(None if self.peers is None else self.peers.heartbeat_s):
-                return True
-        return False
-
-    def _iteration(self) -> None:
-        t0 = time.perf_counter()
-        self._step_model_s = self._step_sampling_s = 0.0
-        self._reap_cancelled()
-        decoded = bool(self.running)
-        if decoded:
-            self._decode_step()
-        if self.peers is None or self.peers.broken is None:
-            self._prefill_step()
-        self._update_gauges()
-        if decoded:  # one step's time: the model (with any prefill chunk beside it), the sampler, the rest
-            wall = time.perf_counter() - t0
-            self.metrics.step_time.labels(part="model").observe(self._step_model_s)
-            self.metrics.step_time.labels(part="sampling").observe(self._step_sampling_s)
-            self.metrics.step_time.labels(part="host").observe(max(0.0, wall - self._step_model_s -
-                                                                   self._step_sampling_s))
-
-    def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self.running) + (self.prefilling is not None))
-        self.metrics.resident_sessions.set(sum(1 for s in self.sessions if s.tokens))
-        self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
-
     # ------------------------------------------------------------------ sessions
-    # Sessions, their checkpoints and the disk store are serve.sessions'; these names stay for the loop.
-    def _claim_session(self, req: GenRequest) -> int:
-        """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
-        return self.sessions.claim(req)
-
-    def _free_session(self) -> Session:
-        return self.sessions.free_session()
-
     def _clear(self, session: Session) -> None:
         self.sessions.clear(session)
 
@@ -474,73 +418,21 @@ class Engine:
                   wait: float | None = None) -> bool:
         return self.sessions.snapshot(session, view, tokens, logits, why, wait)
 
-    def _kv(self, method: str, *args, **kwargs):
-        return self.sessions.kv(method, *args, **kwargs)
-
-    def _confirm_restored(self, session: Session) -> None:
-        self.sessions.confirm_restored(session)
+    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
+                         pending: bool = False) -> None:
+        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
+        try:
+            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
+        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
+            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
 
     # ------------------------------------------------------------------ admission and prefill
-    def _next_waiting(self) -> GenRequest | None:
-        """The next request to start: one whose disk state was read, else the queue's next, except
-        that a request wanting a disk read is sent to the reader thread and waits aside."""
-        req = self._loaded()
-        if req is not None:
-            return req
-        while True:
-            with self._cv:
-                req = None
-                while self._queue:
-                    req = self._queue.popleft()
-                    self.metrics.queue_depth.set(len(self._queue))
-                    if not req.cancel.is_set():
-                        break
-                    self._abort(req, "queued")
-                    req = None
-            if req is None or req.disk is not None or not self.sessions.wants_disk(req):
-                return req
-            self._read_aside(req)
-
-    def _read_aside(self, req: GenRequest) -> None:
-        if self._reader is None:
-            self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4-kv-reader")
-        future = self._reader.submit(self.kv_store.load, req.sequence())
-        self._loading[req] = future
-        future.add_done_callback(lambda _: self._wake())
-
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
-
-    def _loaded(self) -> GenRequest | None:
-        """A request whose disk read finished (its state in `req.disk`), if any."""
-        for req, future in list(self._loading.items()):
-            if not future.done():
-                continue
-            del self._loading[req]
-            try:
-                req.disk = future.result() or False
-            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
-                log.warning("engine: kv store read failed: %s: %s", type(e).__name__, e)
-                req.disk = False
-            if req.cancel.is_set():
-                self._abort(req, "queued")
-                continue
-            return req
-        return None
-
-    def _waiting_aside(self) -> list[GenRequest]:
-        """The requests waiting for their disk reads, taken out (shutdown, group failure)."""
-        reqs = list(self._loading)
-        self._loading.clear()
-        return reqs
-
     def _prefill_step(self) -> None:
         req = self.prefilling
         if req is None:
             if len(self.running) >= self.max_batch:
                 return
-            req = self._next_waiting()
+            req = self.scheduler.next_waiting()
             if req is None:
                 return
             seq = req.sequence()
@@ -556,18 +448,13 @@ class Engine:
             if session.restored is not None:
                 fault_point("restore")
             # every: the chunk's full logits, for prompt logprobs
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                logits, every = self._run("prefill", session.slot, piece, req.wants_prompt_logprobs())
-            finally:
-                self._model_cpu += time.thread_time() - c0
-                self._step_model_s += time.perf_counter() - t0
+            logits, every = self.runner.prefill(session.slot, piece, req.wants_prompt_logprobs())
             if every is not None:
                 self._collect_prompt_logprobs(req, start, every)
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed([req], e, "prefill")
             return
-        self._confirm_restored(session)
+        self.sessions.confirm_restored(session)
         self.sessions.extend(session, piece, logits)
         req.prefill_chunks += 1
         req.prefilled_tokens += len(piece)
@@ -587,31 +474,22 @@ class Engine:
         that ask for the same sequence (the choices of an `n` > 1 request): each forks that
         session now, before a decode step can extend it, so the prompt is prefilled once."""
         while self.prefilling is None and len(self.running) < self.max_batch:
-            with self._cv:
-                if not self._queue or self._queue[0].sequence() != seq:
-                    return
-                req = self._queue.popleft()
-                self.metrics.queue_depth.set(len(self._queue))
-            if req.cancel.is_set():
-                self._abort(req, "queued")
-            else:
-                self._admit(req)
+            req = self.scheduler.next_with_sequence(seq)
+            if req is None:
+                return
+            self._admit(req)
 
-    def _collect_prompt_logprobs(self, req: GenRequest, start: int, logits: torch.Tensor) -> None:
+    def _collect_prompt_logprobs(self, req: GenRequest, start: int, logits) -> None:
         """Prompt logprobs from a chunk's logits [chunk, V] (row j, at position start + j, predicts
-        the token at start + j + 1); sent once the whole prompt is in."""
+        the token at start + j + 1); handed to the output part once the whole prompt is in."""
         prompt, k = req.prompt_ids, req.prompt_logprobs
         if start == 0:
             req.plp = [TokenOut(prompt[0], "")]  # nothing predicts the first token
         end = min(start + logits.shape[0], len(prompt) - 1)  # the last prompt position predicted here
         if end > start:
-            lp = torch.log_softmax(logits[:end - start].float(), dim=-1)
-            targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.long, device=lp.device)
-            chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
-            if k:
-                vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-                tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-            for j, token in enumerate(prompt[start + 1:end + 1]):
+            targets = prompt[start + 1:end + 1]
+            chosen, tops = self.runner.prompt_logprobs(logits, targets, k)
+            for j, token in enumerate(targets):
                 req.plp.append(TokenOut(token, "", chosen[j], tops[j] if k else None))
         if len(req.plp) == len(prompt):  # each token's text is the output part's
             req.prompt_logprob_outs, req.plp = req.plp, None
@@ -626,7 +504,7 @@ class Engine:
         if req.attempts == 0:
             req.attempts = 1
         try:
-            reused = self._claim_session(req)
+            reused = self.sessions.claim(req)
         except BaseException as e:  # noqa: BLE001 - a copy between slots failed (device error)
             self._failed([req], e, "admit")
             return False
@@ -638,7 +516,7 @@ class Engine:
         self._start_decoding(req, req.session.last_logits, prefilled=False)
         return False
 
-    def _start_decoding(self, req: GenRequest, logits: torch.Tensor, prefilled: bool) -> None:
+    def _start_decoding(self, req: GenRequest, logits, prefilled: bool) -> None:
         """The prompt is in the session: sample the first token, then join the batch (its batch
         slot, and its sampler slot, the next free one)."""
         session = req.session
@@ -649,17 +527,16 @@ class Engine:
             self._end(req, "done", reason="length")
             return
         slot = len(self.running)
-        try:  # its settings, written once: the tokens it sent already count (a retried request)
-            self.sampler.admit(slot, req.sampling, req.prompt_ids, req.generated,
-                               () if req.ignore_eos else self.eos_ids)
+        try:  # its settings, written once
+            self.runner.admit(slot, req, self.eos_ids)
         except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
+            self.runner.release(slot)
             self._own_failure(req, e, "starting")
-            self.sampler.release(slot)
             self._end(req, "failed")
             return
         finish = self._sample([req], logits.reshape(1, -1), slots=[slot])[0]
         if finish is not None:
-            self.sampler.release(slot)
+            self.runner.release(slot)
         if finish == "error":
             self._end(req, "failed")
             return
@@ -672,7 +549,7 @@ class Engine:
             self._run("copy", "batch", slot, session.slot, "resident")
         except BaseException as e:  # noqa: BLE001
             self._run("reset", "batch", slot)
-            self.sampler.release(slot)
+            self.runner.release(slot)
             self._failed([req], e, "admit")
             return
         req.decode_slot, req.held = slot, list(session.tokens)
@@ -681,21 +558,17 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
         reqs = list(self.running)
-        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             if any(r.session.restored is not None for r in reqs):
                 fault_point("restore")
-            logits = self._run("decode", [r.pending for r in reqs])
+            logits = self.runner.decode([r.pending for r in reqs])
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
-            self._model_cpu += time.thread_time() - c0
             self._failed(reqs, e, "decode")
             return
-        self._model_cpu += time.thread_time() - c0
-        self._step_model_s += time.perf_counter() - t0
         self.metrics.batch_size.observe(len(reqs))
         self.decode_rows += len(reqs)
         for req in reqs:
-            self._confirm_restored(req.session)
+            self.sessions.confirm_restored(req.session)
             req.held.append(req.pending)
         finishes = self._sample(reqs, logits)
         done = []
@@ -715,123 +588,39 @@ class Engine:
         if self.token_delay:
             time.sleep(self.token_delay)
 
-    def _own_failure(self, req: GenRequest, error: Exception, doing: str) -> None:
-        log.error("engine: %s failed while %s", req.id, doing, exc_info=error)
-        req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
-                                    f"{error}); other requests were not affected", code="internal_error")
-
-    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
-                         pending: bool = False) -> None:
-        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
-        try:
-            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
-        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
-            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
-
-    def _sample(self, reqs: list[GenRequest], logits: torch.Tensor, slots: list[int] | None = None) -> list[str | None]:
-        """The next token of every request of `reqs` (row i of `logits` [B, V], sampler slot
-        `slots[i]`, or i), from one batched sampler call: grammar masks, penalties, bias, bans,
-        filters and logprobs all in it. Each token is recorded in its request and handed to the
-        output part. Returns per request None (it goes on), "end" (it is done) or "error" (its own
-        failure, `req.failure` set: what raises for one request, or logits that are NaN or inf,
-        fails that request alone; the caller ends it and the batch goes on)."""
-        B = len(reqs)
-        results: list[str | None] = [None] * B
-        # Tokens each may still emit, this one included: max_tokens, and the context.
-        remaining = [min(r.max_tokens - len(r.generated), self.ctx + 1 - len(r.prompt_ids) - len(r.generated))
-                     for r in reqs]
-        allowed = None
-        for i, req in enumerate(reqs):
-            if req.constraint is not None:
-                if allowed is None:
-                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=logits.device)
-                try:
-                    allowed[i] = req.constraint.begin(remaining[i]).to(logits.device)
-                except Exception as e:  # noqa: BLE001
-                    self._own_failure(req, e, "taking its next token")
-                    results[i] = "error"
-        want = [r.logprobs for r in reqs if r.logprobs is not None]
-        k = max(want) if want else None
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            rows = self._draw(logits, allowed, k, slots, reqs, results)
-        finally:
-            self._model_cpu += time.thread_time() - c0
-            self._step_sampling_s += time.perf_counter() - t0
-        taken = [0] * B
-        for i, req in enumerate(reqs):
-            if results[i] is not None:
-                continue
-            try:
-                results[i] = self._take(req, logits[i], rows[i], remaining[i])
-                taken[i] = req.generated[-1]
-            except Exception as e:  # noqa: BLE001 - one request's bug or hostile settings: not the batch's
-                self._own_failure(req, e, "taking its next token")
-                results[i] = "error"
-            if results[i] == "error":
+    def _sample(self, reqs: list[GenRequest], logits, slots: list[int] | None = None) -> list[str | None]:
+        """The next token of every request of `reqs` (row i of `logits`, sampler slot `slots[i]`
+        or i), from one batched sampler call (serve.runner); each token recorded in its request
+        and handed to the output part. Per request: None (it goes on), "end" (it is done) or
+        "error" (its own failure, `req.failure` set; the caller ends it, the batch goes on)."""
+        drawn = self.runner.sample(reqs, logits, slots)
+        results: list[str | None] = []
+        taken = []
+        for i, (req, d) in enumerate(zip(reqs, drawn)):
+            if not isinstance(d, Drawn):
+                self._own_failure(req, d, "sampling")
                 req.pending = None
+                results.append("error")
+                taken.append(0)
+                continue
+            req.logits = logits[i]
+            results.append(self._take(req, d))
+            taken.append(d.token)
         try:  # the history the penalties, min_tokens and the noise position see
-            self.sampler.append(torch.tensor(taken, dtype=torch.long), slots)
-        except Exception as e:  # noqa: BLE001 - a bug: every row's history is now unknown
+            self.runner.append(taken, slots)
+        except Exception as e:  # noqa: BLE001 - a bug: these rows' histories are now unknown
             for i, req in enumerate(reqs):
                 if results[i] is None:
                     self._own_failure(req, e, "recording its token")
                     results[i], req.pending = "error", None
         return results
 
-    def _draw(self, logits, allowed, k, slots, reqs, results) -> list:
-        """The batched sampler call: per row (token, failed, logprob, top ids, top logprobs). If the
-        call raises, each row is drawn alone (the same tokens: a row depends on nothing else), so
-        only the rows that raise fail."""
-        try:
-            out = self.sampler.sample(logits, allowed, k, slots=slots)
-            return self._rows(out, len(reqs))
-        except Exception:  # noqa: BLE001 - one row's settings or a bug: find the row
-            log.warning("engine: the batched sampler raised; drawing row by row", exc_info=True)
-        rows = [None] * len(reqs)
-        for i, req in enumerate(reqs):
-            if results[i] is not None:
-                continue
-            try:
-                out = self.sampler.sample(logits[i:i + 1], None if allowed is None else allowed[i:i + 1], k,
-                                          slots=[slots[i] if slots is not None else i])
-                rows[i] = self._rows(out, 1)[0]
-            except Exception as e:  # noqa: BLE001
-                self._own_failure(req, e, "sampling")
-                results[i] = "error"
-        return rows
-
-    @staticmethod
-    def _rows(out, n: int) -> list:
-        # The one read back to the host per step: the tokens (the next step feeds them).
-        tokens, failed = out.tokens.tolist(), out.failed.tolist()
-        if out.logprob is None:
-            return [(tokens[i], failed[i], None, None, None) for i in range(n)]
-        lp, ids, tops = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
-        return [(tokens[i], failed[i], lp[i], ids[i], tops[i]) for i in range(n)]
-
-    def _take(self, req: GenRequest, logits: torch.Tensor, row, remaining: int) -> str | None:
-        """`req` takes its drawn token (or what its grammar forces instead); hands it to the output
-        part; returns "end", "error" or None."""
-        token, failed, logprob, top_ids, top_lps = row
-        if failed:
-            req.failure = APIError(500, "this request failed in the engine while sampling: its logits are not "
-                                        "finite (NaN or inf) or its settings allow no token; other requests were "
-                                        "not affected", code="internal_error")
-            log.error("engine: %s: logits not finite or nothing allowed", req.id)
-            return "error"
-        c = req.constraint
-        if c is not None:
-            forced = c.finish(token, remaining)
-            if forced != token and req.logprobs is not None:
-                logprob = float(torch.log_softmax(logits.float(), dim=-1)[forced])
-            token = forced
-        req.logits = logits
-        top = None
-        if req.logprobs is not None and req.logprobs > 0:
-            top = list(zip(top_ids[:req.logprobs], top_lps[:req.logprobs]))
+    def _take(self, req: GenRequest, d: Drawn) -> str | None:
+        """`req` takes its token; it goes to the output part. "end" when it ends the request."""
+        token = d.token
         req.generated.append(token)
         # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
+        c = req.constraint
         if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
             end = "eos"
         elif c is not None and c.done:  # the value is whole: nothing can follow
@@ -841,9 +630,14 @@ class Engine:
             end = "length"
         else:
             end = None
-        self._hand(Token(req, token, end, logprob if req.logprobs is not None else None, top))
+        self._hand(Token(req, token, end, d.logprob, d.top))
         req.pending = None if end is not None else token
         return None if end is None else "end"
+
+    def _own_failure(self, req: GenRequest, error: BaseException, doing: str) -> None:
+        log.error("engine: %s failed while %s", req.id, doing, exc_info=error)
+        req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
+                                    f"{error}); other requests were not affected", code="internal_error")
 
     # ------------------------------------------------------------------ leaving the batch
     def _release(self, req: GenRequest) -> None:
@@ -863,11 +657,11 @@ class Engine:
             if slot != last:  # keep decoding slots first: the last one fills the hole
                 moved = self.running[last]
                 self._run("copy", "batch", slot, last, "batch")
-                self.sampler.move(slot, last)
+                self.runner.move(slot, last)
                 moved.decode_slot = slot
                 self.running[slot] = moved
             self.running.pop()
-            self.sampler.release(last)
+            self.runner.release(last)
             self._run("reset", "batch", last)
             req.decode_slot = None
         if self.prefilling is req:
@@ -887,7 +681,7 @@ class Engine:
         else:
             self._abort(req, stage)
 
-    def _reap_cancelled(self) -> None:
+    def _reap(self) -> None:
         """End the requests whose client left, and those the output part found a stop string in
         (or failed to detokenize): done (or failed), their session keeping what was fed."""
         for req in sorted((r for r in self.running if r.cancel.is_set() or r.stop_found.is_set()),
@@ -926,12 +720,12 @@ class Engine:
             if self.prefilling is req:
                 self.prefilling = None
             if req.decode_slot is not None:
-                self.sampler.release(req.decode_slot)
+                self.runner.release(req.decode_slot)
             req.decode_slot, req.pending, req.held = None, None, []
             if blame_snapshot:
                 log.warning("engine: %s: the first step after a disk restore failed; snapshot quarantined, "
                             "prefilling from scratch", req.id)
-                self._kv("restore_failed", error, session.restored)
+                self.sessions.kv("restore_failed", error, session.restored)
                 req.no_restore = True
             if req.cancel.is_set():
                 self._abort(req, stage)
@@ -952,9 +746,7 @@ class Engine:
                     req.attempts += 1
                 requeue.append(req)
         self.running = [r for r in self.running if r not in reqs]
-        with self._cv:  # retried first, in their order
-            self._queue.extendleft(reversed(requeue))
-            self.metrics.queue_depth.set(len(self._queue))
+        self.scheduler.requeue(requeue)  # retried first, in their order
 
     def _reset_batch(self, reason: str) -> None:
         """Drop the batch's device state: captured graphs, batch cache contents, cached allocations.
@@ -983,11 +775,7 @@ class Engine:
         log.error("engine: %s; stopping", reason)
         self.degraded = reason
         self.metrics.healthy.set(0)
-        with self._cv:
-            self._stopping = True
-            queued = list(self._queue) + self._waiting_aside()
-            self._queue.clear()
-            self.metrics.queue_depth.set(0)
+        queued = self.scheduler.stop() + self.scheduler.take_all()
         error = APIError(503, f"{reason}; the server is exiting", code="engine_unavailable",
                          headers={"Retry-After": str(self.retry_after_s)})
         for req in [*self.running, *([self.prefilling] if self.prefilling is not None else []), *queued]:
@@ -1008,14 +796,10 @@ class Engine:
             self._end(req, "cancelled")
         if self.prefilling is not None:
             self._end(self.prefilling, "cancelled", stage="prefill")
-        with self._cv:  # put back by a failure (_failed) after stop() took the queue: answer them too
-            left = list(self._queue) + self._waiting_aside()
-            self._queue.clear()
-            self.metrics.queue_depth.set(0)
-        for req in left:
+        # Put back by a failure (_failed) after stop() took the queue, or waiting for a disk read: answer them too.
+        for req in self.scheduler.take_all():
             self._fail(req, self._shutting_down())
-        if self._reader is not None:
-            self._reader.shutdown(wait=False)
+        self.scheduler.close()
         if self.kv_store is None:
             return
         # Clean shutdown: keep the conversations on disk, waiting for the writer (a bounded time),
@@ -1033,7 +817,7 @@ class Engine:
         if unsaved:
             log.warning("engine: shutdown: %d conversation(s) not saved to disk in %.0f s (tokens: %s)", len(unsaved),
                         SHUTDOWN_SAVE_S, ", ".join(map(str, unsaved)))
-        self._kv("close")
+        self.sessions.kv("close")
 
     # ------------------------------------------------------------------ outcomes
     # The end of a request is handed to the output part, after its tokens: the client's fields are

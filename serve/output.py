@@ -29,6 +29,7 @@ from typing import Any, Callable
 from ds4_torch.tokenizer import StreamDecoder
 
 from .metrics import Metrics
+from .protocol import APIError
 from .sequence import GenRequest, TokenOut
 
 log = logging.getLogger("ds4.serve")
@@ -174,8 +175,6 @@ class Output:
                 self._own_failure(rec.req, e)
 
     def _own_failure(self, req: GenRequest, error: Exception) -> None:
-        from .protocol import APIError
-
         if req.stop_at is None:  # the engine ends it at its next step; the failure is its outcome
             req.stop_at = req.emitted
             req.failure = APIError(500, f"this request failed while detokenizing ({type(error).__name__}: {error}); "
@@ -227,6 +226,8 @@ class Output:
         if req.finished():
             return
         req.t_end = time.perf_counter()
+        if rec.outcome == "done" and req.failure is not None:  # detokenizing it failed here (_own_failure)
+            rec = End(req, "failed", error=req.failure)
         if rec.outcome == "done":
             if req.stop_at is not None:  # tokens sampled past the stop string are not the reply's
                 del req.generated[req.stop_at:]

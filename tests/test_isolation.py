@@ -22,7 +22,7 @@ from ds4_torch.sampling import BatchSampler
 from ds4_torch.tokenizer import StreamDecoder
 from serve.app import ServerConfig, create_app
 from serve.engine import Engine, GenRequest
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 MODEL = "ds4-default"
 CHUNK = 32

@@ -151,7 +151,7 @@ def _gaps(stamps: list[float]) -> list[float]:
 
 def run(args) -> int:
     from serve.app import ServerConfig, create_app
-    from serve.runner import BackgroundServer
+    from serve.background import BackgroundServer
 
     from ..decode import prefill
     from ..runtime import UserError, load_model, load_model_tokenizer
