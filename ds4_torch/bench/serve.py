@@ -8,7 +8,9 @@
    tokens/s (all tokens / wall time, prefill and queueing included), time to first token p50/p99,
    inter-token latency p50/p99 (gaps between consecutive tokens of one stream, over all streams),
    and the host work: CPU time of the engine and output threads outside the model (prefill
-   included) and the batched sampler, in microseconds per sequence per decode step.
+   included) and the batched sampler, in microseconds per sequence per decode step. The same
+   streams are also run on the server's engine alone (submitted in-process: no HTTP, SSE or
+   client process), which separates the engine's scaling from the HTTP layer's.
 3. A long prompt mid-stream (`--stall-prompt-len`, default 2000): `--stall-clients` streams are
    decoding when one request with that long prompt arrives; the largest gap any stream sees while
    that prompt is prefilled, against the slowest chunk of the same prompt prefilled directly (a
@@ -145,6 +147,39 @@ def run_clients(url: str, prompts: list[list[int]], new_tokens: int, late: list[
     return json.loads(proc.stdout)
 
 
+def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The same streams submitted to the server's engine in-process (no HTTP, no SSE, no client
+    process): what the engine and its output thread give alone."""
+    import threading
+
+    from serve.sequence import GenRequest
+
+    stamps: list[list[float]] = [[] for _ in prompts]
+    left, done, lock = [len(prompts)], threading.Event(), threading.Lock()
+
+    def emit_for(i):
+        def emit(event):
+            if event[0] == "token":
+                stamps[i].append(time.perf_counter())
+            else:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+        return emit
+
+    reqs = [GenRequest(p, new_tokens, ignore_eos=True, emit=emit_for(i)) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    engine.submit_all(reqs)
+    if not done.wait(3600):
+        raise RuntimeError("the engine did not finish the streams")
+    failed = [r.error for r in reqs if r.state != "done"]
+    if failed:
+        raise RuntimeError(f"engine run failed: {failed[0]}")
+    return {"ttft": [s[0] - start for s in stamps], "stamps": stamps, "tokens": sum(map(len, stamps)),
+            "wall": time.perf_counter() - start}
+
+
 def _gaps(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -208,6 +243,12 @@ def run(args) -> int:
             metrics.value("ds4_step_seconds_count", part="model"), parts
 
     with BackgroundServer(app) as srv:
+        alone = []
+        for c in counts:  # the engine alone, in-process: the same work without HTTP and the client process
+            r = run_engine(engine, prompts(c), args.new_tokens)
+            gaps = [g for s in r["stamps"] for g in _gaps(s)]
+            alone.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "itl_p50_ms": 1000 * _pct(gaps, 50),
+                          "itl_p99_ms": 1000 * _pct(gaps, 99)})
         for c in counts:
             cpu0, rows0, steps0, parts0 = host_counters()
             r = run_clients(srv.url, prompts(c), args.new_tokens)
@@ -247,6 +288,13 @@ def run(args) -> int:
           "ITL: gap between consecutive tokens of one stream; host us/seq/step: CPU time of the engine and output "
           "threads outside the model and the sampler, per sequence per decode step; step ms: the engine's mean decode "
           "iteration split into the model (and any prefill chunk beside it), the sampler and the rest)")
+    print("the engine alone (the same streams submitted in-process: no HTTP, SSE or client process):")
+    print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9}")
+    for r in alone:
+        r["vs_1_client"] = r["tok_s_total"] / alone[0]["tok_s_total"]
+        r["itl_vs_1_client"] = r["itl_p50_ms"] / alone[0]["itl_p50_ms"]
+        print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['itl_p50_ms']:>7.1f}ms "
+              f"{r['itl_p99_ms']:>7.1f}ms {r['itl_vs_1_client']:>8.2f}x")
     if stall is not None:
         print(f"a {args.stall_prompt_len}-token prompt arriving while {args.stall_clients} streams decode: prefilled "
               f"in {stall['prefill_s']:.2f} s; largest gap any stream saw meanwhile {stall['max_gap_ms']:.1f} ms "
