@@ -105,6 +105,67 @@ def test_seeded_request_is_the_same_alone_in_a_batch_of_16_and_beside_any_settin
     assert rows / steps > 8, f"mean batch {rows / steps:.2f}: the requests did not decode together"
 
 
+def everything_reference(model, ids, n, *, temperature, top_k, top_p, min_p, presence, frequency, repetition,
+                         bias, seed):
+    """Every setting at once, each from its definition over stateless forwards: logit_bias (-100
+    bans), repetition penalty (seen in the prompt or the output: divided when positive, multiplied
+    otherwise), frequency and presence penalties (generated tokens), temperature, top-k, top-p (a
+    token goes when the better ones before it already reach top_p), min-p (p < min_p * p_max goes),
+    then Gumbel-max with the noise of (seed, token index)."""
+    seeds = torch.tensor([seed_words(seed)])
+    gen = []
+    for i in range(n):
+        with torch.no_grad():
+            x = model(torch.tensor([ids + gen]))[0, -1].float().clone()
+        for t, b in bias.items():
+            x[t] = float("-inf") if b <= -100 else x[t] + b
+        for t in set(ids + gen):
+            x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+        for t in set(gen):
+            x[t] -= gen.count(t) * frequency + presence
+        x = x / temperature
+        x = x.masked_fill(x < torch.topk(x, top_k).values[-1], float("-inf"))
+        ranked, order = torch.sort(x, descending=True, stable=True)
+        probs = torch.softmax(ranked, -1)
+        before = torch.cumsum(probs, -1) - probs
+        x[order[before >= top_p]] = float("-inf")
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
+        gen.append(int(torch.argmax(x + gumbel_noise(seeds, torch.tensor([i]), x.numel())[0])))
+    return gen
+
+
+# Two sets of settings under which every setting changes the tokens (each was checked by leaving
+# it out of the reference): the first bites with top-k, top-p, min-p, presence, repetition and
+# bias; the second (penalties that favour repeats) with presence, frequency, repetition and bias.
+EVERYTHING = [dict(temperature=1.3, top_k=40, top_p=0.6, min_p=0.15, presence=-1.5, frequency=1.0, repetition=2.0,
+                   bias={15: -100.0, 552: 4.0}, seed=99),
+              dict(temperature=1.3, top_k=40, top_p=0.6, min_p=0.15, presence=-2.0, frequency=-1.0, repetition=2.0,
+                   bias={15: -100.0, 552: 4.0}, seed=99)]
+
+
+def _body(settings):
+    return dict(temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"],
+                min_p=settings["min_p"], presence_penalty=settings["presence"],
+                frequency_penalty=settings["frequency"], repetition_penalty=settings["repetition"],
+                logit_bias={str(t): b for t, b in settings["bias"].items()}, seed=settings["seed"])
+
+
+def test_every_setting_at_once_equals_its_definitions_alone_and_in_a_batch(srv, model):
+    ids, n = prompt_ids(24, 13), 16
+    wants = [everything_reference(model, ids, n, **settings) for settings in EVERYTHING]
+    assert wants[0] != wants[1]
+    for settings, want in zip(EVERYTHING, wants):
+        assert complete(srv, ids, n, **_body(settings)).json()["choices"][0]["token_ids"] == want
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        others = [pool.submit(complete, srv, prompt_ids(14 + i, 70 + i), 24, temperature=0.6 + 0.1 * i, seed=i)
+                  for i in range(6)]
+        ours = [pool.submit(complete, srv, ids, n, **_body(settings)) for settings in EVERYTHING]
+        assert all(f.result().status_code == 200 for f in others)
+    for f, want in zip(ours, wants):
+        assert f.result().json()["choices"][0]["token_ids"] == want
+
+
 def test_greedy_requests_in_a_batch_of_16_equal_generate(srv, model):
     prompts = [prompt_ids(10 + 3 * i, 90 + i) for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
