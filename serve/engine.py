@@ -201,6 +201,7 @@ class Engine:
         self.warm = False
         self._structured = None
         self._structured_lock = threading.Lock()
+        self._stop_tokens: dict[str, int | None] = {}
 
     # The runner's replica, caches and decoder, read by the app's log line and by tests.
     replica = property(lambda self: self.runner.replica)
@@ -255,10 +256,24 @@ class Engine:
         k = req.prompt_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"prompt_logprobs must be an integer >= 0, got {k!r}")
+        if req.stop and not req.stop_tokens:
+            req.stop_tokens = frozenset(t for t in map(self._stop_token, req.stop) if t is not None)
         if req.grammar is not None and req.constraint is None:
             if req.grammar.outputs.vocab_size != self.model.config.vocab_size:
                 raise ValueError("grammar: compiled for another vocabulary")
             req.constraint = req.grammar.constraint()  # here, so a failure is the caller's ValueError
+
+    def _stop_token(self, stop: str) -> int | None:
+        """The token whose text is exactly `stop`, if one is (e.g. `</think>`): the engine ends a
+        request at it right away, not a step or two later when the output part finds the string,
+        so the session holds exactly what the reply fed (the next turn extends it)."""
+        with self._structured_lock:
+            if stop not in self._stop_tokens:
+                ids = self.tokenizer.encode(stop, add_special_tokens=False) if stop else []
+                self._stop_tokens[stop] = ids[0] if len(ids) == 1 and self.tokenizer.decode(ids) == stop else None
+                if len(self._stop_tokens) > 4096:  # a cache, not a leak: clients send arbitrary stops
+                    self._stop_tokens.pop(next(iter(self._stop_tokens)))
+            return self._stop_tokens[stop]
 
     # ------------------------------------------------------------------ control (any thread)
     def start(self) -> None:
@@ -623,7 +638,7 @@ class Engine:
         c = req.constraint
         if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
             end = "eos"
-        elif c is not None and c.done:  # the value is whole: nothing can follow
+        elif c is not None and c.done or token in req.stop_tokens:  # nothing can follow / its text is a stop
             end = "stop"
         # Feeding this token back needs room for the whole sequence in the context.
         elif len(req.generated) >= req.max_tokens or len(req.prompt_ids) + len(req.generated) > self.ctx:

@@ -71,7 +71,8 @@ class TextState:
 @dataclass
 class Token:
     """One sampled token of `req`. `end`: what the engine ended it with (None: it goes on;
-    "eos": an EOS or stop token id, whose text is not output; "stop": its grammar is complete;
+    "eos": an EOS or stop token id, whose text is not output; "stop": its grammar is complete, or its
+    text alone is one of its stop strings;
     "length": its budget or the context is spent). `logprob`/`top`: when it asked for them."""
     req: GenRequest
     token: int

@@ -78,6 +78,7 @@ class GenRequest:
     disk: Any = field(default=None, repr=False)                 # its disk state read off the engine thread:
                                                                 # a LoadedSnapshot, False for a miss, None: not read
     constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
+    stop_tokens: frozenset = field(default=frozenset(), repr=False)  # tokens whose text alone is a stop string
     plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
     failure: Any = field(default=None, repr=False)              # its own APIError, once it raised
     # Written by the output part (its thread), read by the engine between steps.

@@ -240,6 +240,30 @@ def test_stop_string_in_a_busy_batch_and_the_session_keeps_what_was_fed(srv, mod
     assert again["choices"][0]["token_ids"] == list(generate(model, follow, 4))
 
 
+def test_a_stop_string_that_is_one_token_ends_the_request_at_once(srv, model):
+    """A stop string that is exactly one token's text (as `</think>` is) ends the request at that
+    token on the engine thread: the same cut and count as any stop, and the session holds exactly
+    the prompt and the reply but its last token, so a follow-up reuses all of it."""
+    tok = default_tokenizer()
+    ids, n = prompt_ids(26, 17), 40
+    tokens = list(generate(model, ids, n))
+    full = tok.decode(tokens)
+    for m in range(3, n):
+        stop = tok.decode([tokens[m]])
+        if len(stop) >= 2 and stop.strip() == stop and tok.encode(stop, add_special_tokens=False) == [tokens[m]] \
+                and full.find(stop) == len(tok.decode(tokens[:m])):
+            break
+    else:
+        raise AssertionError("no single-token stop string in this continuation")
+    r = complete(srv, ids, n, stop=[stop]).json()
+    assert r["choices"][0]["text"] == full[:full.find(stop)] and r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["token_ids"] == tokens[:m + 1] and r["usage"]["completion_tokens"] == m + 1
+    follow = ids + tokens[:m + 1] + prompt_ids(5, 18)
+    again = complete(srv, follow, 4).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) + m
+    assert again["choices"][0]["token_ids"] == list(generate(model, follow, 4))
+
+
 # --------------------------------------------------------------------------- a row that overflows
 def test_a_row_whose_logits_overflow_fails_alone(srv, model, monkeypatch):
     """Logits that turn NaN or inf in one row of a batched step (injected into the rows of requests
