@@ -17,7 +17,7 @@ import pytest
 from ds4_torch.default_model import DEFAULT_MODEL_DIR
 from ds4_torch.model import DS4ForCausalLM
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 DATA = Path(__file__).parent / "data" / "clients"
 RECORDS = sorted(DATA.glob("*.json"))
