@@ -24,6 +24,7 @@ import json
 import random
 
 import tool_corpus
+from tool_corpus import _assistant
 
 # ---------------------------------------------------------------- tool families
 # A purpose, the names agents give a tool for it, and the argument it takes.
@@ -338,13 +339,6 @@ def agent_conversation(rng: random.Random, split: str = "train", system_tokens: 
         messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         messages.append(_assistant(answer, REASONING_ANSWER if think else None))
     return {"messages": messages, "tools": tools, "thinking": think}
-
-
-def _assistant(content: str, reasoning: str | None) -> dict:
-    m = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        m["reasoning_content"] = reasoning
-    return m
 
 
 def long_range_probe(rng: random.Random, filler: str, tok=None) -> tuple[dict, str]:
