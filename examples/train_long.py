@@ -235,13 +235,15 @@ def long_range_probes(model, tok, held_out_text: str, cases: int = 20, filler_to
             "rows": rows}
 
 
-def agent_eval(model, tok, cases: int = 30, system_tokens: int = 8000, seed: int = 31337) -> dict:
-    """Held-out agent chats: the first reply calls the fitting offered tool, with the right arguments."""
+def agent_eval(model, tok, cases: int = 30, system_tokens: int = 8000, seed: int = 31337,
+               split: str = "held_out") -> dict:
+    """Agent chats (held-out tool names, files and cities; or, with split="train", the names
+    training uses): the first reply calls the fitting offered tool, with the right arguments."""
     rng = random.Random(seed)
     right_tool = exact = no_tool_ok = no_tool_cases = 0
     for _ in range(cases):
-        conv = agent_corpus.agent_conversation(rng, "held_out", system_tokens=system_tokens, tok=tok, rounds=1,
-                                               thinking=0.0, filler_rounds=0.0)
+        conv = agent_corpus.agent_conversation(rng, split, system_tokens=system_tokens, tok=tok, rounds=1,
+                                               thinking=0.0, filler_rounds=0.0, novel=0.0)
         first = conv["messages"][:-1] if conv["messages"][-1]["role"] == "assistant" else conv["messages"]
         expected = next((m for m in conv["messages"] if m["role"] == "assistant"), {})
         calls = expected.get("tool_calls") or []
@@ -258,7 +260,7 @@ def agent_eval(model, tok, cases: int = 30, system_tokens: int = 8000, seed: int
             args = json.loads(want["arguments"])
             exact += all(f'name="{k}" string="true">{v}<' in reply for k, v in args.items())
     n_calls = cases - no_tool_cases
-    return {"cases": cases, "system_tokens": system_tokens, "call_cases": n_calls, "right_tool": right_tool,
+    return {"split": split, "cases": cases, "system_tokens": system_tokens, "call_cases": n_calls, "right_tool": right_tool,
             "exact_arguments": exact, "no_tool_cases": no_tool_cases, "no_tool_ok": no_tool_ok}
 
 
@@ -273,7 +275,8 @@ def evaluate_long(model_dir: Path, data: Path, rotations: int, probes: int, quic
     t0 = time.time()
     result = {"position_loss": position_table(model, held_out, rotations)}
     print(json.dumps(result["position_loss"]), f"{time.time() - t0:.0f} s", flush=True)
-    result["agent_eval"] = agent_eval(model, tok, cases=10 if quick else 30)
+    result["agent_eval"] = [agent_eval(model, tok, cases=10 if quick else 20, split=split)
+                            for split in ("held_out", "train")]
     print(json.dumps(result["agent_eval"]), flush=True)
     if probes:
         result["long_range_probe"] = long_range_probes(model, tok, held_text, cases=probes)
