@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import CompressorState, DS4Cache, LayerCache
+from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
@@ -96,9 +96,10 @@ class WindowPlan:
     T == 1 (decode) writes the token into its slot and pools the open window as it stands, with no
     gather: a closing window is complete, and an open one's pooled row goes to the scratch row."""
 
-    def __init__(self, start, T: int, rate: int, capacity: int, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, start, T: int, rate: int, capacity: int, rotary: Rotary, dtype: torch.dtype,
+                 undo: Rollback | None = None):
         m, C, B, device = rate, capacity, start.shape[0], start.device
-        self.T = T
+        self.T, self.rate, self.undo = T, rate, undo
         self.slot = (start[:, None] + torch.arange(T, device=device)) % m  # [B, T]
         first_window = start // m
         if T == 1:
@@ -140,6 +141,15 @@ class WindowPlan:
         closed = end_window - first_window  # windows closed in this chunk, per sequence
         last_pos = (end_window[:, None] - 1) * m + slots
         self.last_ca_index = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos))
+        if undo is not None:  # the same frontier for every candidate end start + k, k = 0..T
+            ends = start[:, None] + torch.arange(T + 1, device=device)  # [B, K]
+            end_windows = ends // m
+            cand_pos = end_windows[..., None] * m + slots  # [B, K, m]
+            self.cand_open_source = own_index(cand_pos)
+            self.cand_keep_new = (cand_pos < ends[..., None])[..., None]
+            cand_last = (end_windows[..., None] - 1) * m + slots
+            self.cand_last_ca_index = torch.where((end_windows == first_window[:, None])[..., None],
+                                                  slots.expand(B, T + 1, m), m + own_index(cand_last))
 
 
 class ForwardPlan:
@@ -147,8 +157,11 @@ class ForwardPlan:
     positions' RoPE (main and compress), the ring slots the new rows go to, and a `WindowPlan`
     per compression rate. Computed once per forward instead of once per layer."""
 
-    def __init__(self, model: "DS4Model", cache: DS4Cache, T: int, dtype: torch.dtype):
+    def __init__(self, model: "DS4Model", cache: DS4Cache, T: int, dtype: torch.dtype, undo: Rollback | None = None):
         start = cache.positions
+        self.undo = undo
+        if undo is not None:
+            undo.begin(cache, T)
         device = start.device
         self.start, self.T = start, T
         positions = start[:, None] + torch.arange(T, device=device)
@@ -174,10 +187,13 @@ class ForwardPlan:
         for layer in cache.layers:
             if layer.rate and layer.rate not in self.windows:
                 capacity = layer.compressor.rows.shape[1] - 1
-                self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype)
+                self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype,
+                                                      undo)
 
     def write_ring(self, ring, kv) -> None:
         """Store this forward's kv rows [B, T, D] in a layer's window ring."""
+        if self.undo is not None:
+            self.undo.save_ring(ring)
         if self.T == 1:
             ring.view(-1, ring.shape[-1]).index_copy_(0, self.ring_index, cast(kv.view(-1, kv.shape[-1]), ring.dtype))
             return
@@ -217,6 +233,11 @@ class Compressor(nn.Module):
     def _update_one(self, state, kv, gate, plan, ops):
         B, _, width = kv.shape
         open_kv, open_gate = state.open_kv, state.open_gate
+        if plan.undo is not None:  # keep 0 takes back the frontier from before this token
+            saved = {"pre": True, "open_kv": open_kv.clone(), "open_gate": open_gate.clone()}
+            if self.overlap:
+                saved.update(prev_kv=state.prev_kv.clone(), prev_gate=state.prev_gate.clone())
+            plan.undo.save_state(state, plan.rate, saved)
         open_kv.view(-1, width).index_copy_(0, plan.open_index, cast(kv.view(B, width), open_kv.dtype))
         open_gate.view(-1, width).index_copy_(0, plan.open_index, cast(gate.view(B, width), open_gate.dtype))
         if self.overlap:
@@ -256,6 +277,15 @@ class Compressor(nn.Module):
 
         new_open_kv = torch.where(plan.keep_new, gather(own_kv, plan.open_source), state.open_kv)
         new_open_gate = torch.where(plan.keep_new, gather(own_gate, plan.open_source), state.open_gate)
+        if plan.undo is not None:  # the frontier at every candidate end, for Rollback.apply
+            saved = {"open_kv": torch.where(plan.cand_keep_new, gather(own_kv, plan.cand_open_source),
+                                            state.open_kv[:, None]),
+                     "open_gate": torch.where(plan.cand_keep_new, gather(own_gate, plan.cand_open_source),
+                                              state.open_gate[:, None])}
+            if self.overlap:
+                saved.update(prev_kv=gather(ca_src_kv, plan.cand_last_ca_index),
+                             prev_gate=gather(ca_src_gate, plan.cand_last_ca_index))
+            plan.undo.save_state(state, plan.rate, saved)
         if self.overlap:
             state.prev_kv.copy_(gather(ca_src_kv, plan.last_ca_index))
             state.prev_gate.copy_(gather(ca_src_gate, plan.last_ca_index))
@@ -761,12 +791,14 @@ class DS4ForCausalLM(nn.Module):
                 kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run
         return self._forward(input_ids, cache, logits_to_keep, return_streams)
 
-    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0, return_streams: bool = False):
+    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0, return_streams: bool = False,
+                 undo: Rollback | None = None):
         """Logits; with `return_streams`, also the last layer's hidden streams [B, T, n, H] of
-        every token (what the MTP layer drafts from)."""
+        every token (what the MTP layer drafts from). `undo`: a `Rollback` this forward fills, so
+        that its tokens can be taken back afterwards (speculative verification)."""
         T = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
-        plan = ForwardPlan(self.model, cache, T, x.dtype)
+        plan = ForwardPlan(self.model, cache, T, x.dtype, undo)
         streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             streams = layer(streams, input_ids, layer_cache, plan, self.ops)
@@ -780,16 +812,22 @@ class DS4ForCausalLM(nn.Module):
             streams = streams[:, -logits_to_keep:]
         return self.lm_head(norm(hc_head(streams)))
 
-    def mtp_forward(self, streams, input_ids, cache: DS4Cache, logits_to_keep: int = 0):
+    def mtp_forward(self, streams, input_ids, cache: DS4Cache, logits_to_keep: int = 0,
+                    undo: Rollback | None = None, select: torch.Tensor | None = None):
         """One pass of MTP layer 0 over T positions p..p+T-1 of `cache.mtp` (its own positions):
         `streams` [B, T, n, H] the hidden streams at those positions (the main model's from
         `_forward(..., return_streams=True)`, or this layer's own output when drafting further),
         `input_ids` [B, T] the tokens at p+1..p+T. Returns (draft logits [B, T or logits_to_keep,
-        V] for the tokens at p+2.., the layer's output streams [B, T, n, H])."""
+        V] for the tokens at p+2.., the layer's output streams [B, T, n, H]). `undo`: as for
+        `_forward`. `select` (int64 [B]): only row select[b] of each sequence, logits [B, 1, V]
+        and streams [B, 1, n, H] (the head runs on that row alone)."""
         block, mtp_cache = self.mtp[0], cache.mtp
         T = input_ids.shape[1]
         x = block.combine(self.model.embed_tokens(input_ids), streams.to(self.model.embed_tokens.weight.dtype))
-        plan = ForwardPlan(self.model, mtp_cache, T, x.dtype)
+        plan = ForwardPlan(self.model, mtp_cache, T, x.dtype, undo)
         out = block(x, input_ids, mtp_cache.layers[0], plan, self.ops)
         mtp_cache.positions.add_(T)
+        if select is not None:
+            index = select.to(out.device, torch.long).view(-1, 1, 1, 1).expand(-1, 1, *out.shape[2:])
+            out = out.gather(1, index)
         return self._head(block.hc_head, block.norm, out, logits_to_keep), out
