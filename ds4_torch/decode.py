@@ -290,3 +290,43 @@ class GraphDecoder(Decoder):
         self.graphs.clear()
         if self.cache.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- speculative steps
+class SpeculativeForwards:
+    """The forwards of a speculative decoding step (`ds4_torch.speculative`), eagerly: every one
+    of a fixed shape, so the graph and compiled variants serve every step.
+
+    - `mtp(streams [B,1,n,H], ids [B,1], undo)`: one MTP pass (a draft) -> (logits [B,1,V],
+      output streams [B,1,n,H]);
+    - `verify(ids [B,T], undo)`: the main model over the pending token and the drafts ->
+      (logits [B,T,V], hidden streams [B,T,n,H]);
+    - `catch_up(streams [B,T,n,H], ids [B,T], select [B], undo)`: the MTP layer over the verified
+      positions -> (logits [B,1,V], output streams [B,1,n,H]) at position select[b];
+    - `rollback(undo, keep [B])`: `undo.apply(keep)`."""
+
+    mode = "eager"
+
+    def __init__(self, model, cache: DS4Cache):
+        self.model, self.cache = model, cache
+
+    def mtp(self, streams, ids, undo):
+        return self.model.mtp_forward(streams, ids, self.cache, logits_to_keep=1, undo=undo)
+
+    def verify(self, ids, undo):
+        return self.model._forward(ids, self.cache, logits_to_keep=ids.shape[1], return_streams=True, undo=undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self.model.mtp_forward(streams, ids, self.cache, undo=undo, select=select)
+
+    def rollback(self, undo, keep):
+        undo.apply(keep)
+
+
+def make_forwards(model, cache: DS4Cache, mode: str = "eager") -> SpeculativeForwards:
+    """The forwards of a speculative step over `cache` in decode mode `mode` (env
+    DS4_TORCH_DECODE_MODE overrides; "auto" as for `make_decoder`)."""
+    resolved = resolve_mode(mode, cache.device)
+    if resolved == "eager":
+        return SpeculativeForwards(model, cache)
+    raise NotImplementedError(resolved)

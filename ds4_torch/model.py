@@ -111,45 +111,90 @@ class WindowPlan:
             self.cos, self.sin = rotary((first_window * m)[:, None], dtype)  # [B, 1, R/2]
             return
 
-        # A chunk: source rows addressed by absolute position in [prev (Ca) | open window | new tokens].
-        base = first_window * m  # first position of the open window
-
-        def own_index(pos):  # position (>= base) -> row of cat([open window, new tokens])
-            shape = (-1,) + (1,) * (pos.dim() - 1)
-            rel, s = pos - base.view(shape), start.view(shape)
-            return torch.where(pos < s, rel, m + pos - s).clamp(0, m + T - 1)
-
-        cand = torch.arange(T // m + 1, device=device)
-        windows = first_window[:, None] + cand  # [B, J]: every window the chunk may close
-        slots = torch.arange(m, device=device)
-        cur_pos = windows[..., None] * m + slots  # [B, J, m]
-        self.cur_index = own_index(cur_pos)
-        # CSA: the Ca half of window w comes from window w-1: the saved overlap for the first one.
-        self.ca_index = torch.where(cand[None, :, None] == 0, slots.expand(B, cand.shape[0], m),
-                                    m + own_index(cur_pos - m))
-        emit = (windows + 1) * m <= (start + T)[:, None]
-        target = torch.where(emit & (windows < C), windows, C)
+        if T <= SMALL_CHUNK:  # a verify step's chunk: the relative indices come from a table, by phase
+            table = _chunk_table(m, T, undo is not None, device)
+            phase = start % m
+            for name, t in table.items():
+                setattr(self, name, t[phase])
+        else:
+            for name, t in _chunk_indices(start, T, m, undo is not None).items():
+                setattr(self, name, t)
+        windows = first_window[:, None] + torch.arange(T // m + 1, device=device)  # [B, J]: windows it may close
+        target = torch.where(self.emit & (windows < C), windows, C)
         self.row_index = (torch.arange(B, device=device)[:, None] * (C + 1) + target).view(-1)
         self.cos, self.sin = rotary(windows * m, dtype)  # [B, J, R/2]
 
-        # Frontier after the chunk: the open window, and (CSA) the Ca half of the last closed one.
-        end = start + T
-        end_window = end // m
-        open_pos = end_window[:, None] * m + slots  # [B, m]
-        self.open_source = own_index(open_pos)
-        self.keep_new = (open_pos < end[:, None])[..., None]
+
+def _ring_sources(start, T: int, W: int):
+    """Ring slot r keeps the newest position congruent to r seen so far: (whether it comes from
+    the chunk [B, W, 1], which chunk row [B, W, 1]); both depend on start % W only."""
+    new_last = start[:, None] + T - 1
+    newest = new_last - (new_last - torch.arange(W, device=start.device)) % W  # [B, W]
+    return (newest >= start[:, None])[..., None], (newest - start[:, None]).clamp(0, T - 1)[..., None]
+
+
+# Chunks of at most this many tokens (speculative verify steps) read their window indices from
+# per-phase tables instead of computing them (about 70 small ops per rate fewer).
+SMALL_CHUNK = 8
+_CHUNK_TABLES: dict = {}
+
+
+def _chunk_table(m: int, T: int, candidates: bool, device) -> dict[str, torch.Tensor]:
+    """`_chunk_indices` for every phase start % m (row p: a chunk starting at phase p): the
+    indices are relative to the open window's first position, so they depend on nothing else."""
+    key = (m, T, candidates, str(device))
+    if key not in _CHUNK_TABLES:
+        with torch.inference_mode(False):  # plain tensors: they serve traced and compiled forwards too
+            _CHUNK_TABLES[key] = _chunk_indices(torch.arange(m, device=device), T, m, candidates)
+    return _CHUNK_TABLES[key]
+
+
+def _chunk_indices(start, T: int, m: int, candidates: bool) -> dict[str, torch.Tensor]:
+    """The gather indices of a chunk of T tokens at `start` [B] for rate m: rows of
+    cat([open window, new tokens]) (and, for the CSA overlap, of cat([prev, that])) addressed by
+    position, which windows close (`emit` [B, J]) and the frontier after the chunk; with
+    `candidates`, the frontier after every candidate end start + k, k = 0..T (`Rollback`)."""
+    B, device = start.shape[0], start.device
+    first_window = start // m
+    base = first_window * m  # first position of the open window
+
+    def own_index(pos):  # position (>= base) -> row of cat([open window, new tokens])
+        shape = (-1,) + (1,) * (pos.dim() - 1)
+        rel, s = pos - base.view(shape), start.view(shape)
+        return torch.where(pos < s, rel, m + pos - s).clamp(0, m + T - 1)
+
+    out = {}
+    cand = torch.arange(T // m + 1, device=device)
+    windows = first_window[:, None] + cand  # [B, J]: every window the chunk may close
+    slots = torch.arange(m, device=device)
+    cur_pos = windows[..., None] * m + slots  # [B, J, m]
+    out["cur_index"] = own_index(cur_pos)
+    # CSA: the Ca half of window w comes from window w-1: the saved overlap for the first one.
+    out["ca_index"] = torch.where(cand[None, :, None] == 0, slots.expand(B, cand.shape[0], m),
+                                  m + own_index(cur_pos - m))
+    out["emit"] = (windows + 1) * m <= (start + T)[:, None]
+
+    # Frontier after the chunk: the open window, and (CSA) the Ca half of the last closed one
+    # (with candidates, the last candidate's).
+    end = start + T
+    end_window = end // m
+    open_pos = end_window[:, None] * m + slots  # [B, m]
+    if not candidates:
+        out["open_source"] = own_index(open_pos)
+        out["keep_new"] = (open_pos < end[:, None])[..., None]
         closed = end_window - first_window  # windows closed in this chunk, per sequence
         last_pos = (end_window[:, None] - 1) * m + slots
-        self.last_ca_index = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos))
-        if undo is not None:  # the same frontier for every candidate end start + k, k = 0..T
-            ends = start[:, None] + torch.arange(T + 1, device=device)  # [B, K]
-            end_windows = ends // m
-            cand_pos = end_windows[..., None] * m + slots  # [B, K, m]
-            self.cand_open_source = own_index(cand_pos)
-            self.cand_keep_new = (cand_pos < ends[..., None])[..., None]
-            cand_last = (end_windows[..., None] - 1) * m + slots
-            self.cand_last_ca_index = torch.where((end_windows == first_window[:, None])[..., None],
-                                                  slots.expand(B, T + 1, m), m + own_index(cand_last))
+        out["last_ca_index"] = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos))
+    else:  # the same frontier for every candidate end start + k, k = 0..T
+        ends = start[:, None] + torch.arange(T + 1, device=device)  # [B, K]
+        end_windows = ends // m
+        cand_pos = end_windows[..., None] * m + slots  # [B, K, m]
+        out["cand_open_source"] = own_index(cand_pos)
+        out["cand_keep_new"] = (cand_pos < ends[..., None])[..., None]
+        cand_last = (end_windows[..., None] - 1) * m + slots
+        out["cand_last_ca_index"] = torch.where((end_windows == first_window[:, None])[..., None],
+                                                slots.expand(B, T + 1, m), m + own_index(cand_last))
+    return out
 
 
 class ForwardPlan:
@@ -178,11 +223,16 @@ class ForwardPlan:
         W, B = cache.config.sliding_window, start.shape[0]
         if T == 1:
             self.ring_index = torch.arange(B, device=device) * W + start % W  # row of ring.view(B*W, D)
-        else:  # ring slot r keeps the newest position congruent to r seen so far
-            new_last = start[:, None] + T - 1
-            newest = new_last - (new_last - torch.arange(W, device=device)) % W  # [B, W]
-            self.ring_from_chunk = (newest >= start[:, None])[..., None]
-            self.ring_source = (newest - start[:, None]).clamp(0, T - 1)[..., None]
+        elif T <= SMALL_CHUNK:  # the same, from a table by phase start % W
+            table = _CHUNK_TABLES.get(("ring", W, T, str(device)))
+            if table is None:
+                with torch.inference_mode(False):
+                    table = _CHUNK_TABLES[("ring", W, T, str(device))] = _ring_sources(
+                        torch.arange(W, device=device), T, W)
+            phase = start % W
+            self.ring_from_chunk, self.ring_source = table[0][phase], table[1][phase]
+        else:
+            self.ring_from_chunk, self.ring_source = _ring_sources(start, T, W)
         self.windows = {}
         for layer in cache.layers:
             if layer.rate and layer.rate not in self.windows:
@@ -275,9 +325,7 @@ class Compressor(nn.Module):
         D = rows.shape[-1]
         state.rows.view(-1, D).index_copy_(0, plan.row_index, cast(rows.reshape(-1, D), state.rows.dtype))
 
-        new_open_kv = torch.where(plan.keep_new, gather(own_kv, plan.open_source), state.open_kv)
-        new_open_gate = torch.where(plan.keep_new, gather(own_gate, plan.open_source), state.open_gate)
-        if plan.undo is not None:  # the frontier at every candidate end, for Rollback.apply
+        if plan.undo is not None:  # the frontier at every candidate end (Rollback.apply); the last is this one's
             saved = {"open_kv": torch.where(plan.cand_keep_new, gather(own_kv, plan.cand_open_source),
                                             state.open_kv[:, None]),
                      "open_gate": torch.where(plan.cand_keep_new, gather(own_gate, plan.cand_open_source),
@@ -286,6 +334,11 @@ class Compressor(nn.Module):
                 saved.update(prev_kv=gather(ca_src_kv, plan.cand_last_ca_index),
                              prev_gate=gather(ca_src_gate, plan.cand_last_ca_index))
             plan.undo.save_state(state, plan.rate, saved)
+            for name, t in saved.items():
+                getattr(state, name).copy_(t[:, -1])
+            return
+        new_open_kv = torch.where(plan.keep_new, gather(own_kv, plan.open_source), state.open_kv)
+        new_open_gate = torch.where(plan.keep_new, gather(own_gate, plan.open_source), state.open_gate)
         if self.overlap:
             state.prev_kv.copy_(gather(ca_src_kv, plan.last_ca_index))
             state.prev_gate.copy_(gather(ca_src_gate, plan.last_ca_index))
