@@ -634,8 +634,24 @@ class Rollback:
             out += [saved[k] for k in sorted(saved) if k != "pre"]
         return out
 
+    @classmethod
+    def template(cls, cache: "DS4Cache", T: int) -> "Rollback":
+        """The record a forward of T tokens over `cache` fills, without its tensors (what
+        `with_tensors` completes): the rings and frontiers it saves, in the forward's order."""
+        out = cls()
+        out.cache, out.T = cache, T
+        for layer in cache.layers:
+            for state in layer.states:
+                names = ["open_gate", "open_kv"] + (["prev_gate", "prev_kv"] if state.prev_kv is not None else [])
+                saved = dict.fromkeys(names)
+                if T == 1:
+                    saved["pre"] = True
+                out.states.append((state, layer.rate, saved))
+            out.rings.append((layer.window, None))
+        return out
+
     def with_tensors(self, tensors) -> "Rollback":
-        """A copy of this record with `tensors` (as `tensors()` orders them) in place of its own."""
+        """A copy of this record (or `template`) with `tensors`, as `tensors()` orders them."""
         it = iter(tensors)
         out = Rollback()
         out.cache, out.T = self.cache, self.T

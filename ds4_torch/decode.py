@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .cache import DS4Cache
+from .cache import DS4Cache, Rollback
 from .capabilities import capabilities
 from .faults import fault_point
 
@@ -323,10 +323,151 @@ class SpeculativeForwards:
         undo.apply(keep)
 
 
+class _CapturedForward:
+    """One captured forward of a speculative step (`kind` and shapes fixed): static input
+    buffers, the cache's tensors as graph inputs, and the logits, streams and `Rollback` tensors
+    as outputs. Captured with the decode graphs' backends (`_Captured`): a CUDA graph, or the
+    make_fx emulator elsewhere, which freezes any value read on the host at capture exactly as a
+    CUDA graph would."""
+
+    def __init__(self, forwards: "GraphForwards", kind: str, args: tuple[torch.Tensor, ...]):
+        cache, eager = forwards.cache, forwards.eager
+        self.kind, self.T = kind, args[0].shape[1] if kind == "verify" else args[1].shape[1]
+        self.buffers = [t.data_ptr() for t in cache.tensors()]
+        self.static = [a.clone() for a in args]
+        target = cache if kind == "verify" else cache.mtp
+        self.template = Rollback.template(target, self.T)
+
+        def step(*inputs):  # inputs: the static buffers, then the cache's tensors (graph inputs)
+            undo = Rollback()
+            logits, streams = getattr(eager, kind)(*inputs[:len(self.static)], undo)
+            return (logits, streams, *undo.tensors())
+
+        self.inputs = [*self.static, *cache.tensors()]
+        snapshot = [t.clone() for t in cache.tensors()]
+        try:
+            if cache.device.type == "cuda":
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up outside capture
+                    for _ in range(2):
+                        step(*self.inputs)
+                        for t, saved in zip(cache.tensors(), snapshot):
+                            t.copy_(saved)
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=forwards.pool):
+                    self.outputs = step(*self.inputs)
+            else:
+                from torch.fx.experimental.proxy_tensor import make_fx
+
+                self.graph = make_fx(step, tracing_mode="real")(*self.inputs)
+        finally:  # capture ran (emulator) or warmed up (CUDA) the forward on the live state: put it back
+            for t, saved in zip(cache.tensors(), snapshot):
+                t.copy_(saved)
+
+    def replay(self, args):
+        for buffer, a in zip(self.static, args):
+            buffer.copy_(a)  # into the captured buffers; never rebind them
+        if isinstance(self.graph, torch.cuda.CUDAGraph):
+            self.graph.replay()
+            outputs = [t.clone() for t in self.outputs]  # a chain replays this graph again before its rollbacks
+        else:
+            outputs = self.graph(*self.inputs)
+        return outputs[0], outputs[1], self.template.with_tensors(outputs[2:])
+
+
+class GraphForwards(SpeculativeForwards):
+    """The forwards of a speculative step captured once per kind and shape (batch, 1 + N) and
+    replayed: `mtp` (a one-token draft pass), `verify` and `catch_up`; the rollbacks run on the
+    captured forwards' static tensors. A forward without a `Rollback` (the first draft after a
+    prefill) runs eagerly."""
+
+    mode = "graph"
+
+    def __init__(self, model, cache: DS4Cache):
+        super().__init__(model, cache)
+        self.eager = SpeculativeForwards(model, cache)
+        self.graphs: dict[tuple, _CapturedForward] = {}
+        self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
+        self.backend = "cuda" if cache.device.type == "cuda" else "emulator"
+
+    def _run(self, kind, args, undo):
+        if undo is None:
+            return getattr(self.eager, kind)(*args, None)
+        key = (kind, *[tuple(a.shape) for a in args])
+        captured = self.graphs.get(key)
+        if captured is not None and captured.buffers != [t.data_ptr() for t in self.cache.tensors()]:
+            captured = None  # the cache was reallocated: recapture
+        if captured is None:
+            captured = self.graphs[key] = _CapturedForward(self, kind, args)
+        logits, streams, recorded = captured.replay(args)
+        undo.__dict__.update(recorded.__dict__)
+        return logits, streams
+
+    def mtp(self, streams, ids, undo):
+        return self._run("mtp", (streams, ids), undo)
+
+    def verify(self, ids, undo):
+        return self._run("verify", (ids,), undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self._run("catch_up", (streams, ids, select), undo)
+
+
+class CompiledForwards(SpeculativeForwards):
+    """The forwards of a speculative step through `torch.compile(fullgraph=True)` (inductor): one
+    compiled function per kind, compiled at its first call for each shape; they return the
+    `Rollback` tensors, completed from `Rollback.template`."""
+
+    mode = "compile"
+
+    def __init__(self, model, cache: DS4Cache, backend: str = "inductor"):
+        super().__init__(model, cache)
+        eager = SpeculativeForwards(model, cache)
+
+        # One function (one code object, so one dynamo cache) per kind.
+        def mtp(streams, ids):
+            undo = Rollback()
+            return (*eager.mtp(streams, ids, undo), *undo.tensors())
+
+        def verify(ids):
+            undo = Rollback()
+            return (*eager.verify(ids, undo), *undo.tensors())
+
+        def catch_up(streams, ids, select):
+            undo = Rollback()
+            return (*eager.catch_up(streams, ids, select, undo), *undo.tensors())
+
+        self.compiled = {fn.__name__: torch.compile(fn, fullgraph=True, backend=backend)
+                         for fn in (mtp, verify, catch_up)}
+
+    def _run(self, kind, args, undo):
+        if undo is None:
+            return getattr(super(), kind)(*args, None)
+        out = self.compiled[kind](*args)
+        T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
+        target = self.cache if kind == "verify" else self.cache.mtp
+        undo.__dict__.update(Rollback.template(target, T).with_tensors(out[2:]).__dict__)
+        return out[0], out[1]
+
+    def mtp(self, streams, ids, undo):
+        return self._run("mtp", (streams, ids), undo)
+
+    def verify(self, ids, undo):
+        return self._run("verify", (ids,), undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self._run("catch_up", (streams, ids, select), undo)
+
+
 def make_forwards(model, cache: DS4Cache, mode: str = "eager") -> SpeculativeForwards:
     """The forwards of a speculative step over `cache` in decode mode `mode` (env
-    DS4_TORCH_DECODE_MODE overrides; "auto" as for `make_decoder`)."""
+    DS4_TORCH_DECODE_MODE overrides; "auto" as for `make_decoder`): eager, captured graphs
+    (`GraphForwards`: CUDA graphs, or the emulator elsewhere) or compiled (`CompiledForwards`)."""
     resolved = resolve_mode(mode, cache.device)
-    if resolved == "eager":
-        return SpeculativeForwards(model, cache)
-    raise NotImplementedError(resolved)
+    if resolved == "graph":
+        return GraphForwards(model, cache)
+    if resolved == "compile":
+        return CompiledForwards(model, cache)
+    return SpeculativeForwards(model, cache)

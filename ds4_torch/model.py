@@ -111,7 +111,9 @@ class WindowPlan:
             self.cos, self.sin = rotary((first_window * m)[:, None], dtype)  # [B, 1, R/2]
             return
 
-        if T <= SMALL_CHUNK:  # a verify step's chunk: the relative indices come from a table, by phase
+        if T <= SMALL_CHUNK and not torch.compiler.is_compiling():  # a verify step's chunk: from a table, by phase
+            # (compiled code computes them: inductor fuses that math, and a table filled at the
+            # first call would change dynamo's guards)
             table = _chunk_table(m, T, undo is not None, device)
             phase = start % m
             for name, t in table.items():
@@ -223,7 +225,7 @@ class ForwardPlan:
         W, B = cache.config.sliding_window, start.shape[0]
         if T == 1:
             self.ring_index = torch.arange(B, device=device) * W + start % W  # row of ring.view(B*W, D)
-        elif T <= SMALL_CHUNK:  # the same, from a table by phase start % W
+        elif T <= SMALL_CHUNK and not torch.compiler.is_compiling():  # the same, from a table by phase start % W
             table = _CHUNK_TABLES.get(("ring", W, T, str(device)))
             if table is None:
                 with torch.inference_mode(False):

@@ -127,6 +127,8 @@ class Speculator:
         from .decode import make_forwards  # the eager, captured or compiled forwards of a step
 
         self.forwards = make_forwards(model, self.cache, mode)
+        # Captures and compiles trace under no_grad; eager steps skip autograd's bookkeeping entirely.
+        self.grad_off = torch.inference_mode if self.forwards.mode == "eager" else torch.no_grad
         self.last = None  # what finish() needs of the last step
         self.draft_probs: list[torch.Tensor] = []  # "rejection": the distributions the drafts came from
 
@@ -163,7 +165,7 @@ class Speculator:
         self.pending = first                                   # [B] at positions cache.positions, not in the cache
         self.positions = [int(p) for p in self.cache.positions.tolist()]  # host copies, moved by what steps emit
         try:
-            with torch.inference_mode():  # the first draft: the MTP layer at the last prompt position
+            with self.grad_off():  # the first draft: the MTP layer at the last prompt position
                 logits_m, self.mtp_out = self.forwards.mtp(streams, first.view(-1, 1), None)
                 self.draft = self._pick(logits_m[:, -1], torch.zeros(self.B, dtype=torch.long, device=self.device))
         except BaseException:
@@ -216,7 +218,7 @@ class Speculator:
             self.draft_probs = self.draft_probs[:1] if n else []
         try:
             fault_point("decode")
-            with torch.inference_mode():
+            with self.grad_off():
                 drafts = self._draft(n) if n else self.pending.new_zeros(B, 0)
                 fed = torch.cat([self.pending.view(B, 1), drafts.to(self.pending.dtype)], dim=1)
                 undo = Rollback()
@@ -284,7 +286,7 @@ class Speculator:
             return
         undo, mtp_undo, kept = self.last
         keep = kept[0] - unused
-        with torch.inference_mode():
+        with self.grad_off():
             self.forwards.rollback(undo, torch.tensor([keep], device=self.device))
             self.forwards.rollback(mtp_undo, torch.tensor([max(keep - 1, 0)], device=self.device))
         self.last = None

@@ -1,0 +1,117 @@
+"""Speculative decoding through every decode path (issue #24): batches of prompts of different
+lengths, greedy, 70 tokens each (window 5, rates 2 and 3: many window ends, ring wraps and
+compressed rows crossed by accepted and rejected drafts), eager, captured (the CUDA-graph path;
+on a CPU its make_fx emulator, which freezes host-read values as a CUDA graph would) and
+torch.compile: the tokens of plain greedy decoding of each prompt alone, and the fp32 logits of
+every verified position those of plain one-token decode steps (<= 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ds4_torch import DS4Config, DS4ForCausalLM
+from ds4_torch.cache import Rollback
+from ds4_torch.decode import CompiledForwards, GraphForwards
+from ds4_torch.sampling import BatchSampler, SamplingParams
+from ds4_torch.speculative import Speculator
+from oracle import randomise
+from test_speculative import NEW, SMALL, plain_decode
+
+torch.set_num_threads(1)
+
+PROMPTS = [[3], list(range(1, 8)), [5, 9, 11, 2, 40, 33, 7, 7, 1, 60, 22, 13]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = DS4ForCausalLM(DS4Config.from_dict(SMALL))
+    randomise(m, 3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def truth(model):
+    return [plain_decode(model, p, NEW) for p in PROMPTS]
+
+
+def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut=True):
+    """Greedy speculation of every prompt in one batch: per prompt, its first `new` tokens and
+    the fp32 logits each came from; and the speculator (stats, forwards). `cut`: the last steps
+    draft fewer tokens to stop at `new` (else every step drafts n, and the extra is dropped)."""
+    B = len(prompts)
+    cache = model.new_cache(B, max(map(len, prompts)) + new + 2 * n + 2)
+    sampler = BatchSampler(B, model.config.vocab_size)
+    for b in range(B):
+        sampler.admit(b, SamplingParams())
+    spec = Speculator(model, cache, sampler, n, batch=B, mode=mode)
+    if forwards is not None:
+        spec.forwards, spec.grad_off = forwards(spec.cache), torch.no_grad
+    with torch.no_grad():
+        firsts, first_rows = spec.start_batch(prompts, 4)
+        tokens = [[t] for t in firsts]
+        rows = [[r.float()[None]] for r in first_rows]
+        while min(map(len, tokens)) < new:
+            got, got_rows = spec.step_batch([max(1, new - len(t)) if cut else n + 1 for t in tokens])
+            for b in range(B):
+                tokens[b] += got[b]
+                rows[b].append(got_rows[b])
+    return [t[:new] for t in tokens], [torch.cat(r)[:new] for r in rows], spec
+
+
+def check(truth, tokens, rows):
+    for (want_tokens, want_rows), got_tokens, got_rows in zip(truth, tokens, rows):
+        assert got_tokens == want_tokens
+        torch.testing.assert_close(got_rows, want_rows, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_eager_batch_is_plain_greedy(model, truth, n):
+    tokens, rows, spec = speculate_batch(model, PROMPTS, n)
+    check(truth, tokens, rows)
+    assert 0 < spec.stats.accepted < spec.stats.drafted
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_graph_path_batch_is_plain_greedy(model, truth, n):
+    """Captured forwards (emulator here): one capture per kind and shape, replayed every step."""
+    tokens, rows, spec = speculate_batch(model, PROMPTS, n, mode="graph")
+    assert isinstance(spec.forwards, GraphForwards) and spec.forwards.backend in ("emulator", "cuda")
+    check(truth, tokens, rows)
+    keys = spec.forwards.graphs
+    assert {k[0] for k in keys} == ({"catch_up", "verify"} if n == 1 else {"catch_up", "mtp", "verify"})
+    # one capture per bucket: 1 + n tokens, and the shorter ones the last steps cut to fit the limit
+    assert sorted(k[1][1] for k in keys if k[0] == "verify") == sorted({1 + n, *range(1, 1 + n)} & {
+        k[1][1] for k in keys if k[0] == "verify"}) and (("verify", (3, 1 + n)) in keys)
+    assert 0 < spec.stats.accepted < spec.stats.drafted
+
+
+def test_graph_path_refuses_a_host_read_in_a_step(model, monkeypatch):
+    """The emulator checks the speculative forwards as it checks decode steps: a rollback whose
+    start is read back to the host (an int() in the step) cannot be captured."""
+    original = Rollback.begin
+
+    def reads_position(self, cache, T):
+        original(self, cache, T)
+        self.start = torch.full_like(self.start, int(cache.positions[0]))
+
+    monkeypatch.setattr(Rollback, "begin", reads_position)
+    with pytest.raises(RuntimeError, match="tracing tensor"):
+        speculate_batch(model, PROMPTS[:1], 2, mode="graph", new=10)
+    monkeypatch.setattr(Rollback, "begin", original)
+    tokens, _, _ = speculate_batch(model, PROMPTS[:1], 2, mode="eager", new=10)  # eager takes it
+
+
+@pytest.mark.parametrize("n", [2])
+def test_compiled_batch_is_plain_greedy_without_graph_breaks(model, truth, n):
+    """torch.compile(fullgraph=True) of the three forwards (aot_eager: dynamo's capture without
+    the C++ build); one graph per kind and shape, none recompiled across positions."""
+    torch._dynamo.reset()
+    counters.clear()
+    tokens, rows, spec = speculate_batch(model, PROMPTS, n,
+                                         forwards=lambda cache: CompiledForwards(model, cache, backend="aot_eager"),
+                                         cut=False)
+    check(truth, tokens, rows)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 3
