@@ -118,6 +118,9 @@ def add_parser(sub) -> None:
     add_tp_argument(m)
     m.add_argument("--repeats", type=positive_int, default=3,
                    help="runs per implementation, interleaved; the best of each is shown (default 3)")
+    m.add_argument("--speculative-tokens", type=int, choices=range(0, 4), default=None, metavar="N",
+                   help="also decode with N draft tokens from the MTP layer (0-3; default 1 when the model has one, "
+                        "else 0): speed, drafted and accepted tokens, acceptance length")
     common(m)
 
     sp = target("speculative", "decode with MTP speculation vs without: speed, acceptance, cost ratios", _run_speculative)
