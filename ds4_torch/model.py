@@ -100,6 +100,7 @@ class WindowPlan:
                  undo: Rollback | None = None):
         m, C, B, device = rate, capacity, start.shape[0], start.device
         self.T, self.rate, self.undo = T, rate, undo
+        self._expanded = {}
         self.slot = (start[:, None] + torch.arange(T, device=device)) % m  # [B, T]
         first_window = start // m
         if T == 1:
@@ -125,6 +126,14 @@ class WindowPlan:
         target = torch.where(self.emit & (windows < C), windows, C)
         self.row_index = (torch.arange(B, device=device)[:, None] * (C + 1) + target).view(-1)
         self.cos, self.sin = rotary(windows * m, dtype)  # [B, J, R/2]
+
+    def expanded(self, index: torch.Tensor, width: int) -> torch.Tensor:
+        """`index` [B, ...] flattened and expanded to [B, n, width], for a gather of rows of that
+        width: made once per forward and shared by every compressor and indexer of the rate."""
+        key = (id(index), width)
+        if key not in self._expanded:
+            self._expanded[key] = (index, index.reshape(index.shape[0], -1, 1).expand(-1, -1, width))
+        return self._expanded[key][1]
 
 
 def _ring_sources(start, T: int, W: int):
@@ -310,8 +319,7 @@ class Compressor(nn.Module):
         own_gate = torch.cat([state.open_gate, gate], dim=1)
 
         def gather(src, index):  # src [B, N, F], index [B, ...] -> [B, ..., F]
-            flat = index.reshape(B, -1, 1).expand(-1, -1, src.shape[-1])
-            return src.gather(1, flat).view(*index.shape, src.shape[-1])
+            return src.gather(1, plan.expanded(index, src.shape[-1])).view(*index.shape, src.shape[-1])
 
         if self.overlap:
             d = self.dim
