@@ -55,14 +55,14 @@ def test_config_keeps_the_mtp_slot():
 def plain_decode(model, prompt, n):
     """Greedy tokens and the fp32 logits each came from, one token per eager decode step."""
     cache = model.new_cache(1, len(prompt) + n)
-    logits = prefill(model, cache, torch.tensor([prompt]), 4)[0]
+    logits = prefill(model, cache, torch.tensor([prompt], device=model.device), 4)[0]
     decoder = make_decoder(model, cache, "eager")
     tokens, rows = [], []
     for i in range(n):
         rows.append(logits.float())
         tokens.append(int(logits.argmax()))
         if i + 1 < n:
-            logits = decoder.step(torch.tensor([tokens[-1]]))[0]
+            logits = decoder.step(torch.tensor([tokens[-1]], device=model.device))[0]
     return tokens, torch.stack(rows)
 
 

@@ -42,7 +42,7 @@ def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut
     draft fewer tokens to stop at `new` (else every step drafts n, and the extra is dropped)."""
     B = len(prompts)
     cache = model.new_cache(B, max(map(len, prompts)) + new + 2 * n + 2)
-    sampler = BatchSampler(B, model.config.vocab_size)
+    sampler = BatchSampler(B, model.config.vocab_size, model.device)
     for b in range(B):
         sampler.admit(b, SamplingParams())
     spec = Speculator(model, cache, sampler, n, batch=B, mode=mode)
