@@ -415,37 +415,45 @@ class GraphForwards(SpeculativeForwards):
         return self._run("catch_up", (streams, ids, select), undo)
 
 
+def _compiled_mtp(model, cache, streams, ids):
+    undo = Rollback()
+    return (*model.mtp_forward(streams, ids, cache, logits_to_keep=1, undo=undo), *undo.tensors())
+
+
+def _compiled_verify(model, cache, ids):
+    undo = Rollback()
+    return (*model._forward(ids, cache, logits_to_keep=ids.shape[1], return_streams=True, undo=undo),
+            *undo.tensors())
+
+
+def _compiled_catch_up(model, cache, streams, ids, select):
+    undo = Rollback()
+    return (*model.mtp_forward(streams, ids, cache, undo=undo, select=select), *undo.tensors())
+
+
+_COMPILED: dict = {}  # (kind, backend) -> the compiled function, shared by every CompiledForwards
+
+
 class CompiledForwards(SpeculativeForwards):
     """The forwards of a speculative step through `torch.compile(fullgraph=True)` (inductor): one
-    compiled function per kind, compiled at its first call for each shape; they return the
+    module-level function per kind (model and cache are arguments, so a new cache or speculator
+    reuses what was compiled), compiled at its first call for each shape; they return the
     `Rollback` tensors, completed from `Rollback.template`."""
 
     mode = "compile"
 
     def __init__(self, model, cache: DS4Cache, backend: str = "inductor"):
         super().__init__(model, cache)
-        eager = SpeculativeForwards(model, cache)
-
-        # One function (one code object, so one dynamo cache) per kind.
-        def mtp(streams, ids):
-            undo = Rollback()
-            return (*eager.mtp(streams, ids, undo), *undo.tensors())
-
-        def verify(ids):
-            undo = Rollback()
-            return (*eager.verify(ids, undo), *undo.tensors())
-
-        def catch_up(streams, ids, select):
-            undo = Rollback()
-            return (*eager.catch_up(streams, ids, select, undo), *undo.tensors())
-
-        self.compiled = {fn.__name__: torch.compile(fn, fullgraph=True, backend=backend)
-                         for fn in (mtp, verify, catch_up)}
+        self.compiled = {}
+        for kind, fn in (("mtp", _compiled_mtp), ("verify", _compiled_verify), ("catch_up", _compiled_catch_up)):
+            if (kind, backend) not in _COMPILED:
+                _COMPILED[kind, backend] = torch.compile(fn, fullgraph=True, backend=backend)
+            self.compiled[kind] = _COMPILED[kind, backend]
 
     def _run(self, kind, args, undo):
         if undo is None:
             return getattr(super(), kind)(*args, None)
-        out = self.compiled[kind](*args)
+        out = self.compiled[kind](self.model, self.cache, *args)
         T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
         target = self.cache if kind == "verify" else self.cache.mtp
         undo.__dict__.update(Rollback.template(target, T).with_tensors(out[2:]).__dict__)

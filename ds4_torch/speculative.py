@@ -212,7 +212,10 @@ class Speculator:
         B, device = self.B, self.device
         if len(limits) != B or min(limits) < 1:
             raise ValueError(f"step_batch needs {B} limits >= 1, got {limits}")
-        n = max(0, min(self.n, max(limits) - 1, self.room()))
+        # Captured and compiled forwards keep their one shape: the step drafts N even when fewer
+        # tokens are wanted (`limits` caps what is kept); eager ones draft only what can be kept.
+        wanted = self.n if self.forwards.mode != "eager" else max(limits) - 1
+        n = max(0, min(self.n, wanted, self.room()))
         T = n + 1
         if self.acceptance == "rejection":
             self.draft_probs = self.draft_probs[:1] if n else []

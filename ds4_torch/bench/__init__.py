@@ -131,6 +131,9 @@ def add_parser(sub) -> None:
                     help="draft tokens per step to measure (default 1 2 3)")
     sp.add_argument("--repeats", type=positive_int, default=3,
                     help="runs per setting, interleaved with plain decoding; the best is shown (default 3)")
+    sp.add_argument("--decode-mode", choices=("eager", "graph", "compile"), default="eager",
+                    help="how plain and speculative steps run (default eager; compile: the first run of each "
+                         "compiles, minutes on a CPU, so use --repeats 2 or more)")
     common(sp)
 
     a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)
