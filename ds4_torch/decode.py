@@ -323,27 +323,19 @@ class SpeculativeForwards:
         undo.apply(keep)
 
 
-class _CapturedForward:
-    """One captured forward of a speculative step (`kind` and shapes fixed): static input
-    buffers, the cache's tensors as graph inputs, and the logits, streams and `Rollback` tensors
-    as outputs. Captured with the decode graphs' backends (`_Captured`): a CUDA graph, or the
-    make_fx emulator elsewhere, which freezes any value read on the host at capture exactly as a
-    CUDA graph would."""
+class _CapturedCall:
+    """One captured call of a speculative step's function (shapes fixed): static input buffers,
+    the cache's tensors as graph inputs (`extra`: more tensors read in place, a forward graph's
+    static outputs on CUDA), the outputs. Captured with the decode graphs' backends (`_Captured`):
+    a CUDA graph, or the make_fx emulator elsewhere, which freezes any value read on the host at
+    capture exactly as a CUDA graph would (and refuses an .item() or int() of a traced tensor)."""
 
-    def __init__(self, forwards: "GraphForwards", kind: str, args: tuple[torch.Tensor, ...]):
-        cache, eager = forwards.cache, forwards.eager
-        self.kind, self.T = kind, args[0].shape[1] if kind == "verify" else args[1].shape[1]
+    def __init__(self, forwards: "GraphForwards", fn, args: tuple[torch.Tensor, ...], extra=()):
+        cache = forwards.cache
         self.buffers = [t.data_ptr() for t in cache.tensors()]
         self.static = [a.clone() for a in args]
-        target = cache if kind == "verify" else cache.mtp
-        self.template = Rollback.template(target, self.T)
-
-        def step(*inputs):  # inputs: the static buffers, then the cache's tensors (graph inputs)
-            undo = Rollback()
-            logits, streams = getattr(eager, kind)(*inputs[:len(self.static)], undo)
-            return (logits, streams, *undo.tensors())
-
-        self.inputs = [*self.static, *cache.tensors()]
+        self.n_static, self.extra = len(self.static), list(extra)
+        self.inputs = [*self.static, *self.extra, *cache.tensors()]
         snapshot = [t.clone() for t in cache.tensors()]
         try:
             if cache.device.type == "cuda":
@@ -351,59 +343,80 @@ class _CapturedForward:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up outside capture
                     for _ in range(2):
-                        step(*self.inputs)
+                        fn(*self.inputs)
                         for t, saved in zip(cache.tensors(), snapshot):
                             t.copy_(saved)
                 torch.cuda.current_stream().wait_stream(side)
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, pool=forwards.pool):
-                    self.outputs = step(*self.inputs)
+                    self.outputs = fn(*self.inputs)
             else:
                 from torch.fx.experimental.proxy_tensor import make_fx
 
-                self.graph = make_fx(step, tracing_mode="real")(*self.inputs)
-        finally:  # capture ran (emulator) or warmed up (CUDA) the forward on the live state: put it back
+                self.graph = make_fx(fn, tracing_mode="real")(*self.inputs)
+        finally:  # capture ran (emulator) or warmed up (CUDA) the call on the live state: put it back
             for t, saved in zip(cache.tensors(), snapshot):
                 t.copy_(saved)
 
-    def replay(self, args):
+    def replay(self, args, extra=()):
         for buffer, a in zip(self.static, args):
             buffer.copy_(a)  # into the captured buffers; never rebind them
         if isinstance(self.graph, torch.cuda.CUDAGraph):
             self.graph.replay()
-            outputs = [t.clone() for t in self.outputs]  # a chain replays this graph again before its rollbacks
-        else:
-            outputs = self.graph(*self.inputs)
-        return outputs[0], outputs[1], self.template.with_tensors(outputs[2:])
+            return self.outputs  # static: valid until this graph replays again
+        return self.graph(*self.static, *extra, *self.inputs[self.n_static + len(self.extra):])
 
 
 class GraphForwards(SpeculativeForwards):
-    """The forwards of a speculative step captured once per kind and shape (batch, 1 + N) and
-    replayed: `mtp` (a one-token draft pass), `verify` and `catch_up`; the rollbacks run on the
-    captured forwards' static tensors. A forward without a `Rollback` (the first draft after a
-    prefill) runs eagerly."""
+    """The forwards of a speculative step, and their rollbacks, captured once per kind and shape
+    (batch, 1 + N) and replayed: `verify`, `catch_up`, and `mtp` once per draft index (each keeps
+    its own static outputs until its rollback). A forward without a `Rollback` (the first draft
+    after a prefill) runs eagerly."""
 
     mode = "graph"
 
     def __init__(self, model, cache: DS4Cache):
         super().__init__(model, cache)
         self.eager = SpeculativeForwards(model, cache)
-        self.graphs: dict[tuple, _CapturedForward] = {}
+        self.graphs: dict[tuple, _CapturedCall] = {}
+        self.rollbacks: dict[tuple, _CapturedCall] = {}
         self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
         self.backend = "cuda" if cache.device.type == "cuda" else "emulator"
+        self.drafts = 0  # one-token MTP passes since the last verify: the draft index
+
+    def _current(self, table, key):
+        captured = table.get(key)
+        if captured is not None and captured.buffers != [t.data_ptr() for t in self.cache.tensors()]:
+            table.clear()  # the cache was reallocated: recapture
+            self.rollbacks.clear()
+            captured = None
+        return captured
 
     def _run(self, kind, args, undo):
         if undo is None:
             return getattr(self.eager, kind)(*args, None)
-        key = (kind, *[tuple(a.shape) for a in args])
-        captured = self.graphs.get(key)
-        if captured is not None and captured.buffers != [t.data_ptr() for t in self.cache.tensors()]:
-            captured = None  # the cache was reallocated: recapture
+        if kind == "mtp":
+            self.drafts += 1
+        elif kind == "verify":
+            self.drafts = 0
+        key = (kind, self.drafts if kind == "mtp" else 0, *[tuple(a.shape) for a in args])
+        captured = self._current(self.graphs, key)
+        T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
+        template = Rollback.template(self.cache if kind == "verify" else self.cache.mtp, T)
         if captured is None:
-            captured = self.graphs[key] = _CapturedForward(self, kind, args)
-        logits, streams, recorded = captured.replay(args)
-        undo.__dict__.update(recorded.__dict__)
-        return logits, streams
+            eager, n = self.eager, len(args)
+
+            def step(*inputs):  # the static buffers, then the cache's tensors (graph inputs)
+                recorded = Rollback()
+                logits, streams = getattr(eager, kind)(*inputs[:n], recorded)
+                return (logits, streams, *recorded.tensors())
+
+            captured = self.graphs[key] = _CapturedCall(self, step, args)
+        outputs = captured.replay(args)
+        undo.__dict__.update(template.with_tensors(outputs[2:]).__dict__)
+        undo.graph_key = key
+        logits = outputs[0].clone() if self.backend == "cuda" else outputs[0]  # the caller keeps its rows
+        return logits, outputs[1]
 
     def mtp(self, streams, ids, undo):
         return self._run("mtp", (streams, ids), undo)
@@ -413,6 +426,20 @@ class GraphForwards(SpeculativeForwards):
 
     def catch_up(self, streams, ids, select, undo):
         return self._run("catch_up", (streams, ids, select), undo)
+
+    def rollback(self, undo, keep):
+        key = getattr(undo, "graph_key", None)
+        if key is None:
+            return undo.apply(keep)
+        tensors = undo.tensors()
+        captured = self._current(self.rollbacks, key)
+        if captured is None:
+            def apply(keep, *inputs):  # the record's tensors, then the cache's
+                undo.with_tensors(inputs[:len(tensors)]).apply(keep)
+                return ()
+
+            captured = self.rollbacks[key] = _CapturedCall(self, apply, (keep,), extra=tensors)
+        captured.replay((keep,), tensors)
 
 
 def _compiled_mtp(model, cache, streams, ids):

@@ -80,8 +80,11 @@ def test_graph_path_batch_is_plain_greedy(model, truth, n):
     assert isinstance(spec.forwards, GraphForwards) and spec.forwards.backend in ("emulator", "cuda")
     check(truth, tokens, rows)
     # one capture per kind, of the one 1 + n bucket (the last steps keep fewer tokens, not a new shape)
-    assert sorted(spec.forwards.graphs) == sorted([("verify", (3, 1 + n)), ("catch_up", (3, 1 + n, 2, 32), (3, 1 + n), (3,))]
-                                                  + ([("mtp", (3, 1, 2, 32), (3, 1))] if n > 1 else []))
+    # (and each one-token draft pass of a step its own, so its record lives until its rollback),
+    # each with its captured rollback
+    keys = [("verify", 0, (3, 1 + n)), ("catch_up", 0, (3, 1 + n, 2, 32), (3, 1 + n), (3,))]
+    keys += [("mtp", k, (3, 1, 2, 32), (3, 1)) for k in range(1, n)]
+    assert sorted(spec.forwards.graphs) == sorted(spec.forwards.rollbacks) == sorted(keys)
     assert 0 < spec.stats.accepted < spec.stats.drafted
 
 
@@ -99,6 +102,15 @@ def test_graph_path_refuses_a_host_read_in_a_step(model, monkeypatch):
         speculate_batch(model, PROMPTS[:1], 2, mode="graph", new=10)
     monkeypatch.setattr(Rollback, "begin", original)
     tokens, _, _ = speculate_batch(model, PROMPTS[:1], 2, mode="eager", new=10)  # eager takes it
+    apply = Rollback.apply
+
+    def reads_keep(self, keep):  # the rollback is captured too: a branch on the acceptance fails
+        if int(keep[0]) < self.T:
+            apply(self, keep)
+
+    monkeypatch.setattr(Rollback, "apply", reads_keep)
+    with pytest.raises(RuntimeError, match="tracing tensor"):
+        speculate_batch(model, PROMPTS[:1], 2, mode="graph", new=10)
 
 
 @pytest.mark.parametrize("n", [2])
@@ -118,3 +130,25 @@ def test_compiled_batch_is_plain_greedy_without_graph_breaks(model, truth, n):
     check(truth, tokens, rows)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 3
+
+
+@torch.no_grad()
+def test_graph_path_stopped_mid_step_leaves_plain_decodings_cache(model):
+    """Stopped by the caller mid-step, the captured rollback runs again with fewer tokens kept:
+    the cache holds what plain decoding's holds (every token but the last one taken)."""
+    from ds4_torch import generate
+
+    prompt = PROMPTS[2]
+    truth = list(generate(model, prompt, 30))
+    for n in (3, 8, 13):
+        cache = model.new_cache(1, 60)
+        tokens = generate(model, prompt, 40, cache=cache, speculative_tokens=3, decode_mode="graph")
+        got = [next(tokens) for _ in range(n)]
+        tokens.close()
+        assert got == truth[:n]
+        plain = model.new_cache(1, 60)
+        list(generate(model, prompt, n, cache=plain))
+        assert int(cache.positions[0]) == int(plain.positions[0])
+        ours, theirs = cache.take_checkpoint(0), plain.take_checkpoint(0)
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0)
