@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import DS4Cache, Rollback
-from .decode import prefill, synchronize
+from .decode import make_forwards, prefill, synchronize
 from .faults import fault_point
 from .sampling import BatchSampler
 
@@ -124,9 +124,7 @@ class Speculator:
         self.device = cache.device
         self.slots = list(range(batch))
         self.slot_index = torch.arange(batch, device=self.device)
-        from .decode import make_forwards  # the eager, captured or compiled forwards of a step
-
-        self.forwards = make_forwards(model, self.cache, mode)
+        self.forwards = make_forwards(model, self.cache, mode)  # eager, captured or compiled
         # Captures and compiles trace under no_grad; eager steps skip autograd's bookkeeping entirely.
         self.grad_off = torch.inference_mode if self.forwards.mode == "eager" else torch.no_grad
         self.last = None  # what finish() needs of the last step
