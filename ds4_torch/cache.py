@@ -672,7 +672,8 @@ class Rollback:
         """Keep the first keep[b] (int64 [B], 0..T) tokens of sequence b and undo the rest."""
         T, start = self.T, self.start
         B, device = start.shape[0], start.device
-        keep = keep.to(device=device, dtype=torch.long).view(B)
+        if keep.dtype != torch.long or keep.device != device or keep.dim() != 1:
+            keep = keep.to(device=device, dtype=torch.long).view(B)
         j = torch.arange(T, device=device)
         rejected = (j[None, :] >= keep[:, None]).view(-1, 1)  # [B*T, 1]
         for ring, old in self.rings:

@@ -307,8 +307,9 @@ def _anything_left(logits: torch.Tensor) -> torch.Tensor:
 class SampledTokens:
     """What one `BatchSampler.sample` call gives, row b for logits row b."""
     tokens: torch.Tensor                      # [B] int64
-    failed: torch.Tensor                      # [B] bool: NaN/inf logits or nothing allowed: fail that request only
-    stop: torch.Tensor                        # [B] bool: the token ends its request (EOS unless ignored, a stop id)
+    failed: torch.Tensor | None               # [B] bool: NaN/inf logits or nothing allowed: fail that request only
+    stop: torch.Tensor | None                 # [B] bool: the token ends its request (EOS unless ignored, a stop id)
+                                              # (both None from sample(tokens_only=True))
     logprob: torch.Tensor | None = None       # [B] raw log-softmax of the chosen token (when logprobs asked)
     top_ids: torch.Tensor | None = None       # [B, k] the k best tokens by raw log-softmax, best first
     top_logprobs: torch.Tensor | None = None  # [B, k]
@@ -469,7 +470,8 @@ class BatchSampler:
         return torch.where(greedy.unsqueeze(-1), onehot, torch.softmax(scaled, dim=-1))
 
     def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, logprobs: int | None = None,
-               slots: Sequence[int] | torch.Tensor | None = None, ahead: torch.Tensor | None = None) -> SampledTokens:
+               slots: Sequence[int] | torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+               tokens_only: bool = False) -> SampledTokens:
         """The next token of every row of `logits` [B, V]. `allowed`: bool [B, V], the tokens each
         row's grammar allows (all True for a row without one), never lifted. `logprobs` k: the
         chosen token's raw logprob and the k best (k = the most any row asked for; None: none).
@@ -477,7 +479,8 @@ class BatchSampler:
         token is meaningless); the other rows are unaffected. `ahead` (int64 [B]): row b samples
         the token `ahead[b]` places after its slot's next one (its noise position moves on by
         that much; the history the penalties see does not): speculative decoding's drafts and
-        verified positions, one row each."""
+        verified positions, one row each. `tokens_only`: the tokens alone (`failed` and `stop`
+        None, no logprobs): the same tokens, fewer ops (speculation's drafts and verified rows)."""
         if logits.dim() != 2 or logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits must be [batch, {self.vocab_size}], got shape {tuple(logits.shape)}")
         B = logits.shape[0]
@@ -485,8 +488,6 @@ class BatchSampler:
             raise ValueError(f"allowed must be a bool mask [{B}, {self.vocab_size}], got shape {tuple(allowed.shape)}")
         rows, params = self._rows(slots, B)
         x = self.adjust(logits, rows, params, allowed)
-        # NaN or inf anywhere in a row shows in its max or min (two passes; isfinite().all() takes five)
-        failed = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))) | ~_anything_left(x)
         tokens = torch.argmax(x, dim=-1)
         sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
         if sampled:
@@ -494,6 +495,10 @@ class BatchSampler:
             position = self.generated[rows] if ahead is None else self.generated[rows] + ahead
             drawn = torch.argmax(scaled + gumbel_noise(self.seeds[rows], position, self.vocab_size), dim=-1)
             tokens = torch.where(greedy, tokens, drawn)
+        if tokens_only:
+            return SampledTokens(tokens, None, None)
+        # NaN or inf anywhere in a row shows in its max or min (two passes; isfinite().all() takes five)
+        failed = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))) | ~_anything_left(x)
         out = SampledTokens(tokens, failed, self.stop_ids[rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
         if logprobs is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)

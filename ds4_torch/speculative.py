@@ -183,7 +183,7 @@ class Speculator:
             q = self.sampler.probabilities(logits, slots=self.slots)
             self.draft_probs.append(q[0])
             return torch.multinomial(q, 1, generator=self.generator)[:, 0]
-        return self.sampler.sample(logits, slots=self.slots, ahead=ahead).tokens
+        return self.sampler.sample(logits, slots=self.slots, ahead=ahead, tokens_only=True).tokens
 
     def _draft(self, n: int) -> torch.Tensor:
         """n draft tokens [B, n] for the positions after the pending ones: the first from the last
@@ -272,7 +272,7 @@ class Speculator:
             return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T)
         slots = self.slot_index.repeat_interleave(T)
         ahead = torch.arange(T, device=self.device).repeat(B)
-        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead).tokens.view(B, T)
+        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead, tokens_only=True).tokens.view(B, T)
         if not n:
             return torch.zeros(B, dtype=torch.long, device=self.device), target
         return (target[:, :n] == drafts).long().cumprod(1).sum(1), target

@@ -132,6 +132,20 @@ def test_every_setting_matches_the_sequential_per_row_reference():
             output.append(want)
 
 
+def test_tokens_only_gives_the_same_tokens():
+    """sample(tokens_only=True) (what speculation calls): every setting's tokens as a full call's."""
+    rows = len(FEATURES)
+    sampler = BatchSampler(rows, V)
+    for slot, p in enumerate(FEATURES):
+        sampler.admit(slot, p, prompt_ids=PROMPT, eos_ids=EOS)
+    for step in range(6):
+        logits, allowed = random_logits(rows, step), grammar_masks(rows, step)
+        ahead = torch.full((rows,), step)
+        full = sampler.sample(logits, allowed=allowed, ahead=ahead)
+        fast = sampler.sample(logits, allowed=allowed, ahead=ahead, tokens_only=True)
+        assert torch.equal(full.tokens, fast.tokens) and fast.failed is None and fast.stop is None
+
+
 def test_adjusted_logits_equal_adjust_logits_row_by_row():
     rows = len(FEATURES)
     sampler = BatchSampler(rows, V)
