@@ -272,7 +272,8 @@ class Speculator:
             return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T)
         slots = self.slot_index.repeat_interleave(T)
         ahead = torch.arange(T, device=self.device).repeat(B)
-        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead, tokens_only=True).tokens.view(B, T)
+        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead, tokens_only=True).tokens
+        target = target.view(B, T)
         if not n:
             return torch.zeros(B, dtype=torch.long, device=self.device), target
         return (target[:, :n] == drafts).long().cumprod(1).sum(1), target

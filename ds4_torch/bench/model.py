@@ -194,8 +194,8 @@ def run(args) -> int:
     print(f"{'impl':<17} {'prefill tok/s':>14} {'decode tok/s':>13} {'KV bytes/token':>15} {'KV bytes total':>15} "
           f"{'drafted':>8} {'accepted':>9} {'accept len':>11}")
     for r in rows:
-        spec_cols = (f"{r['drafted']:>8} {r['accepted']:>9} {r['acceptance_length']:>11.2f}" if r["acceptance_length"] != ""
-                     else f"{'-':>8} {'-':>9} {'-':>11}")
+        spec_cols = (f"{r['drafted']:>8} {r['accepted']:>9} {r['acceptance_length']:>11.2f}"
+                     if r["acceptance_length"] != "" else f"{'-':>8} {'-':>9} {'-':>11}")
         print(f"{r['impl']:<17} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
               f"{r['kv_bytes_per_token']:>15.1f} {r['kv_bytes_total']:>15,} {spec_cols}")
     print(f"greedy tokens identical: {agree}/{args.new_tokens}")
