@@ -121,21 +121,22 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
     counts = torch.bincount(flat_ids.clamp(-1, E) + 1, minlength=E + 2).tolist()  # the host sync
     all_valid = counts[0] == 0 and counts[E + 1] == 0
     pair_out = hidden.new_empty(N * k, H) if all_valid else hidden.new_zeros(N * k, H)
-    # Per sorted pair, cut into each bin's part at once (one op each, not three per expert).
-    parts = [torch.split(t, counts) for t in (order // k, pair_weights[order].unsqueeze(-1), order)]
+    tokens, sorted_weights = order // k, pair_weights[order]  # per sorted pair; sliced per expert below
+    begin = counts[0]
     for e in range(E):
         n = counts[e + 1]
         if n == 0:
             continue
-        tokens, weights, pairs = (p[e + 1] for p in parts)
-        x = hidden if N == 1 and n == 1 else hidden.index_select(0, tokens)
+        end = begin + n
+        x = hidden if N == 1 and n == 1 else hidden.index_select(0, tokens[begin:end])
         if gate_up_scale is None:
             h = swiglu(_linear(x, gate_up[e]), swiglu_limit)
             y = _linear(h, down[e])
         else:  # unpacked here, for this expert's tokens only
             h = swiglu(expert_gate_up(x, gate_up[e], gate_up_scale[e]), swiglu_limit)
             y = expert_down(h, down[e], down_scale[e])
-        pair_out.index_copy_(0, pairs, y * weights)
+        pair_out.index_copy_(0, order[begin:end], y * sorted_weights[begin:end, None])
+        begin = end
     return pair_out.view(N, k, H).sum(1)
 
 
