@@ -171,6 +171,43 @@ class Speculator:
             raise
         return first.tolist(), logits
 
+    def start_row(self, b: int, prompt, chunk: int) -> tuple[int, torch.Tensor]:
+        """Start sequence b alone while the others stand (continuous batching: a request joins a
+        running batch): prefill its prompt after what its slot holds, as `start_batch` does for
+        every row; its first token and logits [V]. Rows never started, or idle in a step (limit 0),
+        keep nothing."""
+        if not 0 <= b < self.B:
+            raise IndexError(f"row {b} outside [0, {self.B})")
+        if self.acceptance == "rejection":
+            raise ValueError("start_row is for acceptance='match' (rejection sampling: start_batch, batch 1)")
+        if not hasattr(self, "pending"):  # the batch's state, rows not started included
+            H, n = self.model.config.hidden_size, self.model.config.hc_mult
+            self.pending = torch.zeros(self.B, dtype=torch.long, device=self.device)
+            self.draft = torch.zeros_like(self.pending)
+            self.mtp_out = torch.zeros(self.B, 1, n, H, dtype=self.model.dtype, device=self.device)
+            self.positions = [int(p) for p in self.cache.positions.tolist()]
+        mtp_cache, slot = self.cache.mtp, self.cache.slot(b)
+        held, main = int(mtp_cache.positions[b]), int(self.cache.positions[b])
+        if held > main:
+            mtp_cache.reset(b)
+        if held != main:
+            mtp_cache.positions[b] = main
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
+        logits, streams = prefill(self.model, slot, ids, chunk, mtp=True)
+        first = self.sampler.sample(logits, slots=[b]).tokens
+        self.sampler.append(first, slots=[b])
+        try:
+            with self.grad_off():
+                logits_m, out = self.model.mtp_forward(streams, first.view(1, 1), slot, logits_to_keep=1)
+                draft = self.sampler.sample(logits_m[:, -1], slots=[b], ahead=torch.zeros_like(first),
+                                            tokens_only=True).tokens
+                self.pending[b], self.draft[b], self.mtp_out[b] = first[0], draft[0], out[0]
+        except BaseException:
+            self.cache.invalidate([b])
+            raise
+        self.positions[b] = int(self.cache.positions[b])
+        return int(first[0]), logits[0]
+
     # ------------------------------------------------------------------ one step
     def room(self) -> int:
         """Positions left in the cache once the pending tokens are in (the fullest sequence's)."""
@@ -206,10 +243,11 @@ class Speculator:
 
     def step_batch(self, limits: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """One verify step of every sequence: each one's emitted tokens (at most its limit, >= 1)
-        and the fp32 logits [k, V] they were sampled from."""
+        and the fp32 logits [k, V] they were sampled from. A limit of 0 leaves that row as it
+        was (an idle row of a fixed batch: it takes part in the forwards, keeps nothing)."""
         B, device = self.B, self.device
-        if len(limits) != B or min(limits) < 1:
-            raise ValueError(f"step_batch needs {B} limits >= 1, got {limits}")
+        if len(limits) != B or min(limits) < 0 or max(limits) < 1:
+            raise ValueError(f"step_batch needs {B} limits >= 0, one at least 1, got {limits}")
         # Captured and compiled forwards keep their one shape: the step drafts N even when fewer
         # tokens are wanted (`limits` caps what is kept); eager ones draft only what can be kept.
         wanted = self.n if self.forwards.mode != "eager" else max(limits) - 1
@@ -217,6 +255,8 @@ class Speculator:
         T = n + 1
         if self.acceptance == "rejection":
             self.draft_probs = self.draft_probs[:1] if n else []
+        # an idle row keeps its MTP output (a copy: a captured graph's outputs are overwritten in place)
+        self.mtp_out_before = self.mtp_out.clone() if min(limits) == 0 else None
         try:
             fault_point("decode")
             with self.grad_off():
@@ -229,7 +269,9 @@ class Speculator:
                 caps = [min(limit, T) for limit in limits]
                 if min(caps) < T:  # a sequence may keep fewer than it could
                     accepted = torch.minimum(accepted, torch.tensor(caps, device=device) - 1)
-                keep = accepted + 1
+                keep = accepted + 1                                            # 0: an idle row
+                idle = keep == 0 if min(caps) == 0 else None
+                accepted = accepted.clamp(min=0)
                 self.forwards.rollback(undo, keep)
                 # The MTP layer catches up on the verified positions and keeps the accepted ones;
                 # its pass at the last kept position drafts the next step's first token.
@@ -238,9 +280,13 @@ class Speculator:
                 self.forwards.rollback(mtp_undo, keep)
                 if self.acceptance == "rejection":
                     self.draft_probs = []
-                self.draft = self._pick(logits_m[:, -1], keep)
-                self.pending = tokens.gather(1, accepted.view(B, 1)).view(B)
-                host = torch.cat([accepted.view(B, 1), tokens], dim=1).tolist()  # the one host read
+                draft, pending = self._pick(logits_m[:, -1], keep), tokens.gather(1, accepted.view(B, 1)).view(B)
+                if idle is not None:  # idle rows keep their state
+                    draft = torch.where(idle, self.draft, draft)
+                    pending = torch.where(idle, self.pending, pending)
+                    self.mtp_out = torch.where(idle.view(B, 1, 1, 1), self.mtp_out_before, self.mtp_out)
+                self.draft, self.pending = draft, pending
+                host = torch.cat([(keep - 1).view(B, 1), tokens], dim=1).tolist()  # the one host read
                 synchronize(device)
         except BaseException:
             self.cache.invalidate(range(B))
@@ -251,6 +297,8 @@ class Speculator:
             a = row[0]
             out.append(row[1:a + 2])
             out_rows.append(rows[b, :a + 1])
+            if a < 0:
+                continue  # idle
             self.positions[b] += a + 1
             self.stats.steps += 1
             self.stats.drafted += n

@@ -152,3 +152,43 @@ def test_graph_path_stopped_mid_step_leaves_plain_decodings_cache(model):
         ours, theirs = cache.take_checkpoint(0), plain.take_checkpoint(0)
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_rows_join_and_idle_in_a_running_batch(model, truth, mode):
+    """Continuous batching: row 2 joins after 3 steps (start_row), row 0 sits idle (limit 0) for
+    two steps in the middle; every row's tokens and logits are still plain greedy's."""
+    B, n = 3, 2
+    cache = model.new_cache(B, 120)
+    sampler = BatchSampler(B, model.config.vocab_size)
+    for b in range(B):
+        sampler.admit(b, SamplingParams())
+    spec = Speculator(model, cache, sampler, n, batch=B, mode=mode)
+    tokens, rows = [[] for _ in range(B)], [[] for _ in range(B)]
+
+    def start(b):
+        t, r = spec.start_row(b, PROMPTS[b], 4)
+        tokens[b].append(t)
+        rows[b].append(r.float()[None])
+
+    with torch.no_grad():
+        start(0)
+        start(1)
+        for step in range(40):
+            if step == 3:
+                start(2)
+            limits = [n + 1] * B
+            if step < 3:
+                limits[2] = 0  # not started yet
+            if step in (6, 7):
+                limits[0] = 0
+            got, got_rows = spec.step_batch(limits)
+            for b in range(B):
+                tokens[b] += got[b]
+                rows[b].append(got_rows[b])
+                if limits[b] == 0:
+                    assert got[b] == []
+    for b, (want_tokens, want_rows) in enumerate(truth):
+        k = min(len(tokens[b]), NEW)
+        assert k >= 37 and tokens[b][:k] == want_tokens[:k]
+        torch.testing.assert_close(torch.cat(rows[b])[:k], want_rows[:k], atol=1e-5, rtol=0)
