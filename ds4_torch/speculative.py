@@ -320,7 +320,13 @@ class Speculator:
             return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T)
         slots = self.slot_index.repeat_interleave(T)
         ahead = torch.arange(T, device=self.device).repeat(B)
-        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead, tokens_only=True).tokens
+        # Row j's history holds the drafts before it (penalties see them, as plain decoding's would)
+        prior = None
+        if n:
+            before = torch.arange(n, device=self.device) < torch.arange(T, device=self.device)[:, None]  # [T, n]
+            prior = (drafts.repeat_interleave(T, dim=0), before.repeat(B, 1))
+        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead, tokens_only=True,
+                                     prior=prior).tokens
         target = target.view(B, T)
         if not n:
             return torch.zeros(B, dtype=torch.long, device=self.device), target

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch.cache import Rollback
-from ds4_torch.decode import CompiledForwards, GraphForwards
+from ds4_torch.decode import CompiledForwards, GraphForwards, make_decoder, prefill
 from ds4_torch.sampling import BatchSampler, SamplingParams
 from ds4_torch.speculative import Speculator
 from oracle import randomise
@@ -192,3 +192,46 @@ def test_rows_join_and_idle_in_a_running_batch(model, truth, mode):
         k = min(len(tokens[b]), NEW)
         assert k >= 37 and tokens[b][:k] == want_tokens[:k]
         torch.testing.assert_close(torch.cat(rows[b])[:k], want_rows[:k], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n", [1, 3])
+def test_penalties_and_min_tokens_see_the_drafts_before_a_verified_row(model, n):
+    """With repetition, frequency and presence penalties and min_tokens, seeded: the verified row
+    after accepted drafts is drawn with them in its history (and counted for min_tokens), so the
+    tokens are plain seeded decoding's with the same sampler settings."""
+    settings = [SamplingParams(temperature=0.5, seed=3, repetition_penalty=3.0, min_tokens=12),
+                SamplingParams(frequency_penalty=2.0, presence_penalty=1.0, min_tokens=5),  # greedy
+                SamplingParams(repetition_penalty=5.0)]  # greedy
+    eos = [36]  # a token plain greedy decoding of these prompts emits: min_tokens bans it early
+    B, new = len(PROMPTS), 40
+    plain = []
+    for b, prompt in enumerate(PROMPTS):
+        sampler = BatchSampler(1, model.config.vocab_size)
+        sampler.admit(0, settings[b], prompt_ids=prompt, eos_ids=eos)
+        cache = model.new_cache(1, len(prompt) + new)
+        logits = prefill(model, cache, torch.tensor([prompt]), 4)
+        decoder, out = make_decoder(model, cache, "eager"), []
+        for i in range(new):
+            token = sampler.sample(logits).tokens
+            sampler.append(token)
+            out.append(int(token))
+            if i + 1 < new:
+                logits = decoder.step(token)
+        plain.append(out)
+
+    class Oracle(Speculator):  # drafts from the plain continuation: every one right, all accepted
+        def _draft(self, k):
+            return torch.tensor([(plain[b] + [0] * 8)[len(tokens[b]):len(tokens[b]) + k] for b in range(B)])
+
+    for cls in (Speculator, Oracle):
+        sampler = BatchSampler(B, model.config.vocab_size)
+        for b, prompt in enumerate(PROMPTS):
+            sampler.admit(b, settings[b], prompt_ids=prompt, eos_ids=eos)
+        spec = cls(model, model.new_cache(B, 64), sampler, n, batch=B)
+        tokens = [[t] for t in spec.start_batch(PROMPTS, 4)[0]]
+        while min(map(len, tokens)) < new:
+            for b, got in enumerate(spec.step_batch([n + 1] * B)[0]):
+                tokens[b] += got
+        assert [t[:new] for t in tokens] == plain, cls.__name__
+        assert spec.stats.accepted > (spec.stats.drafted * 0.9 if cls is Oracle else 0)
