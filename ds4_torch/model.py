@@ -16,6 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
@@ -208,6 +209,16 @@ def _chunk_indices(start, T: int, m: int, candidates: bool) -> dict[str, torch.T
     return out
 
 
+def _host_newest_position(start: torch.Tensor, T: int) -> int | None:
+    """The newest position this forward writes, when reading it costs nothing: eager on a CPU
+    (no device to wait for, no graph or compiled region to bake it into). Attention then reads
+    only the compressed rows some sequence can see (rounded up to a power of two), so a cache
+    sized for a long context does not slow a short one; elsewhere every row is read, masked."""
+    if start.device.type != "cpu" or torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return None
+    return int(start.max()) + T - 1
+
+
 class ForwardPlan:
     """Everything one forward derives from `cache.positions` before the layers run: the query
     positions' RoPE (main and compress), the ring slots the new rows go to, and a `WindowPlan`
@@ -245,11 +256,16 @@ class ForwardPlan:
         else:
             self.ring_from_chunk, self.ring_source = _ring_sources(start, T, W)
         self.windows = {}
+        self.row_limits: dict[int, int] = {}
+        newest = _host_newest_position(start, T)
+        least = max(256, cache.config.index_topk)  # (never fewer rows than the indexer picks)
         for layer in cache.layers:
             if layer.rate and layer.rate not in self.windows:
                 capacity = layer.compressor.rows.shape[1] - 1
                 self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype,
                                                       undo)
+                self.row_limits[layer.rate] = (capacity if newest is None else
+                                               min(capacity, max(least, 1 << ((newest + 1) // layer.rate).bit_length())))
 
     def write_ring(self, ring, kv) -> None:
         """Store this forward's kv rows [B, T, D] in a layer's window ring."""
@@ -369,14 +385,15 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
 
-    def select(self, state, x, q_residual, start, rope, ops: AttentionOps):
-        """Top-k compressed rows per query: [B, T, K] row indices, -1 where nothing is picked."""
+    def select(self, state, x, q_residual, start, rope, ops: AttentionOps, rows: int | None = None):
+        """Top-k compressed rows per query: [B, T, K] row indices, -1 where nothing is picked.
+        `rows`: score only the first `rows` rows (``ForwardPlan.row_limits``; default all)."""
         B, T, _ = x.shape
         # -1: under tensor parallelism this rank holds a share of the heads; the scale stays global
         q = self.q_b_proj(q_residual).view(B, T, -1, self.head_dim)
         q = rotate(q, rope)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
-        capacity = state.rows.shape[1] - 1
+        capacity = state.rows.shape[1] - 1 if rows is None else rows
         topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
         return topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
 
@@ -439,11 +456,12 @@ class Attention(nn.Module):
             rate = self.compressor.rate
             windows = plan.windows[rate]
             self.compressor.update(layer_cache.compressor, x, windows, ops)
-            comp = layer_cache.compressor.rows[:, :-1]  # the last row is scratch
+            comp = layer_cache.compressor.rows[:, :plan.row_limits[rate]]  # (the last row is scratch)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer.update(layer_cache.indexer, x, windows, ops)
-                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, plan.start, rope, ops)
+                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, plan.start, rope, ops,
+                                          plan.row_limits[rate])
         out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale)
         out = rotate(out, plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
         plan.write_ring(ring, kv)

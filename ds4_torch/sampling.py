@@ -398,6 +398,18 @@ class BatchSampler:
             for ids in (prompt_ids, output):
                 seen[slot, torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)] = True
 
+    def move(self, dst: int, src: int) -> None:
+        """Slot `dst` takes over `src`'s request (settings, history, seed); `src` is released."""
+        self._check_slot(dst)
+        self._check_slot(src)
+        if dst == src:
+            return
+        self.params[dst] = self.params[src]
+        for table in (*(getattr(self, name) for name in self.NEUTRAL), self.seeds, self.stop_ids,
+                      *self._tables.values()):
+            table[dst] = table[src]
+        self.release(src)
+
     def release(self, slot: int) -> None:
         """Forget `slot`'s request: its rows go back to neutral settings."""
         self._check_slot(slot)

@@ -164,10 +164,18 @@ class Constraint:
         """The next token, consumed: `choose(allowed)` (the sampler, given the grammar's mask), or the
         closing path's next token when the sampled one would leave too few of the `remaining`
         tokens (this one included) to finish the value."""
+        return self.finish(choose(self.begin(remaining)), remaining)
+
+    def begin(self, remaining: int) -> torch.Tensor:
+        """`step` in two halves, for a sampler that draws a whole batch at once: the mask of the
+        tokens allowed next (`remaining` as `step` takes it), then `finish(sampled, remaining)`."""
         if not self._started:
             self._started = True
             self.path = self.closing_path(remaining)
-        token = choose(self.allowed())
+        return self.allowed()
+
+    def finish(self, token: int, remaining: int) -> int:
+        """The token taken (the sampled one, or the closing path's next), consumed."""
         if token != self.eos and self.path is not None:
             after = self._closer.still_closes(self.matcher, token, self.path, remaining - 1)
             if after is None:

@@ -122,6 +122,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=2468)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--measure-only", action="store_true")
+    p.add_argument("--continue-mtp", action="store_true",
+                   help="continue the model's own MTP layer (after the main model changed) instead of a new one")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=96)
     args = p.parse_args(argv)
@@ -134,7 +136,8 @@ def main(argv=None):
     record = json.loads((args.model / "training.json").read_text())
     if not args.measure_only:
         base = DS4ForCausalLM.from_pretrained(args.model)
-        model = with_mtp(base)
+        continued = bool(args.continue_mtp and base.config.num_nextn_predict_layers)
+        model = base if continued else with_mtp(base)
         del base
         model.ops = AttentionOps("reference", reference.attention, reference.compress_rows, reference.indexer_topk)
         for name, q in model.named_parameters():
@@ -169,6 +172,7 @@ def main(argv=None):
             "script": "examples/train_mtp.py", "steps": steps, "planned_steps": args.steps, "batch": args.batch,
             "length": args.length, "lr": args.lr, "weight_decay": args.weight_decay, "seed": args.seed,
             "objective": "distillation: MTP at p vs the frozen main model at p+1 (soft cross-entropy)",
+            "continued": continued, "previous": record.get("mtp") if continued else None,
             "train_tokens": steps * args.batch * args.length,
             "held_out_distillation_loss_before": round(before[0], 4),
             "held_out_distillation_loss_after": round(after[0], 4),

@@ -111,6 +111,8 @@ class ExpertBalancer:
     @torch.no_grad()
     def step(self) -> None:
         for r in self.routers:
+            if r not in self.loads:  # a router the step did not run (the MTP layer's)
+                continue
             load = self.loads.pop(r).float()
             r.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
 

@@ -1,8 +1,11 @@
 """OpenAI-compatible HTTP server for ds4_torch models (`ds4-torch serve`, `python -m serve`).
 
 - `serve.app.create_app(model, tokenizer, ServerConfig(...))`: the Starlette app;
-- `serve.engine.Engine`: the worker thread that owns the model and the live KV cache;
-- `serve.runner.BackgroundServer`: uvicorn on a background thread (tests, benchmark);
+- `serve.engine.Engine`: the worker thread, a loop over its parts: `serve.scheduler` (who runs),
+  `serve.sessions` (resident slots, prefixes, checkpoints, disk), `serve.runner` (the model, the
+  caches and the batched sampler) and `serve.output` (text, stops, events on a thread of its own),
+  which share only `serve.sequence.GenRequest`;
+- `serve.background.BackgroundServer`: uvicorn on a background thread (tests, benchmark);
 - `serve.cli`: the flags, shared by both commands.
 """
 from __future__ import annotations

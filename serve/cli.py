@@ -22,8 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--ctx", type=positive_int, default=4096,
-                   help="context length of the live KV cache: prompt + completion (default 4096)")
+    p.add_argument("--ctx", type=positive_int, default=None,
+                   help="context length of the live KV cache: prompt + completion (default: the model's maximum "
+                        "when the caches of --max-sessions sessions and the batch fit in half of the memory left "
+                        "after the weights, else the largest that fits; the choice is logged)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256,
                    help="tokens per prefill chunk; disconnects are noticed between chunks (default 256)")
     p.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
@@ -83,8 +85,42 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for DS4 models."))
 
 
-def load(args):
-    """(model, tokenizer, ServerConfig) for parsed arguments; UserError on user errors."""
+def choose_context(model, max_sessions: int | None, max_batch: int, group=None) -> int:
+    """The default `--ctx`: the model's maximum when the caches of every session and batch slot
+    fit in half of the memory left after the weights, else the largest context that fits.
+    Under tensor parallelism (`group`), the smallest of the ranks' choices, so all agree."""
+    from ds4_torch.footprint import cache_bytes, fitting_context, free_memory
+
+    from .engine import DEFAULT_MIN_SESSIONS
+
+    sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
+    slots = sessions + (1 << (max_batch - 1).bit_length())  # resident sessions + the batch's slots
+    free = free_memory(model.device)
+    ctx = fitting_context(model.config, model.dtype, slots, free // 2)
+    if group is not None:
+        import torch
+        import torch.distributed as dist
+
+        agreed = torch.tensor([ctx])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        ctx = int(agreed)
+    if ctx == 0:
+        raise UserError(f"the KV caches of {sessions} sessions and {slots - sessions} batch slots do not fit in half "
+                        f"of the {free / 2**20:,.0f} MiB left on {model.device} even at 1024 tokens: lower "
+                        f"--max-sessions / --max-batch or give --ctx")
+    maximum = model.config.max_position_embeddings
+    logging.getLogger("ds4.serve").info(
+        "--ctx %d (%s): KV caches of %d sessions + %d batch slots take %s MiB of the %s MiB left on %s "
+        "after the weights (half of it may go to them)", ctx,
+        "the model's maximum" if ctx == maximum else f"the largest that fits; the model allows {maximum}",
+        sessions, slots - sessions, f"{cache_bytes(model.config, ctx, slots, model.dtype) / 2**20:,.0f}",
+        f"{free / 2**20:,.0f}", model.device)
+    return ctx
+
+
+def load(args, group=None):
+    """(model, tokenizer, ServerConfig) for parsed arguments; UserError on user errors. `group`:
+    the tensor-parallel ranks' control group (they agree on the default context)."""
     from .app import ServerConfig
 
     tokenizer = load_model_tokenizer(args.model)
@@ -93,6 +129,8 @@ def load(args):
     if args.max_sessions is not None and args.max_sessions < args.max_batch:
         raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
                         "decoding request holds a resident session")
+    if args.ctx is None:
+        args.ctx = choose_context(model, args.max_sessions, args.max_batch, group)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and args.ctx > limit:
         raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
@@ -165,7 +203,7 @@ def run_tensor_parallel(args) -> int:
     except ValueError as e:  # no launcher, or a world size other than --tp
         raise UserError(str(e)) from e
     group = tensor_parallel.control_group(timeout)
-    loaded = load(args)
+    loaded = load(args, group)
     if tp.rank != 0:
         status = tensor_parallel.follow(loaded[0], group)
     else:

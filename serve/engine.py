@@ -1,4 +1,15 @@
-"""The engine: one worker thread, continuous batching over resident sessions.
+"""The engine: one worker thread, continuous batching over resident sessions; the small loop on
+top of the server's parts, handing data between them and handling faults.
+
+The parts, each with one job (they share only `serve.sequence.GenRequest`, and import that and
+lower modules, never each other):
+
+- `serve.scheduler.Scheduler`: who runs next (the queue, disk reads aside, the choices of one
+  request admitted together);
+- `serve.sessions.Sessions`: resident slots, the prefix index, checkpoints, LRU and the disk store;
+- `serve.runner.Runner`: the only part touching tensors: prefill chunks, decode steps, cache copies
+  (through `serve.replica`, on every rank under tensor parallelism) and the batched sampler;
+- `serve.output.Output`: token ids to text, stop strings and events, on a thread of its own.
 
 Two caches, each allocated once at start:
 
@@ -19,9 +30,16 @@ most one prefill chunk (`prefill_chunk` tokens) of the request being prefilled, 
 delays the running streams by at most one chunk per token. A decode step reads and writes only
 the batch cache: a resident idle session is never touched by a step it is not part of.
 
-Sampling is per request (its own settings and generator): a request's tokens do not depend on
-what else is in the batch. A request's client that leaves is noticed at the next step or chunk:
-its slot is freed and its prefix stays resident.
+Sampling is one `BatchSampler` call per step for the whole batch (grammar masks, penalties,
+bias, bans, filters, logprobs): each request's settings are written into its sampler slot once,
+when it takes its batch slot, and move with it. Seeded draws are Gumbel-max over noise hashed from
+(seed, token index, token id): a request's tokens do not depend on what else is in the batch. The
+step's token ids are the one thing read back to the host. Text is not made here: the tokens (and
+the ends of requests) are handed, once per iteration, to the output part (serve.output, its own
+thread), which detokenizes, matches stop strings and emits the events; a stop string it finds
+ends the request at the engine's next iteration (the session keeps what was fed). A request's
+client that leaves is noticed at the next step or chunk: its slot is freed and its prefix stays
+resident.
 
 A failure in a step (a device error, an OOM, anything raised by the model or injected with
 `DS4_TORCH_FAULT`) resets the batch (captured graphs dropped, the batch cache cleared, CUDA
@@ -48,17 +66,15 @@ hint, every `checkpoint_interval` tokens, the prompt's end) and it is taken righ
 in decode, one is taken between steps on the request's batch slot (a device copy, no host sync)
 and joins its session when the request leaves the batch (dropped if its step fails).
 
-Every model or cache operation goes through the engine's `Replica` (serve.replica), by name and
-with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
+Every model or cache operation goes through the runner to its `Replica` (serve.replica), by name
+and with plain arguments. Under tensor parallelism (`peers`, a serve.tp.Lead: this is rank 0) each one
 is first sent to the other ranks, which run the same operations on their replicas in the same
 order; sampling, sessions and the disk store stay here. While idle the worker sends a heartbeat
 every `peers.heartbeat_s`. A rank that dies or stops answering breaks the group: every request
 is answered 503 and the engine stops (`peers.failed` then ends the server).
 
-Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app):
-``("prompt_logprobs", [TokenOut])`` (once, before the first token, when asked for),
-``("token", TokenOut)``, ``("done", finish_reason)``, ``("error", APIError)``,
-``("cancelled", stage)``.
+Results go back to the asyncio side through `GenRequest.emit` (thread-safe, set by the app),
+called by the output part in order (serve.sequence lists the events).
 
 What clients ask beyond plain sampling:
 
@@ -78,24 +94,22 @@ What clients ask beyond plain sampling:
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from ds4_torch.faults import fault_point
-from ds4_torch.sampling import SamplingParams, sample, stop_token_ids
-from ds4_torch.tokenizer import StreamDecoder
+from ds4_torch.sampling import stop_token_ids
 
 from .metrics import Metrics
+from .output import End, Output, PromptLogprobs, TextState as _TextState, Token  # noqa: F401 - _TextState: old name
 from .protocol import APIError
-from .replica import MODEL_OPERATIONS, Replica
+from .runner import Drawn, Runner
+from .scheduler import EngineStopped, QueueFull, Scheduler  # noqa: F401 - imported from here by the API
+from .sequence import GenRequest, TokenOut  # noqa: F401 - the engine's request types, imported from here by the API
 from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
                        SnapshotWriter as _SnapshotWriter)
 
@@ -104,14 +118,6 @@ log = logging.getLogger("ds4.serve")
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
 SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
-
-
-class QueueFull(Exception):
-    pass
-
-
-class EngineStopped(Exception):
-    pass
 
 
 class KVStore(Protocol):
@@ -139,109 +145,6 @@ class KVStore(Protocol):
     # checkpoint_due(n_tokens, saved_at), close().
 
 
-@dataclass
-class TokenOut:
-    token_id: int
-    text: str                          # text this token releases (may be "" while held back)
-    logprob: float | None = None       # raw log-softmax of the model (None for a prompt's first token)
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass(eq=False)
-class GenRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    prompt_logprobs: int | None = None   # k: each prompt token's logprob and its k best (event "prompt_logprobs")
-    grammar: Any = None                  # a ds4_torch.structured.Grammar: the output follows it
-    tenant: Any = None                   # who asked (the API key): prefix reuse never crosses tenants
-    boundaries: tuple[int, ...] = ()     # prompt positions worth a checkpoint (message ends, client hints)
-    emit: Callable[[tuple], None] = lambda event: None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-    cancel: threading.Event = field(default_factory=threading.Event)
-    # filled in by the engine
-    generated: list[int] = field(default_factory=list)
-    text: str = ""
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0          # tokens run through prefill (recomputed), retries included
-    prefill_chunks: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    attempts: int = 0
-    prompt_logprob_outs: list[TokenOut] | None = None   # once computed (also sent as an event)
-    cumulative_logprob: float = 0.0    # sum of the generated tokens' logprobs, when `logprobs` is set (best_of)
-    state: str = "new"                 # new, queued, running, done, cancelled, failed
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_start: float | None = None
-    t_first: float | None = None
-    t_last: float | None = None        # when the last token went out (inter-token latency)
-    t_end: float | None = None
-    # the engine's bookkeeping while the request runs
-    session: "Session | None" = field(default=None, repr=False)
-    decode_slot: int | None = field(default=None, repr=False)   # its batch slot while decoding
-    held: list[int] = field(default_factory=list, repr=False)   # tokens its batch slot holds
-    pending: int | None = field(default=None, repr=False)       # sampled, to be fed by the next step
-    logits: torch.Tensor | None = field(default=None, repr=False)
-    generator: torch.Generator | None = field(default=None, repr=False)
-    text_state: "_TextState | None" = field(default=None, repr=False)
-    no_restore: bool = field(default=False, repr=False)         # a disk restore failed: prefill cleanly
-    disk: Any = field(default=None, repr=False)                 # its disk state read off the engine thread:
-                                                                # a LoadedSnapshot, False for a miss, None: not read
-    constraint: Any = field(default=None, repr=False)           # the grammar's state for this request
-    plp: list[TokenOut] | None = field(default=None, repr=False)  # prompt logprobs collected so far
-    prompt_tensor: torch.Tensor | None = field(default=None, repr=False)  # for the repetition penalty
-    failure: APIError | None = field(default=None, repr=False)  # its own error, once it raised (_take_token_or_fail)
-
-    def wants_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and self.prompt_logprob_outs is None
-
-    def finished(self) -> bool:
-        return self.state in ("done", "cancelled", "failed")
-
-    def sequence(self) -> list[int]:
-        """Everything the model must have seen before the next token: prompt and tokens sent."""
-        return self.prompt_ids + self.generated
-
-
-class _TextState:
-    """Detokenizes the stream and cuts it at stop strings, holding back any tail that could
-    still become a stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, token_id: int, final: bool = False) -> str:
-        piece = self.decoder.push(token_id) if token_id is not None else ""
-        if final:
-            piece += self.decoder.flush()
-        buf = self.pending + piece
-        if self.stops:
-            hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                self.pending, self.stopped = "", True
-                return buf[:min(hits)]
-        if final or not self.stops:
-            self.pending = ""
-            return buf
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
-
-
-class _StepFailed(Exception):
-    """A prefill chunk or decode step failed; `requests` were in it."""
-
 
 class Engine:
     def __init__(self, model, tokenizer, *, ctx: int = 4096, prefill_chunk: int = 256, decode_mode: str = "auto",
@@ -260,22 +163,27 @@ class Engine:
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.decode_mode = decode_mode
-        self.max_queue = max_queue
         self.max_batch = max_batch
         self.max_sessions = max_sessions
         self.metrics = metrics or Metrics()
         self.device = model.device
         self.eos_ids = stop_token_ids(model.config, tokenizer, eos_ids)
-
-        # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
-        self.replica = Replica(model, ctx=ctx, sessions=max_sessions, batch_slots=1 << (max_batch - 1).bit_length(),
-                               decode_mode=decode_mode)
         # Tensor parallel (serve.tp.Lead): the other ranks, sent every replica call before it runs here.
         self.peers = peers
-        if peers is not None:
-            peers.open(self.replica.shape())
-        self.sessions = Sessions(self.replica, self._run, self.metrics, max_sessions, interval=checkpoint_interval,
-                                 memory_bytes=int(checkpoint_memory_mb * 2**20), kv_store=kv_store, peers=peers)
+
+        # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
+        # Sampler slot i is batch slot i (a request's settings move with it).
+        self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=1 << (max_batch - 1).bit_length(),
+                             decode_mode=decode_mode, peers=peers)
+        self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
+                                 interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
+                                 kv_store=kv_store, peers=peers)
+        self.scheduler = Scheduler(max_queue=max_queue, max_batch=max_batch, metrics=self.metrics,
+                                   wants_disk=self.sessions.wants_disk, load=lambda ids: self.kv_store.load(ids),
+                                   abandoned=lambda req: self._abort(req, "queued"))
+        self.output = Output(tokenizer, self.metrics, wake=self.scheduler.wake)
+        self._handed: list = []     # this iteration's records for the output part, handed over at its end
+
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
 
@@ -284,25 +192,30 @@ class Engine:
         self.token_delay = 0.0                  # test hook: seconds slept after each decode step
         self.retry_after_s = 1
 
-        self._queue: collections.deque[GenRequest] = collections.deque()
-        # Requests whose disk state is being read and checked on the reader thread (never on this
-        # one: a slow disk must not stall a step); they wait aside, then are admitted first.
-        self._loading: dict[GenRequest, concurrent.futures.Future] = {}
-        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
-        self._cv = threading.Condition()
-        self._stopping = False
         self._thread: threading.Thread | None = None
         self.served = 0
+        self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
+        self.decode_rows = 0        # sequences x decode steps
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
         self.warm = False
         self._structured = None
         self._structured_lock = threading.Lock()
+        self._stop_tokens: dict[str, int | None] = {}
 
-    # The replica's caches and decoder, read by the app's log line and by tests.
-    resident = property(lambda self: self.replica.resident)
-    batch = property(lambda self: self.replica.batch)
-    decoder = property(lambda self: self.replica.decoder)
+    # The runner's replica, caches and decoder, read by the app's log line and by tests.
+    replica = property(lambda self: self.runner.replica)
+    resident = property(lambda self: self.runner.resident)
+    batch = property(lambda self: self.runner.batch)
+    decoder = property(lambda self: self.runner.decoder)
+
+    @property
+    def max_queue(self) -> int:
+        return self.scheduler.max_queue
+
+    @max_queue.setter
+    def max_queue(self, n: int) -> None:
+        self.scheduler.max_queue = n
 
     # The disk store and its writer live with the sessions (serve.sessions); attached after start by serve.cli.
     @property
@@ -318,18 +231,7 @@ class Engine:
         return self.sessions.writer
 
     def _run(self, operation: str, *args):
-        """Run one replica operation: on every rank under tensor parallelism (sent first, and
-        acknowledged by every rank after: see serve.tp), else here."""
-        if self.peers is None:
-            return getattr(self.replica, operation)(*args)
-        step = self.peers.send(operation, args, model=operation in MODEL_OPERATIONS)
-        try:
-            result = getattr(self.replica, operation)(*args)
-        except BaseException:
-            self.peers.acknowledge(step, ok=False)  # a fault on every rank alike: recovered as usual
-            raise
-        self.peers.acknowledge(step, ok=True)
-        return result
+        return self.runner.run(operation, *args)
 
     @property
     def cache_bytes(self) -> int:
@@ -354,33 +256,46 @@ class Engine:
         k = req.prompt_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"prompt_logprobs must be an integer >= 0, got {k!r}")
+        if req.stop and not req.stop_tokens:
+            req.stop_tokens = frozenset(t for t in map(self._stop_token, req.stop) if t is not None)
         if req.grammar is not None and req.constraint is None:
             if req.grammar.outputs.vocab_size != self.model.config.vocab_size:
                 raise ValueError("grammar: compiled for another vocabulary")
             req.constraint = req.grammar.constraint()  # here, so a failure is the caller's ValueError
 
+    def _stop_token(self, stop: str) -> int | None:
+        """The token whose text is exactly `stop`, if one is (e.g. `</think>`): the engine ends a
+        request at it right away, not a step or two later when the output part finds the string,
+        so the session holds exactly what the reply fed (the next turn extends it)."""
+        with self._structured_lock:
+            if stop not in self._stop_tokens:
+                ids = self.tokenizer.encode(stop, add_special_tokens=False) if stop else []
+                self._stop_tokens[stop] = ids[0] if len(ids) == 1 and self.tokenizer.decode(ids) == stop else None
+                if len(self._stop_tokens) > 4096:  # a cache, not a leak: clients send arbitrary stops
+                    self._stop_tokens.pop(next(iter(self._stop_tokens)))
+            return self._stop_tokens[stop]
+
     # ------------------------------------------------------------------ control (any thread)
     def start(self) -> None:
         if self._thread is None:
+            self.output.start()
             self._thread = threading.Thread(target=self._loop, name="ds4-engine", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = SHUTDOWN_SAVE_S + 10) -> None:
-        with self._cv:
-            self._stopping = True
-            pending = list(self._queue)
-            self._queue.clear()
-            self.metrics.queue_depth.set(0)
+        pending = self.scheduler.stop()
+        with self.scheduler.cv:
             for req in [*self.running, self.prefilling]:
                 if req is not None:
                     req.cancel.set()
-            self._cv.notify_all()
+            self.scheduler.cv.notify_all()
         for req in pending:
             self._fail(req, self._shutting_down())
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("engine: the worker did not stop within %.0f s", timeout)
+        self.output.close()
 
     def _shutting_down(self) -> APIError:
         return APIError(503, "the server is shutting down", code="server_shutting_down",
@@ -399,11 +314,11 @@ class Engine:
         return self.degraded
 
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return len(self.scheduler)
 
     def idle(self) -> bool:
-        """Nothing waiting, prefilling or decoding."""
-        return not self._queue and self.prefilling is None and not self.running
+        """Nothing waiting, prefilling, decoding or still to be output."""
+        return not len(self.scheduler) and self.prefilling is None and not self.running and not self.output.busy()
 
     def flush_snapshots(self) -> None:
         """Wait until every disk snapshot handed to the background writer is written."""
@@ -425,34 +340,16 @@ class Engine:
         for a full queue: its request was counted when it arrived."""
         for req in reqs:
             self.check(req)
-        with self._cv:
-            if self._stopping or not self.alive:
-                raise EngineStopped("the engine is not running")
-            if not continuation and len(self._queue) + len(reqs) > self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
-            for req in reqs:
-                req.state = "queued"
-            if continuation:
-                self._queue.extendleft(reversed(reqs))
-            else:
-                self._queue.extend(reqs)
-            self.metrics.queue_depth.set(len(self._queue))
-            self._cv.notify()
+        self.scheduler.submit(reqs, continuation, self.alive)
 
     def cancel(self, req: GenRequest) -> None:
         """The client went away: stop the request at its next chunk/step boundary (or drop it
         from the queue now)."""
         req.cancel.set()
-        with self._cv:
-            try:
-                self._queue.remove(req)
-            except ValueError:
-                self._cv.notify()  # a running request: the worker notices at its next boundary
-                return
-            self.metrics.queue_depth.set(len(self._queue))
-        self._abort(req, "queued")
+        if self.scheduler.remove(req):
+            self._abort(req, "queued")
 
-    # ------------------------------------------------------------------ worker
+    # ------------------------------------------------------------------ the loop
     def warmup(self) -> None:
         """Run the model once (first calls pay one-off initialisation), then clear the cache."""
         try:
@@ -461,67 +358,74 @@ class Engine:
             log.warning("engine: warm-up failed: %s: %s", type(e).__name__, e)
         self.warm = True
 
-    def _has_work(self) -> bool:
-        return bool(self._queue) or self.prefilling is not None or bool(self.running) or \
-            any(f.done() for f in self._loading.values())
+    def _busy(self) -> bool:
+        return self.prefilling is not None or bool(self.running)
 
     def _loop(self) -> None:
         torch.set_num_threads(self.num_threads)
         if not self.warm:
             self.warmup()
+        heartbeat_s = None if self.peers is None else self.peers.heartbeat_s
         while True:
-            with self._cv:
-                idle = self._wait_for_work()
-                if self._stopping:
+            with self.scheduler.cv:
+                idle = self.scheduler.wait_for_work(self._busy, heartbeat_s)
+                if self.scheduler.stopping:
                     break
             if idle:
                 self.peers.heartbeat()
             else:
+                c0 = time.thread_time()
+                self.runner.clear_timers()
                 try:
                     with torch.no_grad():
                         self._iteration()
                 except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
                     log.exception("engine: unexpected error; resetting the batch")
                     self._recover_from_bug()
+                self._hand_over()
+                self.host_cpu_s += time.thread_time() - c0 - self.runner.cpu_s
             if self.peers is not None and self.peers.broken is not None:
                 self._group_failed()
                 break
         with torch.no_grad():
             self._shutdown()
+        self._hand_over()
         if self.peers is not None:
             self.peers.stop()
 
-    def _wait_for_work(self) -> bool:
-        """Wait (holding `_cv`) for work or a stop. Under tensor parallelism, return True after
-        `peers.heartbeat_s` idle seconds: the other ranks wait on rank 0's next message, and a
-        heartbeat keeps that wait short (and shows a dead rank at once)."""
-        while not self._has_work() and not self._stopping:
-            if not self._cv.wait(None if self.peers is None else self.peers.heartbeat_s):
-                return True
-        return False
-
     def _iteration(self) -> None:
-        self._reap_cancelled()
-        if self.running:
+        t0 = time.perf_counter()
+        self._reap()
+        decoded = bool(self.running)
+        if decoded:
             self._decode_step()
         if self.peers is None or self.peers.broken is None:
             self._prefill_step()
         self._update_gauges()
+        if decoded:  # one step's time: the model (with any prefill chunk beside it), the sampler, the rest
+            model, sampling = self.runner.model_s, self.runner.sampling_s
+            self.metrics.step_time.labels(part="model").observe(model)
+            self.metrics.step_time.labels(part="sampling").observe(sampling)
+            self.metrics.step_time.labels(part="host").observe(max(0.0, time.perf_counter() - t0 - model - sampling))
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.running) + (self.prefilling is not None))
         self.metrics.resident_sessions.set(sum(1 for s in self.sessions if s.tokens))
         self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
 
+    def _hand(self, record) -> None:
+        """Give `record` to the output part: with the iteration's others when on the engine thread,
+        else (a cancel or a shutdown answered from another thread) at once."""
+        if threading.current_thread() is self._thread:
+            self._handed.append(record)
+        else:
+            self.output.put([record])
+
+    def _hand_over(self) -> None:
+        batch, self._handed = self._handed, []
+        self.output.put(batch)
+
     # ------------------------------------------------------------------ sessions
-    # Sessions, their checkpoints and the disk store are serve.sessions'; these names stay for the loop.
-    def _claim_session(self, req: GenRequest) -> int:
-        """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
-        return self.sessions.claim(req)
-
-    def _free_session(self) -> Session:
-        return self.sessions.free_session()
-
     def _clear(self, session: Session) -> None:
         self.sessions.clear(session)
 
@@ -529,73 +433,21 @@ class Engine:
                   wait: float | None = None) -> bool:
         return self.sessions.snapshot(session, view, tokens, logits, why, wait)
 
-    def _kv(self, method: str, *args, **kwargs):
-        return self.sessions.kv(method, *args, **kwargs)
-
-    def _confirm_restored(self, session: Session) -> None:
-        self.sessions.confirm_restored(session)
+    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
+                         pending: bool = False) -> None:
+        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
+        try:
+            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
+        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
+            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
 
     # ------------------------------------------------------------------ admission and prefill
-    def _next_waiting(self) -> GenRequest | None:
-        """The next request to start: one whose disk state was read, else the queue's next, except
-        that a request wanting a disk read is sent to the reader thread and waits aside."""
-        req = self._loaded()
-        if req is not None:
-            return req
-        while True:
-            with self._cv:
-                req = None
-                while self._queue:
-                    req = self._queue.popleft()
-                    self.metrics.queue_depth.set(len(self._queue))
-                    if not req.cancel.is_set():
-                        break
-                    self._abort(req, "queued")
-                    req = None
-            if req is None or req.disk is not None or not self.sessions.wants_disk(req):
-                return req
-            self._read_aside(req)
-
-    def _read_aside(self, req: GenRequest) -> None:
-        if self._reader is None:
-            self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4-kv-reader")
-        future = self._reader.submit(self.kv_store.load, req.sequence())
-        self._loading[req] = future
-        future.add_done_callback(lambda _: self._wake())
-
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
-
-    def _loaded(self) -> GenRequest | None:
-        """A request whose disk read finished (its state in `req.disk`), if any."""
-        for req, future in list(self._loading.items()):
-            if not future.done():
-                continue
-            del self._loading[req]
-            try:
-                req.disk = future.result() or False
-            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
-                log.warning("engine: kv store read failed: %s: %s", type(e).__name__, e)
-                req.disk = False
-            if req.cancel.is_set():
-                self._abort(req, "queued")
-                continue
-            return req
-        return None
-
-    def _waiting_aside(self) -> list[GenRequest]:
-        """The requests waiting for their disk reads, taken out (shutdown, group failure)."""
-        reqs = list(self._loading)
-        self._loading.clear()
-        return reqs
-
     def _prefill_step(self) -> None:
         req = self.prefilling
         if req is None:
             if len(self.running) >= self.max_batch:
                 return
-            req = self._next_waiting()
+            req = self.scheduler.next_waiting()
             if req is None:
                 return
             seq = req.sequence()
@@ -611,13 +463,13 @@ class Engine:
             if session.restored is not None:
                 fault_point("restore")
             # every: the chunk's full logits, for prompt logprobs
-            logits, every = self._run("prefill", session.slot, piece, req.wants_prompt_logprobs())
+            logits, every = self.runner.prefill(session.slot, piece, req.wants_prompt_logprobs())
             if every is not None:
                 self._collect_prompt_logprobs(req, start, every)
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed([req], e, "prefill")
             return
-        self._confirm_restored(session)
+        self.sessions.confirm_restored(session)
         self.sessions.extend(session, piece, logits)
         req.prefill_chunks += 1
         req.prefilled_tokens += len(piece)
@@ -637,38 +489,26 @@ class Engine:
         that ask for the same sequence (the choices of an `n` > 1 request): each forks that
         session now, before a decode step can extend it, so the prompt is prefilled once."""
         while self.prefilling is None and len(self.running) < self.max_batch:
-            with self._cv:
-                if not self._queue or self._queue[0].sequence() != seq:
-                    return
-                req = self._queue.popleft()
-                self.metrics.queue_depth.set(len(self._queue))
-            if req.cancel.is_set():
-                self._abort(req, "queued")
-            else:
-                self._admit(req)
+            req = self.scheduler.next_with_sequence(seq)
+            if req is None:
+                return
+            self._admit(req)
 
-    def _collect_prompt_logprobs(self, req: GenRequest, start: int, logits: torch.Tensor) -> None:
+    def _collect_prompt_logprobs(self, req: GenRequest, start: int, logits) -> None:
         """Prompt logprobs from a chunk's logits [chunk, V] (row j, at position start + j, predicts
-        the token at start + j + 1); sent once the whole prompt is in."""
+        the token at start + j + 1); handed to the output part once the whole prompt is in."""
         prompt, k = req.prompt_ids, req.prompt_logprobs
         if start == 0:
             req.plp = [TokenOut(prompt[0], "")]  # nothing predicts the first token
         end = min(start + logits.shape[0], len(prompt) - 1)  # the last prompt position predicted here
         if end > start:
-            lp = torch.log_softmax(logits[:end - start].float(), dim=-1)
-            targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.long, device=lp.device)
-            chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
-            if k:
-                vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-                tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-            for j, token in enumerate(prompt[start + 1:end + 1]):
+            targets = prompt[start + 1:end + 1]
+            chosen, tops = self.runner.prompt_logprobs(logits, targets, k)
+            for j, token in enumerate(targets):
                 req.plp.append(TokenOut(token, "", chosen[j], tops[j] if k else None))
-        if len(req.plp) == len(prompt):
-            text = StreamDecoder(self.tokenizer)  # each token's text, as generated tokens carry theirs
-            for i, out in enumerate(req.plp):
-                out.text = text.push(out.token_id) + (text.flush() if i == len(prompt) - 1 else "")
+        if len(req.plp) == len(prompt):  # each token's text is the output part's
             req.prompt_logprob_outs, req.plp = req.plp, None
-            self._emit(req, ("prompt_logprobs", req.prompt_logprob_outs))
+            self._hand(PromptLogprobs(req, req.prompt_logprob_outs))
 
     def _admit(self, req: GenRequest) -> bool:
         """Start `req`: a session, then either its prefill (True) or, when the session already
@@ -676,17 +516,10 @@ class Engine:
         req.state = "running"
         if req.t_start is None:
             req.t_start = time.perf_counter()
-            try:
-                req.generator = req.sampling.generator(self.device)
-                req.text_state = _TextState(self.tokenizer, req.stop)
-            except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
-                self._own_failure(req, e, "starting")
-                self._fail(req, req.failure)
-                return False
         if req.attempts == 0:
             req.attempts = 1
         try:
-            reused = self._claim_session(req)
+            reused = self.sessions.claim(req)
         except BaseException as e:  # noqa: BLE001 - a copy between slots failed (device error)
             self._failed([req], e, "admit")
             return False
@@ -698,17 +531,27 @@ class Engine:
         self._start_decoding(req, req.session.last_logits, prefilled=False)
         return False
 
-    def _start_decoding(self, req: GenRequest, logits: torch.Tensor, prefilled: bool) -> None:
-        """The prompt is in the session: sample the first token, then join the batch."""
+    def _start_decoding(self, req: GenRequest, logits, prefilled: bool) -> None:
+        """The prompt is in the session: sample the first token, then join the batch (its batch
+        slot, and its sampler slot, the next free one)."""
         session = req.session
         if req.cancel.is_set():
             self._end(req, "cancelled", stage="prefill")
             return
         if req.max_tokens <= 0:  # the prompt only (its logprobs): nothing to sample
-            req.finish_reason = "length"
-            self._end(req, "done")
+            self._end(req, "done", reason="length")
             return
-        finish = self._take_token_or_fail(req, logits)
+        slot = len(self.running)
+        try:  # its settings, written once
+            self.runner.admit(slot, req, self.eos_ids)
+        except Exception as e:  # noqa: BLE001 - this request's settings or a bug: not the engine's
+            self.runner.release(slot)
+            self._own_failure(req, e, "starting")
+            self._end(req, "failed")
+            return
+        finish = self._sample([req], logits.reshape(1, -1), slots=[slot])[0]
+        if finish is not None:
+            self.runner.release(slot)
         if finish == "error":
             self._end(req, "failed")
             return
@@ -717,11 +560,11 @@ class Engine:
         if finish is not None:
             self._end(req, "done")
             return
-        slot = len(self.running)
         try:
             self._run("copy", "batch", slot, session.slot, "resident")
         except BaseException as e:  # noqa: BLE001
             self._run("reset", "batch", slot)
+            self.runner.release(slot)
             self._failed([req], e, "admit")
             return
         req.decode_slot, req.held = slot, list(session.tokens)
@@ -733,16 +576,19 @@ class Engine:
         try:
             if any(r.session.restored is not None for r in reqs):
                 fault_point("restore")
-            logits = self._run("decode", [r.pending for r in reqs])
+            logits = self.runner.decode([r.pending for r in reqs])
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed(reqs, e, "decode")
             return
         self.metrics.batch_size.observe(len(reqs))
+        self.decode_rows += len(reqs)
+        for req in reqs:
+            self.sessions.confirm_restored(req.session)
+            req.held.append(req.pending)
+        finishes = self._sample(reqs, logits)
         done = []
         for i, req in enumerate(reqs):
-            self._confirm_restored(req.session)
-            req.held.append(req.pending)
-            if self._take_token_or_fail(req, logits[i]) is not None:
+            if finishes[i] is not None:
                 done.append(req)
                 continue
             boundary = self.sessions.wanted(req, len(req.held))
@@ -757,86 +603,56 @@ class Engine:
         if self.token_delay:
             time.sleep(self.token_delay)
 
-    def _take_token_or_fail(self, req: GenRequest, logits: torch.Tensor) -> str | None:
-        """`_take_token`, where anything it raises (sampling, penalties, grammar, detokenizing, stop
-        matching) is this request's failure alone: "error", with `req.failure` set; the caller ends
-        it, and the batch goes on. The batch slot and `req.held` are intact (the step itself ran)."""
-        try:
-            return self._take_token(req, logits)
-        except Exception as e:  # noqa: BLE001 - one request's bug or hostile settings: not the batch's
-            self._own_failure(req, e, "taking its next token")
-            req.pending = None
-            return "error"
+    def _sample(self, reqs: list[GenRequest], logits, slots: list[int] | None = None) -> list[str | None]:
+        """The next token of every request of `reqs` (row i of `logits`, sampler slot `slots[i]`
+        or i), from one batched sampler call (serve.runner); each token recorded in its request
+        and handed to the output part. Per request: None (it goes on), "end" (it is done) or
+        "error" (its own failure, `req.failure` set; the caller ends it, the batch goes on)."""
+        drawn = self.runner.sample(reqs, logits, slots)
+        results: list[str | None] = []
+        taken = []
+        for i, (req, d) in enumerate(zip(reqs, drawn)):
+            if not isinstance(d, Drawn):
+                self._own_failure(req, d, "sampling")
+                req.pending = None
+                results.append("error")
+                taken.append(0)
+                continue
+            req.logits = logits[i]
+            results.append(self._take(req, d))
+            taken.append(d.token)
+        try:  # the history the penalties, min_tokens and the noise position see
+            self.runner.append(taken, slots)
+        except Exception as e:  # noqa: BLE001 - a bug: these rows' histories are now unknown
+            for i, req in enumerate(reqs):
+                if results[i] is None:
+                    self._own_failure(req, e, "recording its token")
+                    results[i], req.pending = "error", None
+        return results
 
-    def _own_failure(self, req: GenRequest, error: Exception, doing: str) -> None:
-        log.exception("engine: %s failed while %s", req.id, doing)
+    def _take(self, req: GenRequest, d: Drawn) -> str | None:
+        """`req` takes its token; it goes to the output part. "end" when it ends the request."""
+        token = d.token
+        req.generated.append(token)
+        # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
+        c = req.constraint
+        if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
+            end = "eos"
+        elif c is not None and c.done or token in req.stop_tokens:  # nothing can follow / its text is a stop
+            end = "stop"
+        # Feeding this token back needs room for the whole sequence in the context.
+        elif len(req.generated) >= req.max_tokens or len(req.prompt_ids) + len(req.generated) > self.ctx:
+            end = "length"
+        else:
+            end = None
+        self._hand(Token(req, token, end, d.logprob, d.top))
+        req.pending = None if end is not None else token
+        return None if end is None else "end"
+
+    def _own_failure(self, req: GenRequest, error: BaseException, doing: str) -> None:
+        log.error("engine: %s failed while %s", req.id, doing, exc_info=error)
         req.failure = APIError(500, f"this request failed in the engine while {doing} ({type(error).__name__}: "
                                     f"{error}); other requests were not affected", code="internal_error")
-
-    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
-                         pending: bool = False) -> None:
-        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
-        try:
-            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
-        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
-            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
-
-    def _take_token(self, req: GenRequest, logits: torch.Tensor) -> str | None:
-        """Sample `req`'s next token from `logits`, send it; return the finish reason, if any."""
-        req.logits = logits
-        c = req.constraint
-        if c is not None:
-            # Tokens it may still emit, this one included: max_tokens, and the context.
-            remaining = min(req.max_tokens - len(req.generated), self.ctx + 1 - len(req.sequence()))
-            token = c.step(lambda allowed: self._sample(req, logits, allowed), remaining)
-        else:
-            token = self._sample(req, logits)
-        out = TokenOut(token, "")
-        if req.logprobs is not None:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            out.logprob = float(lp[token])
-            req.cumulative_logprob += out.logprob
-            if req.logprobs > 0:
-                vals, idx = torch.topk(lp, min(req.logprobs, lp.numel()))
-                out.top = list(zip(idx.tolist(), vals.tolist()))
-        req.generated.append(token)
-        self.metrics.generated_tokens.inc()
-        now = time.perf_counter()
-        if req.t_first is None:
-            req.t_first = now
-            self.metrics.ttft.observe(now - req.t_arrival)
-        elif req.t_last is not None:
-            self.metrics.inter_token.observe(now - req.t_last)
-        req.t_last = now
-        finish = None
-        text = req.text_state
-        # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
-        if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
-            finish = "stop"
-            out.text = text.push(None, final=True)
-        else:
-            complete = c is not None and c.done  # the value is whole: nothing can follow
-            # Feeding this token back needs room for the whole sequence in the context.
-            final = complete or len(req.generated) >= req.max_tokens or len(req.sequence()) > self.ctx
-            out.text = text.push(token, final=final)
-            if text.stopped or complete:
-                finish = "stop"
-            elif final:
-                finish = "length"
-        req.text += out.text
-        self._emit(req, ("token", out))
-        req.pending = None if finish is not None else token
-        req.finish_reason = finish
-        return finish
-
-    def _sample(self, req: GenRequest, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
-        prompt = req.prompt_ids
-        if req.sampling.repetition_penalty != 1.0:  # the prompt as a tensor once, not every token
-            if req.prompt_tensor is None:
-                req.prompt_tensor = torch.tensor(prompt, dtype=torch.long, device=logits.device)
-            prompt = req.prompt_tensor
-        return sample(logits, req.sampling, req.generator, output_ids=req.generated, prompt_ids=prompt,
-                      stop_ids=() if req.ignore_eos else self.eos_ids, allowed=allowed)
 
     # ------------------------------------------------------------------ leaving the batch
     def _release(self, req: GenRequest) -> None:
@@ -856,9 +672,11 @@ class Engine:
             if slot != last:  # keep decoding slots first: the last one fills the hole
                 moved = self.running[last]
                 self._run("copy", "batch", slot, last, "batch")
+                self.runner.move(slot, last)
                 moved.decode_slot = slot
                 self.running[slot] = moved
             self.running.pop()
+            self.runner.release(last)
             self._run("reset", "batch", last)
             req.decode_slot = None
         if self.prefilling is req:
@@ -867,19 +685,26 @@ class Engine:
         session.last_used = time.monotonic()
         req.session = None
 
-    def _end(self, req: GenRequest, outcome: str, stage: str = "decode") -> None:
-        """`outcome`: "done", "failed" (with `req.failure`) or "cancelled"."""
+    def _end(self, req: GenRequest, outcome: str, stage: str = "decode", reason: str | None = None) -> None:
+        """`outcome`: "done" (its finish reason from its tokens, else `reason`), "failed" (with
+        `req.failure`) or "cancelled"."""
         self._release(req)
         if outcome == "done":
-            self._finish(req)
+            self._finish(req, reason)
         elif outcome == "failed":
             self._fail(req, req.failure)
         else:
             self._abort(req, stage)
 
-    def _reap_cancelled(self) -> None:
-        for req in sorted((r for r in self.running if r.cancel.is_set()), key=lambda r: -r.decode_slot):
-            self._end(req, "cancelled", stage="decode")
+    def _reap(self) -> None:
+        """End the requests whose client left, and those the output part found a stop string in
+        (or failed to detokenize): done (or failed), their session keeping what was fed."""
+        for req in sorted((r for r in self.running if r.cancel.is_set() or r.stop_found.is_set()),
+                          key=lambda r: -r.decode_slot):
+            if req.cancel.is_set():
+                self._end(req, "cancelled", stage="decode")
+            else:
+                self._end(req, "failed" if req.failure is not None else "done")
         req = self.prefilling
         if req is not None and req.cancel.is_set():
             self._end(req, "cancelled", stage="prefill")
@@ -909,14 +734,21 @@ class Engine:
                 req.session = None
             if self.prefilling is req:
                 self.prefilling = None
+            if req.decode_slot is not None:
+                self.runner.release(req.decode_slot)
             req.decode_slot, req.pending, req.held = None, None, []
             if blame_snapshot:
                 log.warning("engine: %s: the first step after a disk restore failed; snapshot quarantined, "
                             "prefilling from scratch", req.id)
-                self._kv("restore_failed", error, session.restored)
+                self.sessions.kv("restore_failed", error, session.restored)
                 req.no_restore = True
             if req.cancel.is_set():
                 self._abort(req, stage)
+            elif req.stop_found.is_set():  # its reply already ended at a stop string
+                if req.failure is not None:
+                    self._fail(req, req.failure)
+                else:
+                    self._finish(req)
             elif not blame_snapshot and not group_gone and req.attempts >= 2:
                 self.degraded = f"a request failed twice in a row: {type(error).__name__}: {error}"
                 self.metrics.healthy.set(0)
@@ -929,9 +761,7 @@ class Engine:
                     req.attempts += 1
                 requeue.append(req)
         self.running = [r for r in self.running if r not in reqs]
-        with self._cv:  # retried first, in their order
-            self._queue.extendleft(reversed(requeue))
-            self.metrics.queue_depth.set(len(self._queue))
+        self.scheduler.requeue(requeue)  # retried first, in their order
 
     def _reset_batch(self, reason: str) -> None:
         """Drop the batch's device state: captured graphs, batch cache contents, cached allocations.
@@ -960,11 +790,7 @@ class Engine:
         log.error("engine: %s; stopping", reason)
         self.degraded = reason
         self.metrics.healthy.set(0)
-        with self._cv:
-            self._stopping = True
-            queued = list(self._queue) + self._waiting_aside()
-            self._queue.clear()
-            self.metrics.queue_depth.set(0)
+        queued = self.scheduler.stop() + self.scheduler.take_all()
         error = APIError(503, f"{reason}; the server is exiting", code="engine_unavailable",
                          headers={"Retry-After": str(self.retry_after_s)})
         for req in [*self.running, *([self.prefilling] if self.prefilling is not None else []), *queued]:
@@ -985,14 +811,10 @@ class Engine:
             self._end(req, "cancelled")
         if self.prefilling is not None:
             self._end(self.prefilling, "cancelled", stage="prefill")
-        with self._cv:  # put back by a failure (_failed) after stop() took the queue: answer them too
-            left = list(self._queue) + self._waiting_aside()
-            self._queue.clear()
-            self.metrics.queue_depth.set(0)
-        for req in left:
+        # Put back by a failure (_failed) after stop() took the queue, or waiting for a disk read: answer them too.
+        for req in self.scheduler.take_all():
             self._fail(req, self._shutting_down())
-        if self._reader is not None:
-            self._reader.shutdown(wait=False)
+        self.scheduler.close()
         if self.kv_store is None:
             return
         # Clean shutdown: keep the conversations on disk, waiting for the writer (a bounded time),
@@ -1010,18 +832,15 @@ class Engine:
         if unsaved:
             log.warning("engine: shutdown: %d conversation(s) not saved to disk in %.0f s (tokens: %s)", len(unsaved),
                         SHUTDOWN_SAVE_S, ", ".join(map(str, unsaved)))
-        self._kv("close")
+        self.sessions.kv("close")
 
     # ------------------------------------------------------------------ outcomes
-    def _emit(self, req: GenRequest, event: tuple) -> None:
-        try:
-            req.emit(event)
-        except BaseException as e:  # noqa: BLE001 - e.g. the event loop is gone: the client is
-            log.debug("engine: cannot deliver %s to %s: %s", event[0], req.id, e)
-
-    def _finish(self, req: GenRequest) -> None:
-        req.state = "done"
-        req.t_end = time.perf_counter()
+    # The end of a request is handed to the output part, after its tokens: the client's fields are
+    # final and its end event is emitted there (serve.output). `req.ended` says it was handed.
+    def _finish(self, req: GenRequest, reason: str | None = None) -> None:
+        if req.ended:
+            return
+        req.ended = True
         self.served += 1
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.metrics.cached_prompt_tokens.inc(req.cached_tokens)
@@ -1029,25 +848,20 @@ class Engine:
             log.info("engine: healthy again after a successful request")
         self.degraded = None
         self.metrics.healthy.set(1)
-        self._emit(req, ("done", req.finish_reason))
+        self._hand(End(req, "done", reason=reason))
 
     def _abort(self, req: GenRequest, stage: str) -> None:
-        if req.finished():
+        if req.ended:
             return
-        req.state = "cancelled"
-        req.finish_reason = "cancelled"
-        req.t_end = time.perf_counter()
+        req.ended = True
         self.metrics.prefill_aborted.inc()
         self.metrics.aborted.labels(stage=stage).inc()
         log.info("engine: %s abandoned by its client while %s", req.id,
                  "queued" if stage == "queued" else f"in {stage}")
-        self._emit(req, ("cancelled", stage))
+        self._hand(End(req, "cancelled", stage=stage))
 
     def _fail(self, req: GenRequest, error: APIError) -> None:
-        if req.finished():
+        if req.ended:
             return
-        req.state = "failed"
-        req.error = error.message
-        req.finish_reason = "error"
-        req.t_end = time.perf_counter()
-        self._emit(req, ("error", error))
+        req.ended = True
+        self._hand(End(req, "failed", error=error))

@@ -9,6 +9,7 @@ disable_created_metrics()  # no `*_created` series: they only clutter the exposi
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -58,6 +59,10 @@ class Metrics:
                                     registry=r)
         self.inter_token = Histogram("ds4_inter_token_latency_seconds",
                                      "Time between two tokens of one request", buckets=ITL_BUCKETS, registry=r)
+        self.step_time = Histogram("ds4_step_seconds", "Each decode iteration's wall time by part: model (the "
+                                   "decode step, and a prefill chunk run beside it), sampling (the batched sampler "
+                                   "call), host (the rest: scheduling, bookkeeping, handing tokens over)",
+                                   ["part"], buckets=STEP_BUCKETS, registry=r)
         self.healthy = Gauge("ds4_engine_healthy", "1 when the engine is usable, 0 while degraded", registry=r)
         self.healthy.set(1)
         self.ttft = Histogram("ds4_time_to_first_token_seconds",

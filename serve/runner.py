@@ -1,55 +1,208 @@
-"""Run a server app on a background thread (tests, the benchmark): bound to a free loopback
-port, started and stopped explicitly."""
+"""The runner: the only part of the server that touches tensors (besides the library's cache and
+sampler, which it owns): prefill chunks, decode steps, cache copies and checkpoints (through the
+`Replica`, on every rank under tensor parallelism), and the batched sampler.
+
+- `run(operation, *args)`: one replica operation, by name with plain arguments; under tensor
+  parallelism (`peers`, a serve.tp.Lead) sent to the other ranks first and acknowledged after
+  (serve.tp). Sessions (serve.sessions) run their cache copies and checkpoints through it too.
+- `prefill` / `decode`: the model, timed (wall and this thread's CPU: the host time that bench
+  serve reports excludes them).
+- `admit` / `move` / `release`: a request's sampling settings in its sampler slot (written once,
+  when it takes its batch slot; moved with it).
+- `sample(reqs, logits, slots)`: one `BatchSampler` call for the whole batch (grammar masks built
+  from each constrained request, logprobs to the deepest asked): per request a `Drawn` (the token
+  it takes, after its grammar's closing policy, with its logprob and top ones) or the exception
+  that fails it alone (settings that raise, NaN or inf logits). `append` records what was taken.
+
+Nothing here reads a tensor back to the host inside a step but the step's token ids (and the
+logprobs asked for), once, after the sampler.
+"""
 from __future__ import annotations
 
-import socket
-import threading
+import logging
 import time
+from dataclasses import dataclass
 
-import uvicorn
+import torch
+
+from ds4_torch.sampling import BatchSampler
+
+from .replica import MODEL_OPERATIONS, Replica
+from .sequence import GenRequest
+
+log = logging.getLogger("ds4.serve")
 
 
-class BackgroundServer:
-    """`with BackgroundServer(app) as srv: ... srv.url ...`: uvicorn on its own thread and event
-    loop; the app's lifespan (its engine thread) starts and stops with it."""
+class SamplingFailed(Exception):
+    """A request's row could not be sampled (its logits are not finite, or nothing is allowed)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.host, self.port = self.sock.getsockname()[:2]
-        self.config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                     timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(self.config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="ds4-uvicorn", daemon=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+@dataclass
+class Drawn:
+    token: int
+    logprob: float | None = None              # raw log-softmax of `token` (when the request asked)
+    top: list[tuple[int, float]] | None = None
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        engine = getattr(getattr(self.app, "state", None), "engine", None)
-        while engine is not None and not engine.warm:  # the first model call pays one-off costs
-            if time.monotonic() > deadline:
-                raise RuntimeError("the engine did not warm up")
-            time.sleep(0.01)
-        return self
 
-    def stop(self, timeout: float = 15.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        self.sock.close()
+class Runner:
+    def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str, peers=None):
+        self.replica = Replica(model, ctx=ctx, sessions=sessions, batch_slots=batch_slots, decode_mode=decode_mode)
+        self.peers = peers
+        if peers is not None:
+            peers.open(self.replica.shape())
+        self.ctx = ctx
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+        self.sampler = BatchSampler(batch_slots, self.vocab_size, self.device)
+        # Time in the model and the sampler since `clear_timers` (wall; CPU of the calling thread).
+        self.model_s = self.sampling_s = self.cpu_s = 0.0
 
-    def __enter__(self) -> "BackgroundServer":
-        return self.start()
+    # The replica's caches and decoder (the app's log line, snapshots, tests).
+    resident = property(lambda self: self.replica.resident)
+    batch = property(lambda self: self.replica.batch)
+    decoder = property(lambda self: self.replica.decoder)
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def clear_timers(self) -> None:
+        self.model_s = self.sampling_s = self.cpu_s = 0.0
+
+    def run(self, operation: str, *args):
+        """Run one replica operation: on every rank under tensor parallelism (sent first, and
+        acknowledged by every rank after: see serve.tp), else here."""
+        if self.peers is None:
+            return getattr(self.replica, operation)(*args)
+        step = self.peers.send(operation, args, model=operation in MODEL_OPERATIONS)
+        try:
+            result = getattr(self.replica, operation)(*args)
+        except BaseException:
+            self.peers.acknowledge(step, ok=False)  # a fault on every rank alike: recovered as usual
+            raise
+        self.peers.acknowledge(step, ok=True)
+        return result
+
+    def _timed_model(self, operation: str, *args):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self.run(operation, *args)
+        finally:
+            self.cpu_s += time.thread_time() - c0
+            self.model_s += time.perf_counter() - t0
+
+    def prefill(self, slot: int, piece: list[int], full_logits: bool):
+        """Feed `piece` into resident slot `slot`: (the last token's logits, every token's or None)."""
+        return self._timed_model("prefill", slot, piece, full_logits)
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        """One decode step of batch slots 0..len(tokens)-1, each fed its token: logits [B, V]."""
+        return self._timed_model("decode", tokens)
+
+    # ------------------------------------------------------------------ the sampler
+    def admit(self, slot: int, req: GenRequest, eos_ids) -> None:
+        """`req`'s settings into sampler slot `slot`; the tokens it sent already count (a retry)."""
+        self.sampler.admit(slot, req.sampling, req.prompt_ids, req.generated, () if req.ignore_eos else eos_ids)
+
+    def move(self, dst: int, src: int) -> None:
+        self.sampler.move(dst, src)
+
+    def release(self, slot: int) -> None:
+        self.sampler.release(slot)
+
+    def sample(self, reqs: list[GenRequest], logits: torch.Tensor, slots: list[int] | None = None) -> list:
+        """The next token of each request of `reqs` (row i of `logits`, sampler slot `slots[i]` or
+        i): a `Drawn`, or the Exception that fails that request alone. Its grammar (if any) has
+        consumed the token; `append` must follow with the tokens taken."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._sample(reqs, logits, slots)
+        finally:
+            self.cpu_s += time.thread_time() - c0
+            self.sampling_s += time.perf_counter() - t0
+
+    def _sample(self, reqs, logits, slots):
+        B = len(reqs)
+        results: list = [None] * B
+        # Tokens each may still emit, this one included: max_tokens, and the context.
+        remaining = [min(r.max_tokens - len(r.generated), self.ctx + 1 - len(r.prompt_ids) - len(r.generated))
+                     for r in reqs]
+        allowed = None
+        for i, req in enumerate(reqs):
+            if req.constraint is not None:
+                if allowed is None:
+                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=logits.device)
+                try:
+                    allowed[i] = req.constraint.begin(remaining[i]).to(logits.device)
+                except Exception as e:  # noqa: BLE001 - this request's grammar: not the batch's
+                    results[i] = e
+        want = [r.logprobs for r in reqs if r.logprobs is not None]
+        k = max(want) if want else None
+        rows = self._draw(logits, allowed, k, slots, results)
+        for i, req in enumerate(reqs):
+            if results[i] is not None:
+                continue
+            token, failed, logprob, top_ids, top_lps = rows[i]
+            if failed:
+                results[i] = SamplingFailed("its logits are not finite (NaN or inf) or its settings allow no token")
+                continue
+            try:
+                if req.constraint is not None:
+                    forced = req.constraint.finish(token, remaining[i])
+                    if forced != token and req.logprobs is not None:
+                        logprob = float(torch.log_softmax(logits[i].float(), dim=-1)[forced])
+                    token = forced
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+                continue
+            top = None
+            if req.logprobs is not None and req.logprobs > 0:
+                top = list(zip(top_ids[:req.logprobs], top_lps[:req.logprobs]))
+            results[i] = Drawn(token, logprob if req.logprobs is not None else None, top)
+        return results
+
+    def _draw(self, logits, allowed, k, slots, results) -> list:
+        """The batched call: per row (token, failed, logprob, top ids, top logprobs). If it raises,
+        each row is drawn alone (the same tokens: a row depends on nothing else), so only the rows
+        that raise fail (their exception in `results`)."""
+        try:
+            return self._rows(self.sampler.sample(logits, allowed, k, slots=slots), len(results))
+        except Exception:  # noqa: BLE001 - one row's settings or a bug: find the row
+            log.warning("engine: the batched sampler raised; drawing row by row", exc_info=True)
+        rows = [None] * len(results)
+        for i in range(len(results)):
+            if results[i] is not None:
+                continue
+            try:
+                out = self.sampler.sample(logits[i:i + 1], None if allowed is None else allowed[i:i + 1], k,
+                                          slots=[slots[i] if slots is not None else i])
+                rows[i] = self._rows(out, 1)[0]
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+        return rows
+
+    @staticmethod
+    def _rows(out, n: int) -> list:
+        # The one read back to the host per step: the tokens (the next step feeds them).
+        tokens, failed = out.tokens.tolist(), out.failed.tolist()
+        if out.logprob is None:
+            return [(tokens[i], failed[i], None, None, None) for i in range(n)]
+        lp, ids, tops = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        return [(tokens[i], failed[i], lp[i], ids[i], tops[i]) for i in range(n)]
+
+    def append(self, tokens: list[int], slots: list[int] | None = None) -> None:
+        """The tokens the rows took: the penalties' history, min_tokens and the noise position move on."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self.sampler.append(torch.tensor(tokens, dtype=torch.long), slots)
+        finally:
+            self.cpu_s += time.thread_time() - c0
+            self.sampling_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ prompt logprobs
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list | None]:
+        """Each target's logprob under its row of `logits` [n, V] (row j predicts targets[j]), and the
+        k best (token, logprob) of each row when k > 0."""
+        lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+        if not k:
+            return chosen, None
+        vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        return chosen, [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]

@@ -40,8 +40,9 @@ from typing import Callable
 import torch
 
 from .prefix_index import CHECKPOINT, END, PrefixIndex
+from .sequence import GenRequest
 
-# (A session's request is the engine's GenRequest: named in annotations only, so no import cycle.)
+# A session's request is a serve.sequence.GenRequest (the one type the engine's parts share).
 
 log = logging.getLogger("ds4.serve")
 

@@ -53,20 +53,3 @@ def penalised_greedy(model, ids, n, presence, frequency, repetition):
 def metric(srv, name: str, **labels) -> float:
     """A metric's current value on a test server (0 when absent)."""
     return srv.app.state.metrics.value(name, **labels)
-
-
-def long_context_copy(directory, max_position_embeddings: int = 32768):
-    """The embedded model's checkpoint copied to `directory` with a longer context (the same
-    weights, untrained past 4K): long enough for what real agent clients send, for protocol tests."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from ds4_torch.default_model import DEFAULT_MODEL_DIR
-
-    directory = Path(directory)
-    shutil.copytree(DEFAULT_MODEL_DIR, directory, dirs_exist_ok=True)
-    config = json.loads((directory / "config.json").read_text())
-    config["max_position_embeddings"] = max_position_embeddings
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory

@@ -26,7 +26,7 @@ from ds4_torch.generation import generate
 from ds4_torch.output_parser import parse_output
 from serve.app import ServerConfig, create_app
 from serve.kvstore import KVStore
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 from helpers import metric
 

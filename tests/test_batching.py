@@ -15,7 +15,7 @@ from ds4_torch.default_model import default_tokenizer
 from ds4_torch.faults import reset_fault_counts
 from ds4_torch.generation import generate
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 from helpers import metric, wait_for
 
 MODEL = "ds4-default"
@@ -262,3 +262,10 @@ def test_bench_serve_prints_every_client_count(tmp_path, capsys):
     rows = table.read_text().splitlines()
     assert rows[0].startswith("clients,tok_s_total") and [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
     assert "48-token prompt arriving while 2 streams decode" in out
+    header = rows[0].split(",")
+    for column in ("host_us_per_seq_step", "mean_batch", "step_model_ms", "step_sampling_ms", "step_host_ms"):
+        assert column in header, column
+    for row in rows[1:]:
+        values = dict(zip(header, row.split(",")))
+        assert 0 < float(values["host_us_per_seq_step"]) < 1e6 and float(values["step_model_ms"]) > 0
+    assert "the engine alone" in out

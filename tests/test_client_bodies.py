@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ds4_torch.default_model import DEFAULT_MODEL_DIR
 from ds4_torch.model import DS4ForCausalLM
-from helpers import long_context_copy
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 DATA = Path(__file__).parent / "data" / "clients"
 RECORDS = sorted(DATA.glob("*.json"))
@@ -25,9 +25,8 @@ MARKUP = ("｜DSML｜", "<｜", "<think>", "</think>", "<tool_result>", "</tool_
 
 
 @pytest.fixture(scope="module")
-def srv(tok, tmp_path_factory):
-    # What the clients send (their tool schemas alone) is longer than the embedded model's 4K.
-    model = DS4ForCausalLM.from_pretrained(long_context_copy(tmp_path_factory.mktemp("long")), progress=False)
+def srv(tok):
+    model = DS4ForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, progress=False)
     with BackgroundServer(create_app(model, tok, ServerConfig(ctx=16384))) as s:
         yield s
 

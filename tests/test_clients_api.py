@@ -16,7 +16,7 @@ import torch
 
 from helpers import penalised_greedy, reference_logprobs
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 MODEL = "ds4-default"
 CTX, CHUNK = 1024, 8

@@ -66,3 +66,16 @@ def test_logits_and_held_out_loss_match_transformers(models):
     recorded = json.loads((DEFAULT_MODEL_DIR / "training.json").read_text())["held_out_loss"]
     assert loss_ours < recorded + 0.5  # no worse than the full held-out evaluation recorded at training
     assert loss_ours < 5.0  # far below a uniform guess (ln 1038 = 6.9): it has learned the text
+
+
+@torch.no_grad()
+def test_logits_past_the_old_4k_context_match_transformers(models):
+    """Past 4,096 positions (the model's context before long-context training), where only the
+    compressed layers' YaRN-scaled rotary keeps the positions apart: the same logits as transformers."""
+    ours, theirs = models
+    n = 4096 + 512
+    assert ours.config.max_position_embeddings >= n
+    ids = torch.randint(2, ours.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(5))
+    a = ours(ids, logits_to_keep=256)
+    b = theirs(ids, logits_to_keep=256).logits
+    assert (a - b).abs().max().item() <= 1e-4

@@ -15,7 +15,7 @@ import pytest
 
 from ds4_torch.default_model import build_default_model, default_tokenizer
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 MODEL = "ds4-default"
 BODIES_PER_ROUTE = 60

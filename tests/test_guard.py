@@ -10,7 +10,7 @@ import pytest
 
 from serve.app import ServerConfig, create_app
 from serve.guard import host_name, is_json_type, is_loopback_name
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 MESSAGES = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

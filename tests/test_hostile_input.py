@@ -12,7 +12,7 @@ import pytest
 
 from serve.app import ServerConfig, create_app
 from serve.request_policy import LIMITS
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -18,10 +18,11 @@ import pytest
 import serve.engine
 from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.generation import generate
+from ds4_torch.sampling import BatchSampler
 from ds4_torch.tokenizer import StreamDecoder
 from serve.app import ServerConfig, create_app
 from serve.engine import Engine, GenRequest
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 MODEL = "ds4-default"
 CHUNK = 32
@@ -39,14 +40,20 @@ def srv():
 
 @pytest.fixture
 def raising_sampler(monkeypatch):
-    real = serve.engine.sample
+    """The engine's batched sampler raises when any of its rows is a hostile request's (the engine
+    then draws row by row, and only those rows raise)."""
+    real = BatchSampler.sample
 
-    def sample(logits, params, *args, output_ids=(), **kw):
-        if params.top_k == HOSTILE_TOP_K or (params.top_k == HOSTILE_LATE_TOP_K and len(output_ids) >= 2):
-            raise RuntimeError("injected sampler failure")
-        return real(logits, params, *args, output_ids=output_ids, **kw)
+    def sample(self, logits, *args, slots=None, **kw):
+        rows = range(logits.shape[0]) if slots is None else [int(s) for s in slots]
+        for s in rows:
+            params = self.params[s]
+            if params is not None and (params.top_k == HOSTILE_TOP_K or (
+                    params.top_k == HOSTILE_LATE_TOP_K and int(self.generated[s]) >= 2)):
+                raise RuntimeError("injected sampler failure")
+        return real(self, logits, *args, slots=slots, **kw)
 
-    monkeypatch.setattr(serve.engine, "sample", sample)
+    monkeypatch.setattr(BatchSampler, "sample", sample)
 
 
 def chat(srv, content, **kw):

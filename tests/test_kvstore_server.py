@@ -22,7 +22,7 @@ from serve.app import ServerConfig, create_app
 import serve.engine
 from serve.sessions import SNAPSHOT_QUEUE
 from serve.kvstore import WRITE_DELAY_ENV, KVStore
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 from helpers import wait_for
 from test_serve import MODEL, expected
 

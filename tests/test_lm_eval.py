@@ -17,7 +17,7 @@ import torch
 
 from helpers import reference_logprobs
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "ds4_torch" / "assets" / "tiny-shakespeare"

@@ -147,9 +147,9 @@ def test_weights_are_read_in_place_not_copied(monkeypatch):
 
 
 def test_cpu_linear_fast_paths_compute_the_product():
-    """`_linear` swaps kernels by shape (one bf16 row as two, fp32 row blocks on oneDNN): each
+    """`_linear` swaps kernels by shape (one bf16 row as two, big fp32 row blocks on oneDNN): each
     still computes x @ w.T, and autograd still flows (it then takes F.linear)."""
-    from ds4_torch.kernels.linear import ONEDNN_LINEAR as _ONEDNN_LINEAR, ONEDNN_MIN_WEIGHT, fastest_linear as _linear
+    from ds4_torch.kernels.linear import ONEDNN_LINEAR as _ONEDNN_LINEAR, fastest_linear as _linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g) / 8
@@ -158,12 +158,13 @@ def test_cpu_linear_fast_paths_compute_the_product():
         assert_close(_linear(x, w.to(dtype)), x.double() @ w.to(dtype).double().T, dtype)
     x = torch.randn(1, 64, generator=g).bfloat16()
     assert torch.equal(_linear(x, w.bfloat16()), F.linear(x.expand(2, -1), w.bfloat16())[:1])
-    x = torch.randn(6, 64, generator=g)
-    assert torch.equal(_linear(x, w), F.linear(x, w))  # a small weight: oneDNN's call costs more than it saves
-    if _ONEDNN_LINEAR is not None:
-        big = torch.randn(ONEDNN_MIN_WEIGHT // 64, 64, generator=g) / 8
+    if _ONEDNN_LINEAR is not None:  # a big enough product on oneDNN, a small one on the sgemm (its call costs more)
+        big = torch.randn(1024, 1024, generator=g) / 32
+        x = torch.randn(6, 1024, generator=g)
         assert torch.equal(_linear(x, big), _ONEDNN_LINEAR(x, big, None, "none", [], ""))
         assert_close(_linear(x, big), x.double() @ big.double().T, torch.float32)
+        x = torch.randn(6, 64, generator=g)
+        assert torch.equal(_linear(x, w), F.linear(x, w))
     x = torch.randn(6, 64, generator=g, requires_grad=True)
     _linear(x, w).sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(6, -1))

@@ -6,8 +6,10 @@ reach nothing off this machine) and ``ip``. `tests/clients/drive.py` runs them: 
 "List the files in this directory."`` with only a base URL and a key, and ``codex exec "What is
 the weather in Paris?"`` with the README's provider config, its default tools and one stdio MCP
 server; a logging proxy records every exchange. Each client must finish, every request it sent
-must get a 2xx, and no response body may carry markup. The embedded model is copied with a
-longer context (the same weights): the clients' first prompts are 20K-26K tokens.
+must get a 2xx, and no response body may carry markup. The server runs as a user runs it: the
+embedded model and the default context (its 131,072 positions; the clients' first prompts are
+20K-26K tokens). Whether the model completes tool loops is measured, not asserted here:
+``drive.py --runs 5`` (see README "The default model").
 """
 from __future__ import annotations
 
@@ -19,8 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from helpers import long_context_copy
 
 pytestmark = pytest.mark.clients
 HERE = Path(__file__).parent
@@ -44,10 +44,9 @@ def _missing() -> str | None:
 @pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 @pytest.mark.parametrize("tp", [1, 2], ids=["one-process", "tp2-gloo"])
 def test_claude_code_and_codex_complete_with_2xx_and_no_markup(tmp_path, tp):
-    model = long_context_copy(tmp_path / "model", 65536)
     out = tmp_path / "run"
     cmd = ["unshare", "-n", sys.executable, str(HERE / "clients" / "drive.py"), "--clients-dir", str(CLIENTS_DIR),
-           "--out", str(out), "--model", str(model), "--ctx", "65536", "--tp", str(tp)]
+           "--out", str(out), "--tp", str(tp)]
     subprocess.run(cmd, check=True, timeout=3000)
     results = json.loads((out / "result.json").read_text())
     assert [(r["client"], r["status"]) for r in results] == [("claude", 0), ("codex", 0)], results

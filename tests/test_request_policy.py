@@ -15,7 +15,7 @@ import pytest
 from helpers import metric
 from serve.app import ServerConfig, create_app
 from serve.request_policy import REFUSED, forget_logged
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 CTX = 1024
 WEATHER = {"name": "get_weather", "description": "Get the weather for a city.",

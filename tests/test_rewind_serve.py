@@ -17,7 +17,7 @@ import pytest
 from ds4_torch.default_model import default_tokenizer
 from ds4_torch.generation import generate
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 from helpers import metric, wait_for
 
 MODEL = "ds4-default"

@@ -18,7 +18,7 @@ from ds4_torch.default_model import build_default_model, default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.tokenizer import StreamDecoder
 from serve.app import ServerConfig, create_app
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 from helpers import metric
 
 MODEL = "ds4-default"

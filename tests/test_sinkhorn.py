@@ -93,3 +93,53 @@ def test_model_hyper_connections_follow_the_backend():
     assert {m.backend for m in model.modules() if isinstance(m, HyperConnection)} == {"triton"}
     model.attn_backend = "torch"
     assert {m.backend for m in model.modules() if isinstance(m, HyperConnection)} == {"torch"}
+
+
+# --------------------------------------------------------------------------- the native CPU loop
+def _native_available():
+    from ds4_torch.kernels import native
+
+    return native.library() is not None
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(0, 4, 4)])
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_native_loop_matches_the_loop(shape, iters):
+    from ds4_torch.kernels import native
+
+    if not _native_available():
+        pytest.skip("no C compiler: the torch loop serves")
+    comb = matrices(shape, seed=iters + len(shape))
+    before = comb.clone()
+    got = native.sinkhorn(comb, iters, 1e-6)
+    assert got.shape == comb.shape and got.dtype == torch.float32 and torch.equal(comb, before)
+    if not comb.numel():
+        return
+    assert (got.double() - loop(comb, iters, 1e-6)).abs().max().item() <= 1e-6
+    assert (got - sinkhorn_torch(comb, iters, 1e-6)).abs().max().item() <= 1e-6
+    strided = matrices((4, 4, 3), seed=5).transpose(0, 2)  # a non-contiguous input
+    assert (native.sinkhorn(strided, iters, 1e-6).double() - loop(strided, iters, 1e-6)).abs().max() <= 1e-6
+
+
+def test_native_loop_steps_aside_for_traces_autograd_and_when_off(monkeypatch):
+    """Inside make_fx, with autograd recording, or with DS4_TORCH_NATIVE=0, `native.sinkhorn`
+    gives None and `sinkhorn` runs torch ops (a trace sees them; gradients flow)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ds4_torch.kernels import native
+
+    comb = matrices((1, 1, 4, 4), seed=3)
+    with torch.no_grad():
+        graph = make_fx(lambda c: sinkhorn(c, 20, 1e-6, "auto"), tracing_mode="real")(comb)
+    ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert ops and all(t != torch.ops.ds4.sinkhorn.default for t in ops)  # the torch loop, traced
+    assert (graph(comb).double() - loop(comb, 20, 1e-6)).abs().max() <= 1e-6
+    leaf = comb.clone().requires_grad_()
+    assert native.sinkhorn(leaf, 20, 1e-6) is None
+    sinkhorn(leaf, 20, 1e-6, "auto").sum().backward()
+    assert leaf.grad is not None
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setenv("DS4_TORCH_NATIVE", "0")
+    assert native.sinkhorn(comb, 20, 1e-6) is None
+    assert (sinkhorn(comb, 20, 1e-6, "auto").double() - loop(comb, 20, 1e-6)).abs().max() <= 1e-6

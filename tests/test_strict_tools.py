@@ -17,7 +17,7 @@ from ds4_torch.structured import StructuredOutputs
 from serve.app import ServerConfig, create_app
 from serve.chat import ChatRequest, ToolChoice, strict_tool_grammar
 from serve.protocol import APIError
-from serve.runner import BackgroundServer
+from serve.background import BackgroundServer
 
 from helpers import metric
 

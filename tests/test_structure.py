@@ -89,3 +89,34 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# The engine's parts (issue #22): each imports serve.sequence (the one type they share) and lower
+# modules, never another part or anything above them; the engine imports them all.
+ENGINE_PARTS = ("serve.scheduler", "serve.sessions", "serve.runner", "serve.output")
+ABOVE_PARTS = ("serve.engine", "serve.app", "serve.chat", "serve.cli", "serve.openai_api", "serve.anthropic_api",
+               "serve.responses_api", "serve.background", "serve.tp")
+
+
+def reaches(g: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in g[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_engine_parts_share_only_the_sequence():
+    g = graph()
+    for part in ENGINE_PARTS:
+        below = reaches(g, part)
+        assert "serve.sequence" in g[part], part
+        others = {p for p in (*ENGINE_PARTS, *ABOVE_PARTS) if p != part} & below
+        assert not others, f"{part} imports {sorted(others)}"
+    assert set(ENGINE_PARTS) <= g["serve.engine"]
+    # The runner is the part that touches tensors: the scheduler, the output part and the sequence
+    # do not import the model, the cache or the decoder.
+    for part in ("serve.scheduler", "serve.output", "serve.sequence"):
+        assert not {"ds4_torch.model", "ds4_torch.cache", "ds4_torch.decode"} & reaches(g, part), part

@@ -307,7 +307,7 @@ def test_every_cache_operation_reaches_the_followers(tmp_path):
     from ds4_torch.default_model import build_default_model, default_tokenizer
     from serve.app import ServerConfig, create_app
     from serve.kvstore import KVStore
-    from serve.runner import BackgroundServer
+    from serve.background import BackgroundServer
     from test_kvstore_server import CHUNK as KV_CHUNK, CTX as KV_CTX, complete, prompt, wait_idle
 
     model, tok = build_default_model(), default_tokenizer()
@@ -419,7 +419,7 @@ def test_engine_checkpoints_reach_the_followers(tmp_path):
     from ds4_torch.generation import generate
     from serve.app import ServerConfig, create_app
     from serve.kvstore import KVStore
-    from serve.runner import BackgroundServer
+    from serve.background import BackgroundServer
     from test_rewind_serve import complete
 
     model, tok = build_default_model(), default_tokenizer()

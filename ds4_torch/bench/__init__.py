@@ -58,6 +58,12 @@ def _run_decode(args) -> int:
     return 0
 
 
+def _run_context(args) -> int:
+    from .context import run
+
+    return run(args)
+
+
 def _run_kernels(args) -> int:
     import torch
 
@@ -154,6 +160,18 @@ def add_parser(sub) -> None:
     d.add_argument("--steps", type=positive_int, default=32)
     d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
     common(d)
+
+    ctx = target("context", "prefill and decode speed as the context grows, the cache sized as serve sizes it",
+                 _run_context)
+    add_model_arguments(ctx)
+    ctx.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 40960],
+                     help="prompt lengths; decode is timed right after each (default 1024 40960)")
+    ctx.add_argument("--ctx", type=positive_int, default=None,
+                     help="cache size in tokens (default: the model's max_position_embeddings, serve's default)")
+    ctx.add_argument("--prefill-chunk", type=positive_int, default=256,
+                     help="tokens per prefill chunk (default 256, as serve)")
+    ctx.add_argument("--new-tokens", type=positive_int, default=32, help="decode steps timed (default 32)")
+    common(ctx)
 
     k = target("kernels", "the Triton kernels on a CUDA GPU: achieved GB/s against the device's peak", _run_kernels)
     k.add_argument("--contexts", type=positive_int, nargs="+", default=[65536, 262144])

@@ -70,7 +70,7 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
     import httpx
 
     from serve.app import ServerConfig, create_app
-    from serve.runner import BackgroundServer
+    from serve.background import BackgroundServer
 
     system = _text(tokenizer, system_tokens, 0)
     ctx = system_tokens + 2 * TURNS * (user_tokens + new_tokens) + 256

@@ -6,7 +6,11 @@
    (in a separate process; httpx, `/v1/completions`, distinct random prompts so no prefix is
    reused, greedy, `return_token_ids` so every token is counted exactly). Per count: aggregate
    tokens/s (all tokens / wall time, prefill and queueing included), time to first token p50/p99,
-   inter-token latency p50/p99 (gaps between consecutive tokens of one stream, over all streams).
+   inter-token latency p50/p99 (gaps between consecutive tokens of one stream, over all streams),
+   and the host work: CPU time of the engine and output threads outside the model (prefill
+   included) and the batched sampler, in microseconds per sequence per decode step. The same
+   streams are also run on the server's engine alone (submitted in-process: no HTTP, SSE or
+   client process), which separates the engine's scaling from the HTTP layer's.
 3. A long prompt mid-stream (`--stall-prompt-len`, default 2000): `--stall-clients` streams are
    decoding when one request with that long prompt arrives; the largest gap any stream sees while
    that prompt is prefilled, against the slowest chunk of the same prompt prefilled directly (a
@@ -143,13 +147,46 @@ def run_clients(url: str, prompts: list[list[int]], new_tokens: int, late: list[
     return json.loads(proc.stdout)
 
 
+def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The same streams submitted to the server's engine in-process (no HTTP, no SSE, no client
+    process): what the engine and its output thread give alone."""
+    import threading
+
+    from serve.sequence import GenRequest
+
+    stamps: list[list[float]] = [[] for _ in prompts]
+    left, done, lock = [len(prompts)], threading.Event(), threading.Lock()
+
+    def emit_for(i):
+        def emit(event):
+            if event[0] == "token":
+                stamps[i].append(time.perf_counter())
+            else:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+        return emit
+
+    reqs = [GenRequest(p, new_tokens, ignore_eos=True, emit=emit_for(i)) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    engine.submit_all(reqs)
+    if not done.wait(3600):
+        raise RuntimeError("the engine did not finish the streams")
+    failed = [r.error for r in reqs if r.state != "done"]
+    if failed:
+        raise RuntimeError(f"engine run failed: {failed[0]}")
+    return {"ttft": [s[0] - start for s in stamps], "stamps": stamps, "tokens": sum(map(len, stamps)),
+            "wall": time.perf_counter() - start}
+
+
 def _gaps(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def run(args) -> int:
     from serve.app import ServerConfig, create_app
-    from serve.runner import BackgroundServer
+    from serve.background import BackgroundServer
 
     from ..decode import prefill
     from ..runtime import UserError, load_model, load_model_tokenizer
@@ -196,13 +233,36 @@ def run(args) -> int:
     app = create_app(model, tokenizer, config)
     rows = []
     stall = None
+    engine = app.state.engine
+
+    metrics = app.state.metrics
+
+    def host_counters():
+        parts = [metrics.value("ds4_step_seconds_sum", part=p) for p in ("model", "sampling", "host")]
+        return engine.host_cpu_s + engine.output.cpu_s, engine.decode_rows, \
+            metrics.value("ds4_step_seconds_count", part="model"), parts
+
     with BackgroundServer(app) as srv:
+        alone = []
+        for c in counts:  # the engine alone, in-process: the same work without HTTP and the client process
+            r = run_engine(engine, prompts(c), args.new_tokens)
+            gaps = [g for s in r["stamps"] for g in _gaps(s)]
+            alone.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "itl_p50_ms": 1000 * _pct(gaps, 50),
+                          "itl_p99_ms": 1000 * _pct(gaps, 99)})
         for c in counts:
+            cpu0, rows0, steps0, parts0 = host_counters()
             r = run_clients(srv.url, prompts(c), args.new_tokens)
+            engine.output.flush(10)
+            cpu1, rows1, steps1, parts1 = host_counters()
+            steps = max(1.0, steps1 - steps0)
+            split = {f"step_{p}_ms": 1000 * (b - a) / steps for p, a, b in zip(("model", "sampling", "host"), parts0,
+                                                                                parts1)}
             gaps = [g for s in r["stamps"] for g in _gaps(s)]
             rows.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "ttft_p50_s": _pct(r["ttft"], 50),
                          "ttft_p99_s": _pct(r["ttft"], 99), "itl_p50_ms": 1000 * _pct(gaps, 50),
-                         "itl_p99_ms": 1000 * _pct(gaps, 99)})
+                         "itl_p99_ms": 1000 * _pct(gaps, 99),
+                         "host_us_per_seq_step": 1e6 * (cpu1 - cpu0) / max(1, rows1 - rows0),
+                         "mean_batch": (rows1 - rows0) / steps, **split})
         if args.stall_prompt_len > 0:
             r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens, late=stall_prompt)
             lo, hi = r["window"]
@@ -215,13 +275,26 @@ def run(args) -> int:
     base = rows[0]["tok_s_total"] if rows and rows[0]["clients"] == 1 else float("nan")
     print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>9} {'ITL p99':>9}")
+          f"{'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9} {'host us/seq/step':>17} {'step ms: model':>15} "
+          f"{'sampling':>9} {'host':>6}")
     for r in rows:
         r["vs_1_client"] = r["tok_s_total"] / base
+        r["itl_vs_1_client"] = r["itl_p50_ms"] / rows[0]["itl_p50_ms"] if rows[0]["clients"] == 1 else float("nan")
         print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['ttft_p50_s']:>8.3f}s "
-              f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms")
+              f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms "
+              f"{r['itl_vs_1_client']:>8.2f}x {r['host_us_per_seq_step']:>17.1f} {r['step_model_ms']:>15.2f} "
+              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f}")
     print("(tok/s total: all tokens / wall time, prefill and queueing included; TTFT: request sent -> first token; "
-          "ITL: gap between consecutive tokens of one stream)")
+          "ITL: gap between consecutive tokens of one stream; host us/seq/step: CPU time of the engine and output "
+          "threads outside the model and the sampler, per sequence per decode step; step ms: the engine's mean decode "
+          "iteration split into the model (and any prefill chunk beside it), the sampler and the rest)")
+    print("the engine alone (the same streams submitted in-process: no HTTP, SSE or client process):")
+    print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9}")
+    for r in alone:
+        r["vs_1_client"] = r["tok_s_total"] / alone[0]["tok_s_total"]
+        r["itl_vs_1_client"] = r["itl_p50_ms"] / alone[0]["itl_p50_ms"]
+        print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['itl_p50_ms']:>7.1f}ms "
+              f"{r['itl_p99_ms']:>7.1f}ms {r['itl_vs_1_client']:>8.2f}x")
     if stall is not None:
         print(f"a {args.stall_prompt_len}-token prompt arriving while {args.stall_clients} streams decode: prefilled "
               f"in {stall['prefill_s']:.2f} s; largest gap any stream saw meanwhile {stall['max_gap_ms']:.1f} ms "

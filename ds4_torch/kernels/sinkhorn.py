@@ -7,6 +7,8 @@ each x / (sum + eps). 2 * iters - 1 dependent normalisations: as separate torch 
 third of a decode step's ops, so each implementation runs the whole loop in one call:
 - every device without a kernel of its own (CPU, MPS), and "torch": `sinkhorn_torch` below, two
   ops a normalisation whatever the number of matrices (also differentiable, for training);
+- CPU with "auto", outside traces and autograd: the same loop in one native call
+  (`native.sinkhorn`, C compiled on first use; the torch loop where it cannot be built);
 - CUDA ("auto" / "triton"), or CPU under TRITON_INTERPRET=1 with "triton": one Triton kernel
   (`triton_kernels.sinkhorn`) that keeps each matrix in registers for the whole loop.
 Backends are chosen as for the attention ops (`ops.kernel_for`). The op never mutates its input.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _eager_reference
+from . import _eager_reference, native
 from .ops import kernel_for
 
 __all__ = ["sinkhorn", "sinkhorn_op", "sinkhorn_torch"]
@@ -52,6 +54,12 @@ def sinkhorn_torch(comb: Tensor, iters: int, eps: float) -> Tensor:
     return cols.view(n, n, N).permute(2, 0, 1).contiguous().view(comb.shape)  # back to [..., n, n]
 
 
+def _native_or_torch(comb: Tensor, iters: int, eps: float) -> Tensor:
+    """The native loop (`native.sinkhorn`: one C call) where it can run, else `sinkhorn_torch`."""
+    out = native.sinkhorn(comb, iters, eps)
+    return sinkhorn_torch(comb, iters, eps) if out is None else out
+
+
 def check_sinkhorn_inputs(comb: Tensor, iters: int) -> None:
     if comb.dim() < 2 or comb.shape[-1] != comb.shape[-2] or comb.dtype != torch.float32:
         raise ValueError(f"sinkhorn: comb must be float32 [..., n, n], got {comb.dtype} {tuple(comb.shape)}")
@@ -61,7 +69,7 @@ def check_sinkhorn_inputs(comb: Tensor, iters: int) -> None:
 
 def _implementation(backend: str, device: torch.device):
     if kernel_for(backend, device) == "torch":
-        return sinkhorn_torch
+        return _native_or_torch if backend == "auto" else sinkhorn_torch
     from . import triton_kernels  # deferred: needs triton, and TRITON_INTERPRET is read at import
 
     return triton_kernels.sinkhorn
@@ -90,5 +98,8 @@ def sinkhorn(comb: Tensor, iters: int, eps: float, backend: str = "auto") -> Ten
     in eager mode (the dispatch alone costs about what the loop does at decode sizes), and where
     autograd records (training: the op is forward-only)."""
     if (torch.is_grad_enabled() and comb.requires_grad) or _eager_reference(backend, comb):
+        if backend == "auto":  # the native loop on CPU, when it can run (not inside a trace, no autograd)
+            check_sinkhorn_inputs(comb, iters)
+            return _native_or_torch(comb, int(iters), float(eps))
         return sinkhorn_torch(comb, int(iters), float(eps))
     return sinkhorn_op(comb, int(iters), float(eps), backend)

@@ -28,6 +28,9 @@ import sys
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loops import claude_loop, codex_loop, completed  # noqa: E402
+
 CLAUDE_CODE_VERSION = "2.1.330"
 CODEX_VERSION = "0.169.0"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,9 +77,10 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float) -> dict:
-    work = os.path.join(out, f"{name}-work")
-    home = os.path.join(out, f"{name}-home")
+def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float, run: int = 0) -> dict:
+    tag = f"{name}-{run}" if run else name
+    work = os.path.join(out, f"{tag}-work")
+    home = os.path.join(out, f"{tag}-home")
     os.makedirs(work, exist_ok=True)
     os.makedirs(home, exist_ok=True)
     for fname, text in (("main.py", "print('hello')\n"), ("README.md", "# demo\n"), ("notes.txt", "todo\n")):
@@ -92,7 +96,7 @@ def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float
         mcp = [sys.executable, os.path.join(HERE, "weather_mcp.py")]
         with open(os.path.join(codex_home, "config.toml"), "w") as f:
             f.write(codex_config(proxy_url, mcp))
-        env.update(CODEX_HOME=codex_home, WEATHER_MCP_LOG=os.path.join(out, "weather_calls.jsonl"))
+        env.update(CODEX_HOME=codex_home, WEATHER_MCP_LOG=os.path.join(out, f"{tag}-weather_calls.jsonl"))
         cmd = [os.path.join(bin_dir, "codex"), "exec", "--skip-git-repo-check", PROMPTS[name]]
     t0 = time.time()
     try:
@@ -101,9 +105,28 @@ def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float
         status, stdout, stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         status, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
-    return {"client": name, "status": status, "seconds": round(time.time() - t0, 1),
+    return {"client": name, "run": run, "status": status, "seconds": round(time.time() - t0, 1),
             "stdout": stdout if isinstance(stdout, str) else stdout.decode("utf-8", "replace"),
             "stderr": (stderr if isinstance(stderr, str) else stderr.decode("utf-8", "replace"))[-4000:]}
+
+
+def _entries(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _lines(path: str) -> int:
+    return len(_entries(path))
+
+
+def judge_loop(name: str, exchanges: list[dict], out: str, run: int) -> dict:
+    tag = f"{name}-{run}" if run else name
+    if name == "claude":
+        return claude_loop(exchanges)
+    calls_path = os.path.join(out, f"{tag}-weather_calls.jsonl")
+    return codex_loop(exchanges, _entries(calls_path))
 
 
 def main() -> int:
@@ -115,6 +138,8 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1, help="serve with torchrun --nproc-per-node N (gloo)")
     p.add_argument("--clients", nargs="+", default=["claude", "codex"], choices=["claude", "codex"])
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per client run")
+    p.add_argument("--runs", type=int, default=1, help="runs per client, each in a fresh directory; with more "
+                                                      "than one, each run's tool loop is judged (loops.py)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
@@ -138,8 +163,15 @@ def main() -> int:
         _wait_http(f"http://127.0.0.1:{port}/health", 600, server)
         _wait_http(f"http://127.0.0.1:{proxy_port}/health", 60, proxy)
         bin_dir = os.path.join(a.clients_dir, "node_modules", ".bin")
-        for name in a.clients:
-            results.append(run_client(name, bin_dir, f"http://127.0.0.1:{proxy_port}", a.out, a.timeout))
+        log = os.path.join(a.out, "proxy.jsonl")
+        for run in range(1, a.runs + 1) if a.runs > 1 else [0]:
+            for name in a.clients:
+                seen = _lines(log)
+                result = run_client(name, bin_dir, f"http://127.0.0.1:{proxy_port}", a.out, a.timeout, run)
+                time.sleep(1)  # the proxy writes an exchange once its response has ended
+                result["loop"] = judge_loop(name, _entries(log)[seen:], a.out, result["run"])
+                result["completed_loop"] = completed(result["loop"])
+                results.append(result)
     finally:
         for proc in (proxy, server):
             proc.terminate()
@@ -152,7 +184,12 @@ def main() -> int:
     with open(os.path.join(a.out, "result.json"), "w") as f:
         json.dump(results, f, indent=2)
     for r in results:
-        print(f"{r['client']}: status {r['status']} in {r['seconds']} s")
+        loop = r["loop"]
+        print(f"{r['client']} run {r['run']}: status {r['status']} in {r['seconds']} s; called {loop['called']}, "
+              f"ran {loop['ran']}, answered {loop['answered']}: {'loop completed' if r['completed_loop'] else 'no loop'}")
+    for name in a.clients:
+        mine = [r for r in results if r["client"] == name]
+        print(f"{name}: {sum(r['completed_loop'] for r in mine)} of {len(mine)} runs completed a tool loop")
     return 0
 
 

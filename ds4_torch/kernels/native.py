@@ -1,0 +1,115 @@
+"""Native CPU code for the loops whose torch ops are too many to dispatch one by one.
+
+mHC's Sinkhorn projection is 2 * iters - 1 dependent normalisations of tiny n x n matrices (39
+for the default 20 iterations, 4 x 4 matrices): as torch ops, two per normalisation, a third of a
+CPU decode step's ops, each a few microseconds of dispatch around nanoseconds of arithmetic. Here
+the whole loop is one C function over every matrix, the same arithmetic as `sinkhorn_torch` (each
+sum accumulated in float, then x / (sum + eps)), called through ctypes.
+
+The C source below is compiled on first use with the system's C compiler (`cc`, or `$CC`) into
+`$DS4_TORCH_CACHE` (default `~/.cache/ds4_torch`), under a name holding the source's hash, and
+loaded from there afterwards. Without a compiler, or with `DS4_TORCH_NATIVE=0`, `sinkhorn()`
+returns None and callers run the torch loop: nothing else depends on this module.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("ds4_torch")
+
+SOURCE = r"""
+/* count matrices of n x n floats, row-major, normalised in place: columns, then rows and columns
+   iters - 1 times, each entry x / (sum + eps), each sum accumulated in float in index order. */
+void ds4_sinkhorn(float *x, long count, long n, long iters, float eps) {
+    for (long m = 0; m < count; m++) {
+        float *a = x + m * n * n;
+        for (long it = 0; it < iters; it++) {
+            if (it > 0) {
+                for (long i = 0; i < n; i++) {
+                    float s = 0.0f;
+                    for (long j = 0; j < n; j++) s += a[i * n + j];
+                    s += eps;
+                    for (long j = 0; j < n; j++) a[i * n + j] /= s;
+                }
+            }
+            for (long j = 0; j < n; j++) {
+                float s = 0.0f;
+                for (long i = 0; i < n; i++) s += a[i * n + j];
+                s += eps;
+                for (long i = 0; i < n; i++) a[i * n + j] /= s;
+            }
+        }
+    }
+}
+"""
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DS4_TORCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ds4_torch")
+    return Path(root)
+
+
+def _build() -> ctypes.CDLL | None:
+    digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"native-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, out = Path(tmp) / "native.c", Path(tmp) / "native.so"
+            src.write_text(SOURCE)
+            # -ffp-contract=off: no fused multiply-adds, the same rounding as the torch loop's ops
+            cmd = [os.environ.get("CC", "cc"), "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(src), "-o", str(out)]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            os.replace(out, target)  # atomic: a process beside this one sees the whole file or none
+    lib = ctypes.CDLL(str(target))
+    lib.ds4_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float]
+    lib.ds4_sinkhorn.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library, built on first use; None when native code is off or cannot be built
+    (logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("DS4_TORCH_NATIVE", "1") != "0":
+                try:
+                    _lib = _build()
+                except Exception as e:  # noqa: BLE001 - no compiler, a read-only cache: the torch loop serves
+                    log.info("native CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
+            _tried = True
+    return _lib
+
+
+def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor | None:
+    """`sinkhorn_torch(comb, iters, eps)` in one native call (a new tensor; `comb` is left intact),
+    or None when it cannot run here: not a CPU float32 tensor, native code unavailable, or inside
+    a trace (make_fx, fake tensors: the call would be invisible to it)."""
+    if comb.device.type != "cpu" or comb.dtype != torch.float32 or torch._C._len_torch_dispatch_stack() \
+            or comb.requires_grad and torch.is_grad_enabled():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = comb.contiguous().clone()
+    n = out.shape[-1]
+    if out.numel():
+        lib.ds4_sinkhorn(out.data_ptr(), out.numel() // (n * n), n, int(iters), float(eps))
+    return out
