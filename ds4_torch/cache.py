@@ -579,3 +579,123 @@ class DS4Cache:
             kinds[layer.kind] += 1
         return (f"DS4Cache(batch_size={self.batch_size}, max_context={self.max_context}, dtype={self.dtype}, "
                 f"layers={kinds}, nbytes={self.nbytes})")
+
+
+class Rollback:
+    """What one forward of T tokens over a cache overwrote, recorded by that forward (pass it as
+    `undo=` to `DS4ForCausalLM._forward` / `mtp_forward`), so that `apply(keep)` leaves every
+    sequence b exactly as a forward of only its first keep[b] tokens (0..T) would have: the
+    speculative verify step's rollback of rejected drafts, at token granularity, with no copy of
+    whole state, no host read and no data-dependent shape (it traces, compiles and captures):
+
+    - each layer's ring: the T rows the forward overwrote (slots (start + j) % W), put back for
+      j >= keep (the forward needs T <= W);
+    - each compressor's and indexer's frontier (open window, CSA overlap): the forward keeps it
+      for every candidate end start + k, k = 0..T ([B, T+1, m, Dc], gathered from the same
+      sources as the frontier it writes; a one-token forward keeps the frontier before it), and
+      apply() takes candidate keep[b];
+    - a compressed row a token at or past start + keep closed: cleared (rows past a sequence's
+      count are always zero);
+    - the positions: start + keep.
+
+    The candidates stay valid until the cache is written again, so apply() may run more than once
+    (each time with any keep of 0..T), e.g. to stop a step short after it was applied."""
+
+    def __init__(self):
+        self.cache = None
+        self.rings: list[tuple[torch.Tensor, torch.Tensor]] = []      # (ring [B, W, D], old rows [B*T, D])
+        self.states: list[tuple[CompressorState, int, dict]] = []      # (state, rate, saved tensors)
+
+    def begin(self, cache: "DS4Cache", T: int) -> None:
+        W = cache.config.sliding_window
+        if T > W:
+            raise ValueError(f"a forward with undo takes at most the window ({W}) tokens, got {T}")
+        self.cache, self.T = cache, T
+        self.start = cache.positions.clone()
+        B, device = self.start.shape[0], self.start.device
+        slots = (self.start[:, None] + torch.arange(T, device=device)) % W
+        self.ring_index = (torch.arange(B, device=device)[:, None] * W + slots).view(-1)  # [B*T]
+        self.rings, self.states = [], []
+
+    def save_ring(self, ring: torch.Tensor) -> None:
+        """Before the forward writes `ring` [B, W, D]: the rows it will overwrite."""
+        self.rings.append((ring, ring.view(-1, ring.shape[-1]).index_select(0, self.ring_index)))
+
+    def save_state(self, state: CompressorState, rate: int, saved: dict) -> None:
+        """`saved`: name -> [B, T+1, ...] candidate frontiers (a chunk), or name -> the frontier
+        before a one-token forward ([B, ...], key `pre` True)."""
+        self.states.append((state, rate, saved))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the forward recorded (start first), in a fixed order: what a captured or
+        compiled forward returns, for `with_tensors` to put back."""
+        out = [self.start] + [old for _, old in self.rings]
+        for _, _, saved in self.states:
+            out += [saved[k] for k in sorted(saved) if k != "pre"]
+        return out
+
+    @classmethod
+    def template(cls, cache: "DS4Cache", T: int) -> "Rollback":
+        """The record a forward of T tokens over `cache` fills, without its tensors (what
+        `with_tensors` completes): the rings and frontiers it saves, in the forward's order."""
+        out = cls()
+        out.cache, out.T = cache, T
+        for layer in cache.layers:
+            for state in layer.states:
+                names = ["open_gate", "open_kv"] + (["prev_gate", "prev_kv"] if state.prev_kv is not None else [])
+                saved = dict.fromkeys(names)
+                if T == 1:
+                    saved["pre"] = True
+                out.states.append((state, layer.rate, saved))
+            out.rings.append((layer.window, None))
+        return out
+
+    def with_tensors(self, tensors) -> "Rollback":
+        """A copy of this record (or `template`) with `tensors`, as `tensors()` orders them."""
+        it = iter(tensors)
+        out = Rollback()
+        out.cache, out.T = self.cache, self.T
+        out.start = next(it)
+        W, B = self.cache.config.sliding_window, out.start.shape[0]
+        slots = (out.start[:, None] + torch.arange(self.T, device=out.start.device)) % W
+        out.ring_index = (torch.arange(B, device=out.start.device)[:, None] * W + slots).view(-1)
+        out.rings = [(ring, next(it)) for ring, _ in self.rings]
+        out.states = []
+        for state, rate, saved in self.states:
+            new = {k: next(it) for k in sorted(saved) if k != "pre"}
+            if saved.get("pre"):
+                new["pre"] = True
+            out.states.append((state, rate, new))
+        return out
+
+    def apply(self, keep: torch.Tensor) -> None:
+        """Keep the first keep[b] (int64 [B], 0..T) tokens of sequence b and undo the rest."""
+        T, start = self.T, self.start
+        B, device = start.shape[0], start.device
+        if keep.dtype != torch.long or keep.device != device or keep.dim() != 1:
+            keep = keep.to(device=device, dtype=torch.long).view(B)
+        j = torch.arange(T, device=device)
+        rejected = (j[None, :] >= keep[:, None]).view(-1, 1)  # [B*T, 1]
+        for ring, old in self.rings:
+            flat = ring.view(-1, ring.shape[-1])
+            flat.index_copy_(0, self.ring_index, torch.where(rejected, old, flat.index_select(0, self.ring_index)))
+        batch = torch.arange(B, device=device)
+        cleared = {}  # rate -> flat row indices to clear (the scratch row where nothing is)
+        for state, rate, saved in self.states:
+            if saved.get("pre"):  # a one-token forward: keep 0 takes the frontier from before it
+                undo = (keep == 0).view(B, 1, 1)
+                for name, t in saved.items():
+                    if name != "pre":
+                        dst = getattr(state, name)
+                        dst.copy_(torch.where(undo, t, dst))
+            else:
+                for name, t in saved.items():
+                    getattr(state, name).copy_(t[batch, keep])
+            if rate not in cleared:
+                C = state.rows.shape[1] - 1
+                w = start[:, None] // rate + torch.arange(T // rate + 1, device=device)  # windows it may close
+                closing = (w + 1) * rate - 1                                               # their last position
+                clear = (closing < (start + T)[:, None]) & (closing >= (start + keep)[:, None]) & (w < C)
+                cleared[rate] = (batch[:, None] * (C + 1) + torch.where(clear, w, C)).view(-1)
+            state.rows.view(-1, state.rows.shape[-1]).index_fill_(0, cleared[rate], 0)
+        self.cache.positions.copy_(start + keep)

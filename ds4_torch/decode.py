@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .cache import DS4Cache
+from .cache import DS4Cache, Rollback
 from .capabilities import capabilities
 from .faults import fault_point
 
@@ -290,3 +290,219 @@ class GraphDecoder(Decoder):
         self.graphs.clear()
         if self.cache.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- speculative steps
+class SpeculativeForwards:
+    """The forwards of a speculative decoding step (`ds4_torch.speculative`), eagerly: every one
+    of a fixed shape, so the graph and compiled variants serve every step.
+
+    - `mtp(streams [B,1,n,H], ids [B,1], undo)`: one MTP pass (a draft) -> (logits [B,1,V],
+      output streams [B,1,n,H]);
+    - `verify(ids [B,T], undo)`: the main model over the pending token and the drafts ->
+      (logits [B,T,V], hidden streams [B,T,n,H]);
+    - `catch_up(streams [B,T,n,H], ids [B,T], select [B], undo)`: the MTP layer over the verified
+      positions -> (logits [B,1,V], output streams [B,1,n,H]) at position select[b];
+    - `rollback(undo, keep [B])`: `undo.apply(keep)`."""
+
+    mode = "eager"
+
+    def __init__(self, model, cache: DS4Cache):
+        self.model, self.cache = model, cache
+
+    def mtp(self, streams, ids, undo):
+        return self.model.mtp_forward(streams, ids, self.cache, logits_to_keep=1, undo=undo)
+
+    def verify(self, ids, undo):
+        return self.model._forward(ids, self.cache, logits_to_keep=ids.shape[1], return_streams=True, undo=undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self.model.mtp_forward(streams, ids, self.cache, undo=undo, select=select)
+
+    def rollback(self, undo, keep):
+        undo.apply(keep)
+
+
+class _CapturedCall:
+    """One captured call of a speculative step's function (shapes fixed): static input buffers,
+    the cache's tensors as graph inputs (`extra`: more tensors read in place, a forward graph's
+    static outputs on CUDA), the outputs. Captured with the decode graphs' backends (`_Captured`):
+    a CUDA graph, or the make_fx emulator elsewhere, which freezes any value read on the host at
+    capture exactly as a CUDA graph would (and refuses an .item() or int() of a traced tensor)."""
+
+    def __init__(self, forwards: "GraphForwards", fn, args: tuple[torch.Tensor, ...], extra=()):
+        cache = forwards.cache
+        self.buffers = [t.data_ptr() for t in cache.tensors()]
+        self.static = [a.clone() for a in args]
+        self.n_static, self.extra = len(self.static), list(extra)
+        self.inputs = [*self.static, *self.extra, *cache.tensors()]
+        snapshot = [t.clone() for t in cache.tensors()]
+        try:
+            if cache.device.type == "cuda":
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up outside capture
+                    for _ in range(2):
+                        fn(*self.inputs)
+                        for t, saved in zip(cache.tensors(), snapshot):
+                            t.copy_(saved)
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=forwards.pool):
+                    self.outputs = fn(*self.inputs)
+            else:
+                from torch.fx.experimental.proxy_tensor import make_fx
+
+                self.graph = make_fx(fn, tracing_mode="real")(*self.inputs)
+        finally:  # capture ran (emulator) or warmed up (CUDA) the call on the live state: put it back
+            for t, saved in zip(cache.tensors(), snapshot):
+                t.copy_(saved)
+
+    def replay(self, args, extra=()):
+        for buffer, a in zip(self.static, args):
+            buffer.copy_(a)  # into the captured buffers; never rebind them
+        if isinstance(self.graph, torch.cuda.CUDAGraph):
+            self.graph.replay()
+            return self.outputs  # static: valid until this graph replays again
+        return self.graph(*self.static, *extra, *self.inputs[self.n_static + len(self.extra):])
+
+
+class GraphForwards(SpeculativeForwards):
+    """The forwards of a speculative step, and their rollbacks, captured once per kind and shape
+    (batch, 1 + N) and replayed: `verify`, `catch_up`, and `mtp` once per draft index (each keeps
+    its own static outputs until its rollback). A forward without a `Rollback` (the first draft
+    after a prefill) runs eagerly."""
+
+    mode = "graph"
+
+    def __init__(self, model, cache: DS4Cache):
+        super().__init__(model, cache)
+        self.eager = SpeculativeForwards(model, cache)
+        self.graphs: dict[tuple, _CapturedCall] = {}
+        self.rollbacks: dict[tuple, _CapturedCall] = {}
+        self.pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
+        self.backend = "cuda" if cache.device.type == "cuda" else "emulator"
+        self.drafts = 0  # one-token MTP passes since the last verify: the draft index
+
+    def _current(self, table, key):
+        captured = table.get(key)
+        if captured is not None and captured.buffers != [t.data_ptr() for t in self.cache.tensors()]:
+            table.clear()  # the cache was reallocated: recapture
+            self.rollbacks.clear()
+            captured = None
+        return captured
+
+    def _run(self, kind, args, undo):
+        if undo is None:
+            return getattr(self.eager, kind)(*args, None)
+        if kind == "mtp":
+            self.drafts += 1
+        elif kind == "verify":
+            self.drafts = 0
+        key = (kind, self.drafts if kind == "mtp" else 0, *[tuple(a.shape) for a in args])
+        captured = self._current(self.graphs, key)
+        T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
+        template = Rollback.template(self.cache if kind == "verify" else self.cache.mtp, T)
+        if captured is None:
+            eager, n = self.eager, len(args)
+
+            def step(*inputs):  # the static buffers, then the cache's tensors (graph inputs)
+                recorded = Rollback()
+                logits, streams = getattr(eager, kind)(*inputs[:n], recorded)
+                return (logits, streams, *recorded.tensors())
+
+            captured = self.graphs[key] = _CapturedCall(self, step, args)
+        outputs = captured.replay(args)
+        undo.__dict__.update(template.with_tensors(outputs[2:]).__dict__)
+        undo.graph_key = key
+        logits = outputs[0].clone() if self.backend == "cuda" else outputs[0]  # the caller keeps its rows
+        return logits, outputs[1]
+
+    def mtp(self, streams, ids, undo):
+        return self._run("mtp", (streams, ids), undo)
+
+    def verify(self, ids, undo):
+        return self._run("verify", (ids,), undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self._run("catch_up", (streams, ids, select), undo)
+
+    def rollback(self, undo, keep):
+        key = getattr(undo, "graph_key", None)
+        if key is None:
+            return undo.apply(keep)
+        tensors = undo.tensors()
+        captured = self._current(self.rollbacks, key)
+        if captured is None:
+            def apply(keep, *inputs):  # the record's tensors, then the cache's
+                undo.with_tensors(inputs[:len(tensors)]).apply(keep)
+                return ()
+
+            captured = self.rollbacks[key] = _CapturedCall(self, apply, (keep,), extra=tensors)
+        captured.replay((keep,), tensors)
+
+
+def _compiled_mtp(model, cache, streams, ids):
+    undo = Rollback()
+    return (*model.mtp_forward(streams, ids, cache, logits_to_keep=1, undo=undo), *undo.tensors())
+
+
+def _compiled_verify(model, cache, ids):
+    undo = Rollback()
+    return (*model._forward(ids, cache, logits_to_keep=ids.shape[1], return_streams=True, undo=undo),
+            *undo.tensors())
+
+
+def _compiled_catch_up(model, cache, streams, ids, select):
+    undo = Rollback()
+    return (*model.mtp_forward(streams, ids, cache, undo=undo, select=select), *undo.tensors())
+
+
+_COMPILED: dict = {}  # (kind, backend) -> the compiled function, shared by every CompiledForwards
+
+
+class CompiledForwards(SpeculativeForwards):
+    """The forwards of a speculative step through `torch.compile(fullgraph=True)` (inductor): one
+    module-level function per kind (model and cache are arguments, so a new cache or speculator
+    reuses what was compiled), compiled at its first call for each shape; they return the
+    `Rollback` tensors, completed from `Rollback.template`."""
+
+    mode = "compile"
+
+    def __init__(self, model, cache: DS4Cache, backend: str = "inductor"):
+        super().__init__(model, cache)
+        self.compiled = {}
+        for kind, fn in (("mtp", _compiled_mtp), ("verify", _compiled_verify), ("catch_up", _compiled_catch_up)):
+            if (kind, backend) not in _COMPILED:
+                _COMPILED[kind, backend] = torch.compile(fn, fullgraph=True, backend=backend)
+            self.compiled[kind] = _COMPILED[kind, backend]
+
+    def _run(self, kind, args, undo):
+        if undo is None:
+            return getattr(super(), kind)(*args, None)
+        out = self.compiled[kind](self.model, self.cache, *args)
+        T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
+        target = self.cache if kind == "verify" else self.cache.mtp
+        undo.__dict__.update(Rollback.template(target, T).with_tensors(out[2:]).__dict__)
+        return out[0], out[1]
+
+    def mtp(self, streams, ids, undo):
+        return self._run("mtp", (streams, ids), undo)
+
+    def verify(self, ids, undo):
+        return self._run("verify", (ids,), undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self._run("catch_up", (streams, ids, select), undo)
+
+
+def make_forwards(model, cache: DS4Cache, mode: str = "eager") -> SpeculativeForwards:
+    """The forwards of a speculative step over `cache` in decode mode `mode` (env
+    DS4_TORCH_DECODE_MODE overrides; "auto" as for `make_decoder`): eager, captured graphs
+    (`GraphForwards`: CUDA graphs, or the emulator elsewhere) or compiled (`CompiledForwards`)."""
+    resolved = resolve_mode(mode, cache.device)
+    if resolved == "graph":
+        return GraphForwards(model, cache)
+    if resolved == "compile":
+        return CompiledForwards(model, cache)
+    return SpeculativeForwards(model, cache)

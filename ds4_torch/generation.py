@@ -41,7 +41,8 @@ def generate(
     (seed, the token's index among the generated ones), so a seed gives the same tokens however
     they are computed. ``speculative_tokens`` N (1..3; 0: off) drafts N tokens per step with the
     model's MTP layer and verifies them in one forward (:mod:`ds4_torch.speculative`): the same
-    tokens, fewer forwards. ``stats``: a `SpeculationStats` it counts drafted and accepted tokens
+    tokens, fewer forwards; its forwards run in ``decode_mode`` too (captured graphs: one per
+    fixed 1 + N shape). ``stats``: a `SpeculationStats` it counts drafted and accepted tokens
     into.
     """
     prompt_ids = [int(i) for i in prompt_ids]
@@ -70,7 +71,7 @@ def generate(
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         if speculative_tokens:
             yield from _speculate(model, cache, ids, params, eos, max_new_tokens, prefill_chunk,
-                                  speculative_tokens, stats)
+                                  speculative_tokens, stats, decode_mode)
             return
         last = prefill(model, cache, ids, prefill_chunk)[0]
         sampler = BatchSampler(1, last.shape[-1], device)
@@ -88,10 +89,10 @@ def generate(
             last = decoder.step(torch.tensor([token], dtype=torch.long, device=device))[0]
 
 
-def _speculate(model, cache, ids, params, eos, max_new_tokens, chunk, draft_tokens, stats):
+def _speculate(model, cache, ids, params, eos, max_new_tokens, chunk, draft_tokens, stats, decode_mode):
     sampler = BatchSampler(1, model.config.vocab_size, ids.device)
     sampler.admit(0, params)
-    spec = Speculator(model, cache, sampler, draft_tokens, stats)
+    spec = Speculator(model, cache, sampler, draft_tokens, stats, mode=decode_mode)
     token, _ = spec.start(ids, chunk)
     unused = 0  # tokens of the last step not taken (after an EOS, or when the caller stops)
     try:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from .cache import CompressorState, DS4Cache, LayerCache
+from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
@@ -97,9 +97,11 @@ class WindowPlan:
     T == 1 (decode) writes the token into its slot and pools the open window as it stands, with no
     gather: a closing window is complete, and an open one's pooled row goes to the scratch row."""
 
-    def __init__(self, start, T: int, rate: int, capacity: int, rotary: Rotary, dtype: torch.dtype):
+    def __init__(self, start, T: int, rate: int, capacity: int, rotary: Rotary, dtype: torch.dtype,
+                 undo: Rollback | None = None):
         m, C, B, device = rate, capacity, start.shape[0], start.device
-        self.T = T
+        self.T, self.rate, self.undo = T, rate, undo
+        self._expanded = {}
         self.slot = (start[:, None] + torch.arange(T, device=device)) % m  # [B, T]
         first_window = start // m
         if T == 1:
@@ -111,36 +113,100 @@ class WindowPlan:
             self.cos, self.sin = rotary((first_window * m)[:, None], dtype)  # [B, 1, R/2]
             return
 
-        # A chunk: source rows addressed by absolute position in [prev (Ca) | open window | new tokens].
-        base = first_window * m  # first position of the open window
-
-        def own_index(pos):  # position (>= base) -> row of cat([open window, new tokens])
-            shape = (-1,) + (1,) * (pos.dim() - 1)
-            rel, s = pos - base.view(shape), start.view(shape)
-            return torch.where(pos < s, rel, m + pos - s).clamp(0, m + T - 1)
-
-        cand = torch.arange(T // m + 1, device=device)
-        windows = first_window[:, None] + cand  # [B, J]: every window the chunk may close
-        slots = torch.arange(m, device=device)
-        cur_pos = windows[..., None] * m + slots  # [B, J, m]
-        self.cur_index = own_index(cur_pos)
-        # CSA: the Ca half of window w comes from window w-1: the saved overlap for the first one.
-        self.ca_index = torch.where(cand[None, :, None] == 0, slots.expand(B, cand.shape[0], m),
-                                    m + own_index(cur_pos - m))
-        emit = (windows + 1) * m <= (start + T)[:, None]
-        target = torch.where(emit & (windows < C), windows, C)
+        if T <= SMALL_CHUNK and not torch.compiler.is_compiling():  # a verify step's chunk: from a table, by phase
+            # (compiled code computes them: inductor fuses that math, and a table filled at the
+            # first call would change dynamo's guards)
+            table = _chunk_table(m, T, undo is not None, device)
+            phase = start % m
+            for name, t in table.items():
+                setattr(self, name, t[phase])
+        else:
+            for name, t in _chunk_indices(start, T, m, undo is not None).items():
+                setattr(self, name, t)
+        windows = first_window[:, None] + torch.arange(T // m + 1, device=device)  # [B, J]: windows it may close
+        target = torch.where(self.emit & (windows < C), windows, C)
         self.row_index = (torch.arange(B, device=device)[:, None] * (C + 1) + target).view(-1)
         self.cos, self.sin = rotary(windows * m, dtype)  # [B, J, R/2]
 
-        # Frontier after the chunk: the open window, and (CSA) the Ca half of the last closed one.
-        end = start + T
-        end_window = end // m
-        open_pos = end_window[:, None] * m + slots  # [B, m]
-        self.open_source = own_index(open_pos)
-        self.keep_new = (open_pos < end[:, None])[..., None]
+    def expanded(self, index: torch.Tensor, width: int) -> torch.Tensor:
+        """`index` [B, ...] flattened and expanded to [B, n, width], for a gather of rows of that
+        width: made once per forward and shared by every compressor and indexer of the rate."""
+        key = (id(index), width)
+        if key not in self._expanded:
+            self._expanded[key] = (index, index.reshape(index.shape[0], -1, 1).expand(-1, -1, width))
+        return self._expanded[key][1]
+
+
+def _ring_sources(start, T: int, W: int):
+    """Ring slot r keeps the newest position congruent to r seen so far: (whether it comes from
+    the chunk [B, W, 1], which chunk row [B, W, 1]); both depend on start % W only."""
+    new_last = start[:, None] + T - 1
+    newest = new_last - (new_last - torch.arange(W, device=start.device)) % W  # [B, W]
+    return (newest >= start[:, None])[..., None], (newest - start[:, None]).clamp(0, T - 1)[..., None]
+
+
+# Chunks of at most this many tokens (speculative verify steps) read their window indices from
+# per-phase tables instead of computing them (about 70 small ops per rate fewer).
+SMALL_CHUNK = 8
+_CHUNK_TABLES: dict = {}
+
+
+def _chunk_table(m: int, T: int, candidates: bool, device) -> dict[str, torch.Tensor]:
+    """`_chunk_indices` for every phase start % m (row p: a chunk starting at phase p): the
+    indices are relative to the open window's first position, so they depend on nothing else."""
+    key = (m, T, candidates, str(device))
+    if key not in _CHUNK_TABLES:
+        with torch.inference_mode(False):  # plain tensors: they serve traced and compiled forwards too
+            _CHUNK_TABLES[key] = _chunk_indices(torch.arange(m, device=device), T, m, candidates)
+    return _CHUNK_TABLES[key]
+
+
+def _chunk_indices(start, T: int, m: int, candidates: bool) -> dict[str, torch.Tensor]:
+    """The gather indices of a chunk of T tokens at `start` [B] for rate m: rows of
+    cat([open window, new tokens]) (and, for the CSA overlap, of cat([prev, that])) addressed by
+    position, which windows close (`emit` [B, J]) and the frontier after the chunk; with
+    `candidates`, the frontier after every candidate end start + k, k = 0..T (`Rollback`)."""
+    B, device = start.shape[0], start.device
+    first_window = start // m
+    base = first_window * m  # first position of the open window
+
+    def own_index(pos):  # position (>= base) -> row of cat([open window, new tokens])
+        shape = (-1,) + (1,) * (pos.dim() - 1)
+        rel, s = pos - base.view(shape), start.view(shape)
+        return torch.where(pos < s, rel, m + pos - s).clamp(0, m + T - 1)
+
+    out = {}
+    cand = torch.arange(T // m + 1, device=device)
+    windows = first_window[:, None] + cand  # [B, J]: every window the chunk may close
+    slots = torch.arange(m, device=device)
+    cur_pos = windows[..., None] * m + slots  # [B, J, m]
+    out["cur_index"] = own_index(cur_pos)
+    # CSA: the Ca half of window w comes from window w-1: the saved overlap for the first one.
+    out["ca_index"] = torch.where(cand[None, :, None] == 0, slots.expand(B, cand.shape[0], m),
+                                  m + own_index(cur_pos - m))
+    out["emit"] = (windows + 1) * m <= (start + T)[:, None]
+
+    # Frontier after the chunk: the open window, and (CSA) the Ca half of the last closed one
+    # (with candidates, the last candidate's).
+    end = start + T
+    end_window = end // m
+    open_pos = end_window[:, None] * m + slots  # [B, m]
+    if not candidates:
+        out["open_source"] = own_index(open_pos)
+        out["keep_new"] = (open_pos < end[:, None])[..., None]
         closed = end_window - first_window  # windows closed in this chunk, per sequence
         last_pos = (end_window[:, None] - 1) * m + slots
-        self.last_ca_index = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos))
+        out["last_ca_index"] = torch.where(closed[:, None] == 0, slots.expand(B, m), m + own_index(last_pos))
+    else:  # the same frontier for every candidate end start + k, k = 0..T
+        ends = start[:, None] + torch.arange(T + 1, device=device)  # [B, K]
+        end_windows = ends // m
+        cand_pos = end_windows[..., None] * m + slots  # [B, K, m]
+        out["cand_open_source"] = own_index(cand_pos)
+        out["cand_keep_new"] = (cand_pos < ends[..., None])[..., None]
+        cand_last = (end_windows[..., None] - 1) * m + slots
+        out["cand_last_ca_index"] = torch.where((end_windows == first_window[:, None])[..., None],
+                                                slots.expand(B, T + 1, m), m + own_index(cand_last))
+    return out
 
 
 def _host_newest_position(start: torch.Tensor, T: int) -> int | None:
@@ -158,8 +224,11 @@ class ForwardPlan:
     positions' RoPE (main and compress), the ring slots the new rows go to, and a `WindowPlan`
     per compression rate. Computed once per forward instead of once per layer."""
 
-    def __init__(self, model: "DS4Model", cache: DS4Cache, T: int, dtype: torch.dtype):
+    def __init__(self, model: "DS4Model", cache: DS4Cache, T: int, dtype: torch.dtype, undo: Rollback | None = None):
         start = cache.positions
+        self.undo = undo
+        if undo is not None:
+            undo.begin(cache, T)
         device = start.device
         self.start, self.T = start, T
         positions = start[:, None] + torch.arange(T, device=device)
@@ -176,11 +245,16 @@ class ForwardPlan:
         W, B = cache.config.sliding_window, start.shape[0]
         if T == 1:
             self.ring_index = torch.arange(B, device=device) * W + start % W  # row of ring.view(B*W, D)
-        else:  # ring slot r keeps the newest position congruent to r seen so far
-            new_last = start[:, None] + T - 1
-            newest = new_last - (new_last - torch.arange(W, device=device)) % W  # [B, W]
-            self.ring_from_chunk = (newest >= start[:, None])[..., None]
-            self.ring_source = (newest - start[:, None]).clamp(0, T - 1)[..., None]
+        elif T <= SMALL_CHUNK and not torch.compiler.is_compiling():  # the same, from a table by phase start % W
+            table = _CHUNK_TABLES.get(("ring", W, T, str(device)))
+            if table is None:
+                with torch.inference_mode(False):
+                    table = _CHUNK_TABLES[("ring", W, T, str(device))] = _ring_sources(
+                        torch.arange(W, device=device), T, W)
+            phase = start % W
+            self.ring_from_chunk, self.ring_source = table[0][phase], table[1][phase]
+        else:
+            self.ring_from_chunk, self.ring_source = _ring_sources(start, T, W)
         self.windows = {}
         self.row_limits: dict[int, int] = {}
         newest = _host_newest_position(start, T)
@@ -188,12 +262,15 @@ class ForwardPlan:
         for layer in cache.layers:
             if layer.rate and layer.rate not in self.windows:
                 capacity = layer.compressor.rows.shape[1] - 1
-                self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype)
+                self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype,
+                                                      undo)
                 self.row_limits[layer.rate] = (capacity if newest is None else
                                                min(capacity, max(least, 1 << ((newest + 1) // layer.rate).bit_length())))
 
     def write_ring(self, ring, kv) -> None:
         """Store this forward's kv rows [B, T, D] in a layer's window ring."""
+        if self.undo is not None:
+            self.undo.save_ring(ring)
         if self.T == 1:
             ring.view(-1, ring.shape[-1]).index_copy_(0, self.ring_index, cast(kv.view(-1, kv.shape[-1]), ring.dtype))
             return
@@ -233,6 +310,11 @@ class Compressor(nn.Module):
     def _update_one(self, state, kv, gate, plan, ops):
         B, _, width = kv.shape
         open_kv, open_gate = state.open_kv, state.open_gate
+        if plan.undo is not None:  # keep 0 takes back the frontier from before this token
+            saved = {"pre": True, "open_kv": open_kv.clone(), "open_gate": open_gate.clone()}
+            if self.overlap:
+                saved.update(prev_kv=state.prev_kv.clone(), prev_gate=state.prev_gate.clone())
+            plan.undo.save_state(state, plan.rate, saved)
         open_kv.view(-1, width).index_copy_(0, plan.open_index, cast(kv.view(B, width), open_kv.dtype))
         open_gate.view(-1, width).index_copy_(0, plan.open_index, cast(gate.view(B, width), open_gate.dtype))
         if self.overlap:
@@ -253,8 +335,7 @@ class Compressor(nn.Module):
         own_gate = torch.cat([state.open_gate, gate], dim=1)
 
         def gather(src, index):  # src [B, N, F], index [B, ...] -> [B, ..., F]
-            flat = index.reshape(B, -1, 1).expand(-1, -1, src.shape[-1])
-            return src.gather(1, flat).view(*index.shape, src.shape[-1])
+            return src.gather(1, plan.expanded(index, src.shape[-1])).view(*index.shape, src.shape[-1])
 
         if self.overlap:
             d = self.dim
@@ -270,6 +351,18 @@ class Compressor(nn.Module):
         D = rows.shape[-1]
         state.rows.view(-1, D).index_copy_(0, plan.row_index, cast(rows.reshape(-1, D), state.rows.dtype))
 
+        if plan.undo is not None:  # the frontier at every candidate end (Rollback.apply); the last is this one's
+            saved = {"open_kv": torch.where(plan.cand_keep_new, gather(own_kv, plan.cand_open_source),
+                                            state.open_kv[:, None]),
+                     "open_gate": torch.where(plan.cand_keep_new, gather(own_gate, plan.cand_open_source),
+                                              state.open_gate[:, None])}
+            if self.overlap:
+                saved.update(prev_kv=gather(ca_src_kv, plan.cand_last_ca_index),
+                             prev_gate=gather(ca_src_gate, plan.cand_last_ca_index))
+            plan.undo.save_state(state, plan.rate, saved)
+            for name, t in saved.items():
+                getattr(state, name).copy_(t[:, -1])
+            return
         new_open_kv = torch.where(plan.keep_new, gather(own_kv, plan.open_source), state.open_kv)
         new_open_gate = torch.where(plan.keep_new, gather(own_gate, plan.open_source), state.open_gate)
         if self.overlap:
@@ -779,12 +872,14 @@ class DS4ForCausalLM(nn.Module):
                 kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run
         return self._forward(input_ids, cache, logits_to_keep, return_streams)
 
-    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0, return_streams: bool = False):
+    def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0, return_streams: bool = False,
+                 undo: Rollback | None = None):
         """Logits; with `return_streams`, also the last layer's hidden streams [B, T, n, H] of
-        every token (what the MTP layer drafts from)."""
+        every token (what the MTP layer drafts from). `undo`: a `Rollback` this forward fills, so
+        that its tokens can be taken back afterwards (speculative verification)."""
         T = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
-        plan = ForwardPlan(self.model, cache, T, x.dtype)
+        plan = ForwardPlan(self.model, cache, T, x.dtype, undo)
         streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             streams = layer(streams, input_ids, layer_cache, plan, self.ops)
@@ -798,16 +893,22 @@ class DS4ForCausalLM(nn.Module):
             streams = streams[:, -logits_to_keep:]
         return self.lm_head(norm(hc_head(streams)))
 
-    def mtp_forward(self, streams, input_ids, cache: DS4Cache, logits_to_keep: int = 0):
+    def mtp_forward(self, streams, input_ids, cache: DS4Cache, logits_to_keep: int = 0,
+                    undo: Rollback | None = None, select: torch.Tensor | None = None):
         """One pass of MTP layer 0 over T positions p..p+T-1 of `cache.mtp` (its own positions):
         `streams` [B, T, n, H] the hidden streams at those positions (the main model's from
         `_forward(..., return_streams=True)`, or this layer's own output when drafting further),
         `input_ids` [B, T] the tokens at p+1..p+T. Returns (draft logits [B, T or logits_to_keep,
-        V] for the tokens at p+2.., the layer's output streams [B, T, n, H])."""
+        V] for the tokens at p+2.., the layer's output streams [B, T, n, H]). `undo`: as for
+        `_forward`. `select` (int64 [B]): only row select[b] of each sequence, logits [B, 1, V]
+        and streams [B, 1, n, H] (the head runs on that row alone)."""
         block, mtp_cache = self.mtp[0], cache.mtp
         T = input_ids.shape[1]
         x = block.combine(self.model.embed_tokens(input_ids), streams.to(self.model.embed_tokens.weight.dtype))
-        plan = ForwardPlan(self.model, mtp_cache, T, x.dtype)
+        plan = ForwardPlan(self.model, mtp_cache, T, x.dtype, undo)
         out = block(x, input_ids, mtp_cache.layers[0], plan, self.ops)
         mtp_cache.positions.add_(T)
+        if select is not None:
+            index = select.to(out.device, torch.long).view(-1, 1, 1, 1).expand(-1, 1, *out.shape[2:])
+            out = out.gather(1, index)
         return self._head(block.hc_head, block.norm, out, logits_to_keep), out

@@ -307,8 +307,9 @@ def _anything_left(logits: torch.Tensor) -> torch.Tensor:
 class SampledTokens:
     """What one `BatchSampler.sample` call gives, row b for logits row b."""
     tokens: torch.Tensor                      # [B] int64
-    failed: torch.Tensor                      # [B] bool: NaN/inf logits or nothing allowed: fail that request only
-    stop: torch.Tensor                        # [B] bool: the token ends its request (EOS unless ignored, a stop id)
+    failed: torch.Tensor | None               # [B] bool: NaN/inf logits or nothing allowed: fail that request only
+    stop: torch.Tensor | None                 # [B] bool: the token ends its request (EOS unless ignored, a stop id)
+                                              # (both None from sample(tokens_only=True))
     logprob: torch.Tensor | None = None       # [B] raw log-softmax of the chosen token (when logprobs asked)
     top_ids: torch.Tensor | None = None       # [B, k] the k best tokens by raw log-softmax, best first
     top_logprobs: torch.Tensor | None = None  # [B, k]
@@ -435,25 +436,40 @@ class BatchSampler:
         return index, [p for p in chosen if p is not None]
 
     def adjust(self, logits: torch.Tensor, rows, params: list[SamplingParams],
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
+               allowed: torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+               prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`adjust_logits` for a batch: logits [B, V] -> float32 [B, V] after the grammar mask, bias,
-        bans (lifted per row when they leave nothing) and penalties, in `adjust_logits`' order."""
+        bans (lifted per row when they leave nothing) and penalties, in `adjust_logits`' order.
+        `ahead` / `prior` (see `sample`): a row's history also holds the `ahead` tokens before it,
+        `prior` = (tokens [B, P], mask [B, P]) those of them not yet appended."""
         x = logits.float()
+        extra = None  # counts [B, V] of the prior tokens, when a penalty needs them
+        if prior is not None and any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+                                     for p in params):
+            tokens, mask = prior
+            extra = torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_add_(
+                1, tokens.to(x.device, torch.long), mask.to(x.device, torch.float32))
         if allowed is not None:
             x = x.masked_fill(~allowed.to(x.device, torch.bool), float("-inf"))
         if "bias" in self._tables and any(b > BAN for p in params for _, b in p.logit_bias):
             x = x + self._tables["bias"][rows]
         if "banned" in self._tables or any(p.min_tokens for p in params):
-            banned = self.stop_ids[rows] & (self.generated[rows] < self.min_tokens[rows]).unsqueeze(-1)
+            generated = self.generated[rows] if ahead is None else self.generated[rows] + ahead
+            banned = self.stop_ids[rows] & (generated < self.min_tokens[rows]).unsqueeze(-1)
             if "banned" in self._tables:
                 banned = banned | self._tables["banned"][rows]
             kept = x.masked_fill(banned, float("-inf"))
             x = torch.where(_anything_left(kept).unsqueeze(-1), kept, x)  # all banned: lift
         if any(p.repetition_penalty != 1.0 for p in params):
             p = self.repetition[rows].unsqueeze(-1)
-            x = torch.where(self._table("seen", torch.bool)[rows], torch.where(x > 0, x / p, x * p), x)
+            seen = self._table("seen", torch.bool)[rows]
+            if extra is not None:
+                seen = seen | (extra > 0)
+            x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             counts = self._table("counts", torch.float32)[rows]
+            if extra is not None:
+                counts = counts + extra
             x = x - counts * self.frequency[rows].unsqueeze(-1) - (counts > 0).float() * self.presence[rows].unsqueeze(-1)
         return x
 
@@ -481,7 +497,8 @@ class BatchSampler:
         return torch.where(greedy.unsqueeze(-1), onehot, torch.softmax(scaled, dim=-1))
 
     def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, logprobs: int | None = None,
-               slots: Sequence[int] | torch.Tensor | None = None, ahead: torch.Tensor | None = None) -> SampledTokens:
+               slots: Sequence[int] | torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+               tokens_only: bool = False, prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
         """The next token of every row of `logits` [B, V]. `allowed`: bool [B, V], the tokens each
         row's grammar allows (all True for a row without one), never lifted. `logprobs` k: the
         chosen token's raw logprob and the k best (k = the most any row asked for; None: none).
@@ -489,16 +506,18 @@ class BatchSampler:
         token is meaningless); the other rows are unaffected. `ahead` (int64 [B]): row b samples
         the token `ahead[b]` places after its slot's next one (its noise position moves on by
         that much; the history the penalties see does not): speculative decoding's drafts and
-        verified positions, one row each."""
+        verified positions, one row each; `min_tokens` counts the `ahead` tokens as generated, and
+        `prior` = (tokens [B, P], mask [B, P] bool) are those of them the penalties should see that
+        are not appended yet (a verified row's drafts before it), so the row draws as plain decoding
+        would after them. `tokens_only`: the tokens alone (`failed` and `stop`
+        None, no logprobs): the same tokens, fewer ops (speculation's drafts and verified rows)."""
         if logits.dim() != 2 or logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits must be [batch, {self.vocab_size}], got shape {tuple(logits.shape)}")
         B = logits.shape[0]
         if allowed is not None and tuple(allowed.shape) != (B, self.vocab_size):
             raise ValueError(f"allowed must be a bool mask [{B}, {self.vocab_size}], got shape {tuple(allowed.shape)}")
         rows, params = self._rows(slots, B)
-        x = self.adjust(logits, rows, params, allowed)
-        # NaN or inf anywhere in a row shows in its max or min (two passes; isfinite().all() takes five)
-        failed = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))) | ~_anything_left(x)
+        x = self.adjust(logits, rows, params, allowed, ahead, prior)
         tokens = torch.argmax(x, dim=-1)
         sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
         if sampled:
@@ -506,6 +525,10 @@ class BatchSampler:
             position = self.generated[rows] if ahead is None else self.generated[rows] + ahead
             drawn = torch.argmax(scaled + gumbel_noise(self.seeds[rows], position, self.vocab_size), dim=-1)
             tokens = torch.where(greedy, tokens, drawn)
+        if tokens_only:
+            return SampledTokens(tokens, None, None)
+        # NaN or inf anywhere in a row shows in its max or min (two passes; isfinite().all() takes five)
+        failed = ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))) | ~_anything_left(x)
         out = SampledTokens(tokens, failed, self.stop_ids[rows].gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
         if logprobs is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)

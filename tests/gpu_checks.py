@@ -2,7 +2,7 @@
 (the test session sets it before triton is imported, which makes every kernel an interpreted one).
 Each check raises on the first mismatch and prints one `ok` line per part it passed.
 
-    python tests/gpu_checks.py kernels | graph | model | bench | quant
+    python tests/gpu_checks.py kernels | graph | model | bench | quant | speculative
 """
 
 from __future__ import annotations
@@ -267,7 +267,32 @@ def check_quant():
     print("ok bench quant on cuda")
 
 
-CHECKS = {"kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench,
+def check_speculative():
+    """Speculative decoding on CUDA (Triton kernels): a batch of prompts, greedy, N = 1..3, with
+    the forwards eager and as real CUDA graphs (one per fixed 1 + N shape): plain greedy's tokens
+    and its verified logits (<= 1e-5, on the same GPU)."""
+    from ds4_torch import DS4Config, DS4ForCausalLM
+    from oracle import randomise
+    from test_speculative import NEW, SMALL, plain_decode
+    from test_speculative_paths import PROMPTS, speculate_batch
+
+    model = DS4ForCausalLM(DS4Config.from_dict(SMALL))
+    randomise(model, 3)
+    model = model.to(DEVICE).eval()
+    truth = [plain_decode(model, p, NEW) for p in PROMPTS]
+    for n in (1, 2, 3):
+        for mode in ("eager", "graph"):
+            tokens, rows, spec = speculate_batch(model, PROMPTS, n, mode=mode)
+            if mode == "graph":
+                assert spec.forwards.backend == "cuda", spec.forwards.backend
+            for (want, want_rows), got, got_rows in zip(truth, tokens, rows):
+                assert got == want, (n, mode)
+                assert (got_rows - want_rows).abs().max().item() <= 1e-5, (n, mode)
+            assert 0 < spec.stats.accepted < spec.stats.drafted
+            print(f"ok speculative {mode} N={n}")
+
+
+CHECKS = {"speculative": check_speculative, "kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench,
           "quant": check_quant}
 
 if __name__ == "__main__":

@@ -132,6 +132,38 @@ def test_every_setting_matches_the_sequential_per_row_reference():
             output.append(want)
 
 
+def test_tokens_only_gives_the_same_tokens():
+    """sample(tokens_only=True) (what speculation calls): every setting's tokens as a full call's."""
+    rows = len(FEATURES)
+    sampler = BatchSampler(rows, V)
+    for slot, p in enumerate(FEATURES):
+        sampler.admit(slot, p, prompt_ids=PROMPT, eos_ids=EOS)
+    for step in range(6):
+        logits, allowed = random_logits(rows, step), grammar_masks(rows, step)
+        ahead = torch.full((rows,), step)
+        full = sampler.sample(logits, allowed=allowed, ahead=ahead)
+        fast = sampler.sample(logits, allowed=allowed, ahead=ahead, tokens_only=True)
+        assert torch.equal(full.tokens, fast.tokens) and fast.failed is None and fast.stop is None
+
+
+def test_ahead_and_prior_are_history_for_min_tokens_and_penalties():
+    """A row `ahead` tokens on counts them for min_tokens, and its `prior` tokens (not appended
+    yet) for the penalties: it draws as the same sampler would after appending them."""
+    logits = torch.zeros(2, V)
+    logits[:, 5], logits[:, 7] = 3.0, 2.0  # 5 is the argmax, 7 next
+    sampler = BatchSampler(1, V)
+    sampler.admit(0, SamplingParams(min_tokens=2, repetition_penalty=4.0), eos_ids=[5])
+    sampler.append(torch.tensor([9]))  # one generated: EOS 5 still banned for the next token
+    ahead = torch.tensor([0, 1])
+    got = sampler.sample(logits, slots=[0, 0], ahead=ahead).tokens
+    assert got.tolist() == [7, 5]  # the row one ahead is the third token: no longer banned
+    prior = (torch.tensor([[0], [5]]), torch.tensor([[False], [True]]))
+    got = sampler.sample(logits, slots=[0, 0], ahead=ahead, prior=prior).tokens
+    assert got.tolist() == [7, 7]  # 5 before it: penalised 3 -> 0.75 below 7's 2
+    sampler.append(torch.tensor([5]))
+    assert sampler.sample(logits[1:], slots=[0]).tokens.tolist() == [7]  # the same, appended
+
+
 def test_adjusted_logits_equal_adjust_logits_row_by_row():
     rows = len(FEATURES)
     sampler = BatchSampler(rows, V)

@@ -213,10 +213,19 @@ def test_bench_model(capsys, tmp_path):
     # Same weights, both greedy: transformers must pick the same tokens as we do.
     assert "greedy tokens identical: 6/6" in out
     rows = list(csv.DictReader(table.open()))
-    assert [r["impl"] for r in rows] == ["ds4_torch", "transformers"]
+    # the embedded model has an MTP layer: a run with one draft token by default, its counts reported
+    assert [r["impl"] for r in rows] == ["ds4_torch", "transformers", "ds4_torch+mtp1"]
     for r in rows:
         assert float(r["prefill_tok_s"]) > 0 and float(r["decode_tok_s"]) > 0
         assert float(r["kv_bytes_per_token"]) > 0
+    spec = rows[2]
+    drafted, accepted, length = int(spec["drafted"]), int(spec["accepted"]), float(spec["acceptance_length"])
+    # 5 tokens after the first, one draft per verify step: steps = drafted (none cut at the end
+    # would draft 0), emitted = accepted + steps, and the mean acceptance length is emitted / steps
+    steps = 5 - accepted
+    assert 1 <= steps <= 5 and drafted <= steps and length == round(5 / steps, 3)
+    assert int(rows[0]["drafted"]) == 0 and rows[0]["acceptance_length"] == ""
+    assert "tokens identical to plain: 6/6" in out and f"{drafted} drafted, {accepted} accepted" in out
 
 
 def test_bench_unknown_target(capsys):

@@ -6,7 +6,8 @@
   ring-wrap boundaries, one sequence and a staggered batch, against eager decoding;
 - the model end to end on CUDA against transformers (fp32, logits within 1e-4);
 - `ds4-torch bench kernels` reporting GB/s against the device's peak;
-- ds4::fp8_linear and the MoE reading packed FP4/FP8 experts, natively, in every dtype.
+- ds4::fp8_linear and the MoE reading packed FP4/FP8 experts, natively, in every dtype;
+- speculative decoding with the MTP layer, eager and through real CUDA graphs, against plain greedy.
 The checks live in `gpu_checks.py` and run as child processes: this session sets TRITON_INTERPRET
 (conftest), which would turn every kernel into an interpreted one.
 
@@ -58,6 +59,12 @@ def test_quantized_weight_kernels_natively():
     """ds4::fp8_linear and the MoE on packed FP4/FP8 experts, compiled, in every dtype."""
     out = run_checks("quant")
     assert "ok fp8_linear q_b_proj" in out and "ok moe packed fp4" in out
+
+
+@pytest.mark.gpu
+def test_speculative_decoding_on_cuda_eager_and_cuda_graphs():
+    out = run_checks("speculative")
+    assert "ok speculative graph N=3" in out
 
 
 @pytest.mark.gpu

@@ -55,14 +55,14 @@ def test_config_keeps_the_mtp_slot():
 def plain_decode(model, prompt, n):
     """Greedy tokens and the fp32 logits each came from, one token per eager decode step."""
     cache = model.new_cache(1, len(prompt) + n)
-    logits = prefill(model, cache, torch.tensor([prompt]), 4)[0]
+    logits = prefill(model, cache, torch.tensor([prompt], device=model.device), 4)[0]
     decoder = make_decoder(model, cache, "eager")
     tokens, rows = [], []
     for i in range(n):
         rows.append(logits.float())
         tokens.append(int(logits.argmax()))
         if i + 1 < n:
-            logits = decoder.step(torch.tensor([tokens[-1]]))[0]
+            logits = decoder.step(torch.tensor([tokens[-1]], device=model.device))[0]
     return tokens, torch.stack(rows)
 
 
@@ -324,3 +324,27 @@ def test_cli_speculative_tokens(embedded, capsys):
     assert "accepted" in captured.err and "tokens per verify step" in captured.err
     with pytest.raises(SystemExit):  # argparse: 0-3 only
         main(["generate", "-p", "x", "--speculative-tokens", "4"])
+
+
+def test_bench_speculative_reports_counts_and_costs(embedded, capsys, tmp_path):
+    """`bench speculative`: per N the drafted and accepted counts (consistent with the acceptance
+    length), the cost ratios, the prediction from them and the V4-Flash projection's formula."""
+    import csv
+
+    from ds4_torch.cli import main
+
+    table = tmp_path / "spec.csv"
+    assert main(["bench", "speculative", "--new-tokens", "12", "--speculative-tokens", "1", "2", "--repeats", "1",
+                 "--threads", "1", "--csv", str(table)]) == 0
+    out = capsys.readouterr().out
+    assert "V4-Flash" in out and "12/12" in out
+    rows = list(csv.DictReader(table.open()))
+    assert [int(r["draft_tokens"]) for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        n, a = int(r["draft_tokens"]), float(r["acceptance_length"])
+        drafted, accepted = int(r["drafted"]), int(r["accepted"])
+        steps = (11 - accepted) if n else 0  # 11 tokens after the first: emitted = accepted + steps
+        assert 0 < drafted <= n * steps and a == pytest.approx(11 / steps)
+        assert float(r["v4_flash_speedup"]) == pytest.approx(a / (1 + n / 43))
+        assert float(r["predicted_speedup"]) == pytest.approx(a / (float(r["verify_cost"]) + float(r["mtp_cost"])))
+        assert float(r["verify_cost"]) > 0.5 and float(r["mtp_cost"]) > 0

@@ -277,3 +277,40 @@ def test_each_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
     assert rank_device("cpu") == torch.device("cpu")
     monkeypatch.delenv("LOCAL_RANK")
     assert rank_device("cuda") == torch.device("cuda", 0)
+
+
+# --------------------------------------------------------------------------- speculative decoding
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A checkpoint with an MTP layer (CSA, rate 2; every size splits over 2 ranks)."""
+    from ds4_torch import DS4Config
+    from oracle import randomise
+    from test_speculative import SMALL
+
+    model = DS4ForCausalLM(DS4Config.from_dict(SMALL))
+    randomise(model, 3)
+    model.eval()
+    path = tmp_path_factory.mktemp("mtp")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("mode,seed", [("eager", None), ("graph", None), ("eager", 4)])
+def test_tp2_speculation_gives_single_process_plain_tokens(mtp_checkpoint, tmp_path, mode, seed):
+    """Speculative decoding under --tp 2 (the MTP layer split like the others; every rank drafts,
+    verifies and rolls back alike): greedy and seeded tokens equal single-process plain decoding
+    (one sequence through generate, two through one batched Speculator), drafts accepted."""
+    from ds4_torch import generate
+    from tp_worker import SPEC_PROMPTS
+
+    model, path = mtp_checkpoint
+    new = 40
+    settings = dict(temperature=0.9, seed=seed) if seed is not None else {}
+    plain = list(generate(model, SPEC_PROMPTS[0], new, prefill_chunk=4, **settings))
+    plain_batch = [list(generate(model, p, new, prefill_chunk=4)) for p in SPEC_PROMPTS]
+    run_ranks(["speculate", str(path), str(tmp_path), "2", str(new), mode] + ([str(seed)] if seed is not None else []))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["tokens"] == plain, f"rank {rank}"
+        assert got["batch"] == plain_batch, f"rank {rank}"
+        assert 0 < got["accepted"] <= got["drafted"]

@@ -3,6 +3,8 @@ the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set.
 
     python tests/tp_worker.py logits CHECKPOINT IDS.pt PREFILL OUT_DIR [eager|graph] [dequantize|keep]
 
+(`speculate`: speculative decoding under tensor parallelism, see `speculate`.)
+
 writes OUT_DIR/rank{R}.pt: the logits of a prefill of the first PREFILL ids, then one decode step
 per remaining id (eager forwards, or the graph decoder), with FP8/FP4 weights dequantized at load
 (default) or kept quantized."""
@@ -32,11 +34,52 @@ def prefill_decode_logits(model, ids: torch.Tensor, prefill: int, mode: str = "e
     return torch.cat(outs, dim=1)
 
 
+def speculate(argv):
+    """python tests/tp_worker.py speculate CHECKPOINT OUT_DIR N NEW [eager|graph] [SEED]: greedy (or,
+    with SEED, sampled at 0.9 with that seed) generation of NEW tokens after a fixed prompt with N
+    draft tokens from the MTP layer, then a batch of two prompts through one Speculator; writes
+    OUT_DIR/rank{R}.pt with the tokens, the stats and the batch's tokens."""
+    import torch.distributed as dist
+
+    from ds4_torch import DS4ForCausalLM, generate
+    from ds4_torch.sampling import BatchSampler, SamplingParams
+    from ds4_torch.speculative import SpeculationStats, Speculator
+
+    checkpoint, out_dir, n, new, *rest = argv
+    n, new = int(n), int(new)
+    mode = rest[0] if rest else "eager"
+    seed = int(rest[1]) if len(rest) > 1 else None
+    model = DS4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_backend="torch",
+                                           tp=int(os.environ["WORLD_SIZE"]))
+    settings = dict(temperature=0.9, seed=seed) if seed is not None else {}
+    stats = SpeculationStats()
+    tokens = list(generate(model, SPEC_PROMPTS[0], new, speculative_tokens=n, stats=stats, decode_mode=mode,
+                           prefill_chunk=4, **settings))
+    cache = model.new_cache(2, 64)
+    sampler = BatchSampler(2, model.config.vocab_size)
+    for b in range(2):
+        sampler.admit(b, SamplingParams())
+    spec = Speculator(model, cache, sampler, n, batch=2, mode=mode)
+    with torch.no_grad():
+        batch = [[t] for t in spec.start_batch(SPEC_PROMPTS, 4)[0]]
+        while min(map(len, batch)) < new:
+            for b, got in enumerate(spec.step_batch([n + 1, n + 1])[0]):
+                batch[b] += got
+    torch.save({"tokens": tokens, "drafted": stats.drafted, "accepted": stats.accepted,
+                "batch": [b[:new] for b in batch]}, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.destroy_process_group()
+
+
+SPEC_PROMPTS = [[5, 9, 11, 2, 40, 33, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+
+
 def main(argv):
     import torch.distributed as dist
 
     from ds4_torch import DS4ForCausalLM
 
+    if argv[0] == "speculate":
+        return speculate(argv[1:])
     _, checkpoint, ids_path, prefill, out_dir, *rest = argv
     mode = rest[0] if rest else "eager"
     quantized = rest[1] if len(rest) > 1 else "dequantize"

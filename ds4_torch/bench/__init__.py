@@ -124,6 +124,9 @@ def add_parser(sub) -> None:
     add_tp_argument(m)
     m.add_argument("--repeats", type=positive_int, default=3,
                    help="runs per implementation, interleaved; the best of each is shown (default 3)")
+    m.add_argument("--speculative-tokens", type=int, choices=range(0, 4), default=None, metavar="N",
+                   help="also decode with N draft tokens from the MTP layer (0-3; default 1 when the model has one, "
+                        "else 0): speed, drafted and accepted tokens, acceptance length")
     common(m)
 
     sp = target("speculative", "decode with MTP speculation vs without: speed, acceptance, cost ratios", _run_speculative)
@@ -134,6 +137,9 @@ def add_parser(sub) -> None:
                     help="draft tokens per step to measure (default 1 2 3)")
     sp.add_argument("--repeats", type=positive_int, default=3,
                     help="runs per setting, interleaved with plain decoding; the best is shown (default 3)")
+    sp.add_argument("--decode-mode", choices=("eager", "graph", "compile"), default="eager",
+                    help="how plain and speculative steps run (default eager; compile: the first run of each "
+                         "compiles, minutes on a CPU, so use --repeats 2 or more)")
     common(sp)
 
     a = target("attention", "one decode step of attention at V4-Flash sizes vs transformers/SDPA", _run_attention)

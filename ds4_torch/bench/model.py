@@ -51,8 +51,11 @@ class _Timestamps:
         self.times.append(time.perf_counter())
 
 
-def bench_ours(model, prompt: list[int], new_tokens: int) -> dict:
+def bench_ours(model, prompt: list[int], new_tokens: int, speculative_tokens: int = 0) -> dict:
     from ..generation import generate
+    from ..speculative import SpeculationStats
+
+    stats = SpeculationStats()
 
     context = len(prompt) + new_tokens
     cache = model.new_cache(batch_size=1, max_context=context)
@@ -60,7 +63,8 @@ def bench_ours(model, prompt: list[int], new_tokens: int) -> dict:
     start = time.perf_counter()
     first = None
     # One prefill chunk, as transformers prefills the whole prompt in one forward.
-    for t in generate(model, prompt, new_tokens, cache=cache, prefill_chunk=len(prompt)):
+    for t in generate(model, prompt, new_tokens, cache=cache, prefill_chunk=len(prompt),
+                      speculative_tokens=speculative_tokens, stats=stats):
         if first is None:
             first = time.perf_counter()
         tokens.append(t)
@@ -69,7 +73,7 @@ def bench_ours(model, prompt: list[int], new_tokens: int) -> dict:
     return {
         "tokens": tokens, "prefill_s": first - start, "decode_s": end - first,
         "kv_bytes_per_token": model.kv_bytes_per_token(cached),
-        "kv_bytes_total": cache.nbytes,
+        "kv_bytes_total": cache.nbytes, "stats": stats,
     }
 
 
@@ -154,32 +158,55 @@ def run(args) -> int:
         hf_model = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
     repeats = getattr(args, "repeats", 1)
+    spec = getattr(args, "speculative_tokens", None)
+    if spec is None:  # default: one draft token when the model has an MTP layer
+        spec = 1 if getattr(model, "mtp", None) is not None else 0
+    elif spec and getattr(model, "mtp", None) is None:
+        raise UserError("--speculative-tokens needs a model with an MTP layer (mtp.* weights)")
     print(f"bench model: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, fp32, greedy; {machine()}; "
           f"best of {repeats} interleaved runs per implementation", file=sys.stderr)
-    runs = {"ds4_torch": [], "transformers": []}
-    for _ in range(repeats):  # interleaved, so a noisy stretch of the machine hits both alike
+    spec_name = f"ds4_torch+mtp{spec}"
+    runs = {"ds4_torch": [], "transformers": []} | ({spec_name: []} if spec else {})
+    for _ in range(repeats):  # interleaved, so a noisy stretch of the machine hits all alike
         runs["ds4_torch"].append(bench_ours(model, prompt, args.new_tokens))
         runs["transformers"].append(bench_transformers(hf_model, prompt, args.new_tokens))
+        if spec:
+            runs[spec_name].append(bench_ours(model, prompt, args.new_tokens, spec))
     results = {name: dict(r[0], prefill_s=min(x["prefill_s"] for x in r), decode_s=min(x["decode_s"] for x in r))
                for name, r in runs.items()}
     agree = sum(a == b for a, b in zip(results["ds4_torch"]["tokens"], results["transformers"]["tokens"]))
 
     rows = []
     for name, r in results.items():
+        stats = r.get("stats")
         rows.append({
             "impl": name,
             "prefill_tok_s": args.prompt_len / r["prefill_s"],
             "decode_tok_s": (args.new_tokens - 1) / r["decode_s"],
             "kv_bytes_per_token": r["kv_bytes_per_token"],
             "kv_bytes_total": r["kv_bytes_total"],
+            # speculative decoding (one run's counts: every run decodes the same tokens)
+            "drafted": stats.drafted if stats else 0,
+            "accepted": stats.accepted if stats else 0,
+            "acceptance_length": round(stats.acceptance_length, 3) if stats and stats.steps else "",
         })
-    print(f"{'impl':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'KV bytes/token':>15} {'KV bytes total':>15}")
+    print(f"{'impl':<17} {'prefill tok/s':>14} {'decode tok/s':>13} {'KV bytes/token':>15} {'KV bytes total':>15} "
+          f"{'drafted':>8} {'accepted':>9} {'accept len':>11}")
     for r in rows:
-        print(f"{r['impl']:<14} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
-              f"{r['kv_bytes_per_token']:>15.1f} {r['kv_bytes_total']:>15,}")
+        spec_cols = (f"{r['drafted']:>8} {r['accepted']:>9} {r['acceptance_length']:>11.2f}"
+                     if r["acceptance_length"] != "" else f"{'-':>8} {'-':>9} {'-':>11}")
+        print(f"{r['impl']:<17} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
+              f"{r['kv_bytes_per_token']:>15.1f} {r['kv_bytes_total']:>15,} {spec_cols}")
     print(f"greedy tokens identical: {agree}/{args.new_tokens}")
-    ours, theirs = rows
+    if spec:
+        same = sum(a == b for a, b in zip(results[spec_name]["tokens"], results["ds4_torch"]["tokens"]))
+        plain_rate, spec_row = rows[0]["decode_tok_s"], rows[2]
+        print(f"speculative decoding, {spec} draft token(s) from the MTP layer: {spec_row['drafted']} drafted, "
+              f"{spec_row['accepted']} accepted, {spec_row['acceptance_length']:.2f} tokens per verify step (the "
+              f"bonus token included); decode {spec_row['decode_tok_s'] / plain_rate:.2f}x plain; tokens identical "
+              f"to plain: {same}/{args.new_tokens}")
+    ours, theirs = rows[:2]
     print(f"ds4_torch / transformers: prefill {ours['prefill_tok_s'] / theirs['prefill_tok_s']:.2f}x (target >= 1.2x), "
           f"decode {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x (target >= 1.5x)")
     print("(ours: KV bytes from the cache's size formula, transformers: storages held by its cache after "

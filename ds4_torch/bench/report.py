@@ -6,9 +6,11 @@ import platform
 
 
 def write_csv(rows: list[dict], path) -> None:
-    """A benchmark's table as CSV: one row per dict, the first row's keys as the header."""
+    """A benchmark's table as CSV: one row per dict; the header holds every row's keys in the order
+    they first appear (a row without one leaves its cell empty)."""
+    fields = list(dict.fromkeys(k for row in rows for k in row))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
 

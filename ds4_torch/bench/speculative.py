@@ -3,13 +3,14 @@ same run (interleaved, best of `--repeats` each), with the acceptance length, th
 that explain the speed-up, and what that acceptance would give DeepSeek-V4-Flash.
 
 Speed-up model: a step emits `a` tokens (the acceptance length) for one verify forward of 1 + N
-tokens (cost `v` decode steps) and N MTP passes (cost `m` each), so speed-up = a / (v + N m).
-V4-Flash at batch 1 is bound by reading its weights: a verify of a few tokens costs one decode
-step (v = 1) and its MTP block is one layer of 43 (m = 1/43).
+tokens with its rollback (cost `v` decode steps) and the MTP work: a catch-up pass over the 1 + N
+verified positions and N - 1 one-token drafting passes, with their rollbacks (cost `m` decode
+steps in all), so speed-up = a / (v + m). V4-Flash at batch 1 is bound by reading its weights: a
+verify of a few tokens costs about one decode step (v = 1; more in truth, as its tokens route to
+more experts) and its MTP block is one layer of 43 (N passes, m = N/43).
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -22,12 +23,12 @@ DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nI
 FLASH_LAYERS = 43
 
 
-def _decode_time(model, prompt, new_tokens, n, stats=None):
+def _decode_time(model, prompt, new_tokens, n, stats=None, mode="eager"):
     from ..generation import generate
 
     tokens, first = [], None
     for t in generate(model, prompt, new_tokens, prefill_chunk=len(prompt), speculative_tokens=n, stats=stats,
-                      decode_mode="eager"):
+                      decode_mode=mode):
         if first is None:
             first = time.perf_counter()
         tokens.append(t)
@@ -35,27 +36,42 @@ def _decode_time(model, prompt, new_tokens, n, stats=None):
 
 
 @torch.inference_mode()
-def cost_ratios(model, prompt, n, repeats=30) -> tuple[float, float]:
-    """(verify forward of 1 + n tokens, one MTP pass), each in decode steps, at the prompt's end."""
+def cost_ratios(model, prompt, n, repeats=50) -> tuple[float, float]:
+    """(verify forward of 1 + n tokens with its rollback, the step's MTP passes with theirs), each
+    in decode steps (the fastest of `repeats` interleaved runs), at the prompt's end."""
+    from ..cache import Rollback
+
     cache = model.new_cache(1, len(prompt) + n + 1)
     ids = torch.tensor([prompt])
     _, streams = model._forward(ids, cache, return_streams=True)
+    keep, none = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
 
-    def timed(fn, T, positions):
-        times = []
-        for _ in range(repeats):
+    def step():
+        model._forward(ids[:, -1:], cache)
+        cache.positions.sub_(1)  # back to the same position: only the time matters here
+
+    def verify():
+        undo = Rollback()
+        model._forward(ids[:, -1 - n:], cache, logits_to_keep=n + 1, return_streams=True, undo=undo)
+        undo.apply(none)
+
+    def mtp():
+        undo = Rollback()
+        model.mtp_forward(streams[:, -1 - n:], ids[:, -1 - n:], cache, undo=undo, select=none)
+        undo.apply(keep)
+        for _ in range(n - 1):
+            undo = Rollback()
+            model.mtp_forward(streams[:, -1:], ids[:, -1:], cache, logits_to_keep=1, undo=undo)
+            undo.apply(none)
+        cache.mtp.positions.sub_(1)
+
+    best = {fn: float("inf") for fn in (step, verify, mtp)}
+    for _ in range(repeats):  # interleaved, the fastest of each: a busy moment of the machine hits one run
+        for fn in best:
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-            positions.sub_(T)  # back to the same position: only the time matters here
-        return statistics.median(times)
-
-    one = ids[:, -1:]
-    step = timed(lambda: model._forward(one, cache), 1, cache.positions)
-    verify = timed(lambda: model._forward(ids[:, -1 - n:], cache, logits_to_keep=n + 1, return_streams=True),
-                   n + 1, cache.positions)
-    mtp = timed(lambda: model.mtp_forward(streams[:, -1:], one, cache), 1, cache.mtp.positions)
-    return verify / step, mtp / step
+            best[fn] = min(best[fn], time.perf_counter() - start)
+    return best[verify] / best[step], best[mtp] / best[step]
 
 
 def run(args) -> int:
@@ -74,38 +90,40 @@ def run(args) -> int:
         tok = default_tokenizer()
     prompt = tok.encode(args.prompt or DEFAULT_PROMPT)
     print(f"bench speculative: {args.model or 'built-in default'}, prompt {len(prompt)} tokens, {args.new_tokens} new "
-          f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, eager; {machine()}; best of "
+          f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, {args.decode_mode}; {machine()}; best of "
           f"{args.repeats} interleaved runs", file=sys.stderr)
-    print(f"{'draft tokens':>12} {'decode tok/s':>13} {'speed-up':>9} {'accept len':>11} {'verify cost':>12} "
-          f"{'MTP cost':>9} {'predicted':>10} {'V4-Flash':>9} {'identical':>10}")
+    print(f"{'draft tokens':>12} {'decode tok/s':>13} {'speed-up':>9} {'drafted':>8} {'accepted':>9} {'accept len':>11} "
+          f"{'verify cost':>12} {'MTP cost':>9} {'predicted':>10} {'V4-Flash':>9} {'identical':>10}")
     rows = []
     for n in [0, *args.speculative_tokens]:
         plain_s, spec_s, stats = [], [], SpeculationStats()
         for _ in range(args.repeats):  # interleaved, so a noisy stretch of the machine hits both alike
-            t, plain = _decode_time(model, prompt, args.new_tokens, 0)
+            t, plain = _decode_time(model, prompt, args.new_tokens, 0, mode=args.decode_mode)
             plain_s.append(t)
             if n:
                 stats = SpeculationStats()
-                t, tokens = _decode_time(model, prompt, args.new_tokens, n, stats)
+                t, tokens = _decode_time(model, prompt, args.new_tokens, n, stats, args.decode_mode)
                 spec_s.append(t)
         base = (args.new_tokens - 1) / min(plain_s)
         if not n:
-            print(f"{0:>12} {base:>13.1f} {1.0:>8.2f}x {1.0:>11.2f}")
+            print(f"{0:>12} {base:>13.1f} {1.0:>8.2f}x {'-':>8} {'-':>9} {1.0:>11.2f}")
             rows.append({"draft_tokens": 0, "decode_tok_s": base, "speedup": 1.0})
             continue
         speed = (args.new_tokens - 1) / min(spec_s)
         verify, mtp = cost_ratios(model, prompt, n)
         a = stats.acceptance_length
-        predicted, flash = a / (verify + n * mtp), a / (1 + n / FLASH_LAYERS)
+        predicted, flash = a / (verify + mtp), a / (1 + n / FLASH_LAYERS)
         same = f"{sum(x == y for x, y in zip(tokens, plain))}/{len(plain)}"
-        print(f"{n:>12} {speed:>13.1f} {speed / base:>8.2f}x {a:>11.2f} {verify:>12.2f} {mtp:>9.2f} "
-              f"{predicted:>9.2f}x {flash:>8.2f}x {same:>10}")
-        rows.append({"draft_tokens": n, "decode_tok_s": speed, "speedup": speed / base, "acceptance_length": a,
-                     "verify_cost": verify, "mtp_cost": mtp, "predicted_speedup": predicted,
-                     "v4_flash_speedup": flash})
-    print("speed-up: against plain decoding of the same run; accept len: tokens emitted per verify step (bonus "
-          "included); costs in decode steps; predicted = accept len / (verify + N x MTP); V4-Flash = accept len / "
-          f"(1 + N/{FLASH_LAYERS}): a weight-bound verify costs one step, its MTP block one layer of {FLASH_LAYERS}")
+        print(f"{n:>12} {speed:>13.1f} {speed / base:>8.2f}x {stats.drafted:>8} {stats.accepted:>9} {a:>11.2f} "
+              f"{verify:>12.2f} {mtp:>9.2f} {predicted:>9.2f}x {flash:>8.2f}x {same:>10}")
+        rows.append({"draft_tokens": n, "decode_tok_s": speed, "speedup": speed / base, "drafted": stats.drafted,
+                     "accepted": stats.accepted, "acceptance_length": a, "verify_cost": verify, "mtp_cost": mtp,
+                     "predicted_speedup": predicted, "v4_flash_speedup": flash})
+    print("speed-up: against plain decoding of the same run; drafted/accepted: draft tokens of the last run; accept "
+          "len: tokens emitted per verify step (bonus included); costs in decode steps: verify = the 1 + N token "
+          "forward and its rollback, MTP = the step's N MTP passes (catch-up over 1 + N positions, N - 1 drafts) "
+          f"with theirs; predicted = accept len / (verify + MTP); V4-Flash = accept len / (1 + N/{FLASH_LAYERS}): a "
+          f"weight-bound verify costs about one step, its MTP block one layer of {FLASH_LAYERS}")
     if args.csv:
         from .report import write_csv
 
