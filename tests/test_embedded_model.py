@@ -69,13 +69,45 @@ def test_logits_and_held_out_loss_match_transformers(models):
 
 
 @torch.no_grad()
-def test_logits_past_the_old_4k_context_match_transformers(models):
+def test_logits_past_the_old_4k_context_match_transformers(tmp_path):
     """Past 4,096 positions (the model's context before long-context training), where only the
-    compressed layers' YaRN-scaled rotary keeps the positions apart: the same logits as transformers."""
-    ours, theirs = models
+    compressed layers' YaRN-scaled rotary keeps far positions apart: the same logits as
+    transformers. The indexer keeps every row here (index_topk raised on a copy of the model):
+    with 8 of ~1,150 rows, near-equal scores make either implementation's top-k a coin toss
+    (torch.topk's order among equals depends on the tensor's size), which is not what this tests."""
+    import shutil
+
+    from transformers import DeepseekV4ForCausalLM
+
+    from ds4_torch.model import DS4ForCausalLM
+
     n = 4096 + 512
-    assert ours.config.max_position_embeddings >= n
+    copy = shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "model")
+    config = json.loads((copy / "config.json").read_text())
+    assert config["max_position_embeddings"] >= 131072
+    config["index_topk"] = n // 4
+    (copy / "config.json").write_text(json.dumps(config))
+    ours = DS4ForCausalLM.from_pretrained(copy)
+    theirs = DeepseekV4ForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
     ids = torch.randint(2, ours.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(5))
     a = ours(ids, logits_to_keep=256)
     b = theirs(ids, logits_to_keep=256).logits
     assert (a - b).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_rotary_tables_match_transformers_to_the_last_position(models):
+    """Both rotary embeddings (sliding layers' default, compressed layers' YaRN) at positions up
+    to max_position_embeddings - 1: the same angles as transformers' DeepseekV4RotaryEmbedding."""
+    ours, theirs = models
+    last = ours.config.max_position_embeddings - 1
+    positions = torch.tensor([[0, 1, 31, 4095, 4096, 40000, 65535, last]])
+    x = torch.zeros(1, dtype=torch.float32)
+    for kind, rotary in (("main", ours.model.rotary_main), ("compress", ours.model.rotary_compress)):
+        cos, sin = rotary(positions[0], torch.float32)
+        cos_t, sin_t = theirs.model.rotary_emb(x, positions, layer_type=kind)
+        half = cos.shape[-1]
+        torch.testing.assert_close(cos.reshape(len(positions[0]), -1)[..., :half],
+                                   cos_t[0].reshape(len(positions[0]), -1)[..., :half], atol=2e-5, rtol=0)
+        torch.testing.assert_close(sin.reshape(len(positions[0]), -1)[..., :half],
+                                   sin_t[0].reshape(len(positions[0]), -1)[..., :half], atol=2e-5, rtol=0)

@@ -50,12 +50,16 @@ def install_clients(clients_dir: str) -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def codex_config(base_url: str, mcp_command: list[str]) -> str:
-    """The README's Codex provider config, plus one stdio MCP server."""
+def codex_config(base_url: str, mcp_command: list[str], mcp_env: dict[str, str] | None = None) -> str:
+    """The README's Codex provider config, plus one stdio MCP server (started with `mcp_env`:
+    Codex passes an MCP server only the variables its config names)."""
     args = ", ".join(json.dumps(a) for a in mcp_command[1:])
+    env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (mcp_env or {}).items())
     return (f'model = "ds4-default"\nmodel_provider = "ds4"\n\n'
             f'[model_providers.ds4]\nname = "ds4_torch"\nbase_url = "{base_url}/v1"\nwire_api = "responses"\n\n'
-            f'[mcp_servers.weather]\ncommand = {json.dumps(mcp_command[0])}\nargs = [{args}]\n')
+            f'[mcp_servers.weather]\ncommand = {json.dumps(mcp_command[0])}\nargs = [{args}]\n'
+            # `codex exec` never asks: a server's tools run only when approved beforehand
+            f'default_tools_approval_mode = "approve"\n' + (f'env = {{ {env} }}\n' if env else ''))
 
 
 def _free_port() -> int:
@@ -94,9 +98,10 @@ def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float
         codex_home = os.path.join(home, ".codex")
         os.makedirs(codex_home, exist_ok=True)
         mcp = [sys.executable, os.path.join(HERE, "weather_mcp.py")]
+        calls_log = os.path.join(out, f"{tag}-weather_calls.jsonl")
         with open(os.path.join(codex_home, "config.toml"), "w") as f:
-            f.write(codex_config(proxy_url, mcp))
-        env.update(CODEX_HOME=codex_home, WEATHER_MCP_LOG=os.path.join(out, f"{tag}-weather_calls.jsonl"))
+            f.write(codex_config(proxy_url, mcp, {"WEATHER_MCP_LOG": calls_log}))
+        env.update(CODEX_HOME=codex_home)
         cmd = [os.path.join(bin_dir, "codex"), "exec", "--skip-git-repo-check", PROMPTS[name]]
     t0 = time.time()
     try:
