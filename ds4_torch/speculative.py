@@ -136,6 +136,17 @@ class Speculator:
         tokens, logits = self.start_batch([prompt_ids.view(-1).tolist()], chunk)
         return tokens[0], logits[0]
 
+    def _align_mtp(self, b: int) -> None:
+        """Put sequence b's MTP layer at the main model's position before a prefill: a layer
+        ahead of it is reset (its rows would belong to other tokens), one behind it moves up
+        (the prefill feeds it from there)."""
+        mtp_cache = self.cache.mtp
+        held, main = int(mtp_cache.positions[b]), int(self.cache.positions[b])
+        if held > main:
+            mtp_cache.reset(b)
+        if held != main:
+            mtp_cache.positions[b] = main
+
     def start_batch(self, prompts, chunk: int) -> tuple[list[int], torch.Tensor]:
         """Prefill each sequence's prompt (main and MTP layers; lengths may differ) after what its
         cache slot already holds; the first tokens and their logits [B, V]. The MTP state is moved
@@ -145,14 +156,9 @@ class Speculator:
         and the MTP positions never run ahead."""
         if len(prompts) != self.B:
             raise ValueError(f"start_batch needs {self.B} prompts, got {len(prompts)}")
-        mtp_cache = self.cache.mtp
         logits, streams = [], []
         for b, prompt in enumerate(prompts):
-            held, main = int(mtp_cache.positions[b]), int(self.cache.positions[b])
-            if held > main:
-                mtp_cache.reset(b)
-            if held != main:
-                mtp_cache.positions[b] = main
+            self._align_mtp(b)
             ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
             row, last = prefill(self.model, self.cache.slot(b), ids, chunk, mtp=True)
             logits.append(row)
@@ -186,12 +192,8 @@ class Speculator:
             self.draft = torch.zeros_like(self.pending)
             self.mtp_out = torch.zeros(self.B, 1, n, H, dtype=self.model.dtype, device=self.device)
             self.positions = [int(p) for p in self.cache.positions.tolist()]
-        mtp_cache, slot = self.cache.mtp, self.cache.slot(b)
-        held, main = int(mtp_cache.positions[b]), int(self.cache.positions[b])
-        if held > main:
-            mtp_cache.reset(b)
-        if held != main:
-            mtp_cache.positions[b] = main
+        slot = self.cache.slot(b)
+        self._align_mtp(b)
         ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
         logits, streams = prefill(self.model, slot, ids, chunk, mtp=True)
         first = self.sampler.sample(logits, slots=[b]).tokens
