@@ -91,10 +91,10 @@ def choose_context(model, max_sessions: int | None, max_batch: int, group=None) 
     Under tensor parallelism (`group`), the smallest of the ranks' choices, so all agree."""
     from ds4_torch.footprint import cache_bytes, fitting_context, free_memory
 
-    from .engine import DEFAULT_MIN_SESSIONS
+    from .engine import cache_slots
 
-    sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
-    slots = sessions + (1 << (max_batch - 1).bit_length())  # resident sessions + the batch's slots
+    sessions, batch_slots = cache_slots(max_batch, max_sessions)
+    slots = sessions + batch_slots
     free = free_memory(model.device)
     ctx = fitting_context(model.config, model.dtype, slots, free // 2)
     if group is not None:

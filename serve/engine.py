@@ -120,6 +120,14 @@ DEFAULT_MIN_SESSIONS = 16
 SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
 
 
+def cache_slots(max_batch: int, max_sessions: int | None) -> tuple[int, int]:
+    """(resident sessions, batch slots) an engine allocates a cache slot at `ctx` for: the
+    sessions default to max(max_batch, DEFAULT_MIN_SESSIONS); graph mode pads a step to a
+    power-of-two bucket with scratch rows, so the batch gets room for the largest."""
+    sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
+    return sessions, 1 << (max_batch - 1).bit_length()
+
+
 class KVStore(Protocol):
     """What the engine calls on a disk KV cache (`serve.kvstore.KVStore` implements it). A store's
     exception never fails a request (it is logged), except in the first step after a restore,
@@ -154,7 +162,7 @@ class Engine:
                  checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        max_sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
+        max_sessions, batch_slots = cache_slots(max_batch, max_sessions)
         if max_sessions < max_batch:
             raise ValueError(f"max_sessions ({max_sessions}) must be >= max_batch ({max_batch}): every decoding "
                              "request holds a session")
@@ -171,9 +179,8 @@ class Engine:
         # Tensor parallel (serve.tp.Lead): the other ranks, sent every replica call before it runs here.
         self.peers = peers
 
-        # Graph mode pads a step to a power-of-two bucket with scratch rows: room for the largest.
         # Sampler slot i is batch slot i (a request's settings move with it).
-        self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=1 << (max_batch - 1).bit_length(),
+        self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
                              decode_mode=decode_mode, peers=peers)
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
