@@ -414,7 +414,8 @@ class DS4Cache:
     def copy_sequence(self, dst_index: int, src_index: int, source: "DS4Cache | None" = None) -> None:
         """Copy sequence `src_index` of `source` (default: this cache; same config and dtype, any
         max_context that fits it) into slot `dst_index`: how sequences at different positions come
-        to share a batch. Other slots are untouched."""
+        to share a batch. The MTP layers' state comes along when both caches have one. Other
+        slots are untouched."""
         source = self if source is None else source
         if source.config != self.config or source.dtype != self.dtype:
             raise ValueError("copy_sequence needs a source cache with the same config and dtype")
@@ -422,6 +423,8 @@ class DS4Cache:
         source.check_usable_index(src_index)
         n = int(source.positions[src_index])
         self.import_sequence(dst_index, source._sequence_views(src_index, n))
+        if self.mtp is not None and source.mtp is not None:  # speculation's drafts go on from there
+            self.mtp.copy_sequence(dst_index, src_index, source.mtp)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_spec(self, logits: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

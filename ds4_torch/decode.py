@@ -70,8 +70,21 @@ def resolve_mode(mode: str, device) -> str:
     return mode
 
 
+def align_mtp(cache: DS4Cache, b: int, behind: int = 0) -> None:
+    """Put sequence b's MTP layer `behind` positions behind where its main layers stand: a layer
+    ahead of that is reset (its rows would belong to other tokens), one behind it moves up (it
+    skips the positions it lacks). Either only costs drafts: speculation's output depends on the
+    main layers alone. Reads positions on the host: between steps, never inside one."""
+    mtp_cache = cache.mtp
+    held, target = int(mtp_cache.positions[b]), max(int(cache.positions[b]) - behind, 0)
+    if held > target:
+        mtp_cache.reset(b)
+    if held != target:
+        mtp_cache.positions[b] = target
+
+
 def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, on_chunk=None,
-            full_logits: bool = False, mtp: bool = False):
+            full_logits: bool = False, mtp: bool = False, carry: torch.Tensor | None = None):
     """Feed `input_ids` [B, T] through the cache in chunks of `chunk` tokens; return the logits of
     the last token fed [B, V]. `on_chunk(tokens_done, logits)` runs after each chunk (`logits`: the
     chunk's last token's, [B, V]; with `full_logits`, every token's of the chunk, [B, chunk, V], for
@@ -82,7 +95,8 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
     `mtp`: also feed the model's MTP layer (`cache.mtp`) every position but the last (its input at
     position p is the hidden streams at p and token p+1: the last one waits for the sampled
     token), and return (logits, the last token's hidden streams [B, 1, n, H]): what speculative
-    decoding starts from."""
+    decoding starts from, and what a later call continuing the same sequences takes as `carry`
+    (so the MTP layer is fed that last position too, instead of skipping it)."""
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
     B, T = input_ids.shape
@@ -90,6 +104,10 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
     cache.check_room(T, B)
     target = cache.narrow(B)
     logits = last_streams = None
+    if mtp:  # the MTP layer starts where this call feeds it: one behind with a carried position
+        for b in range(B):
+            align_mtp(target, b, behind=0 if carry is None else 1)
+        last_streams = carry
     for a in range(0, T, chunk):
         try:
             fault_point("prefill")
@@ -103,7 +121,8 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
                     # MTP positions a-1 .. a+c-2: the previous chunk's last streams join this one's.
                     fed = streams[:, :-1] if last_streams is None else torch.cat([last_streams, streams[:, :-1]], 1)
                     if fed.shape[1]:
-                        model.mtp_forward(fed, input_ids[:, max(a, 1):a + chunk], target, logits_to_keep=1)
+                        first = a if last_streams is not None else a + 1  # the token after each fed position
+                        model.mtp_forward(fed, input_ids[:, first:a + chunk], target, logits_to_keep=1)
                     last_streams = streams[:, -1:].clone()
             logits = every[:, -1].clone()  # a normal tensor: callers may update it in place
             synchronize(cache.device)

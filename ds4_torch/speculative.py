@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import DS4Cache, Rollback
-from .decode import make_forwards, prefill, synchronize
+from .decode import align_mtp, make_forwards, prefill, synchronize
 from .faults import fault_point
 from .sampling import BatchSampler
 
@@ -97,6 +97,11 @@ class Speculator:
     `limit`: the most tokens this step may emit (drafts are cut to fit it and the cache; in a
     batch every sequence drafts the same N, and `limits` caps what each one keeps).
 
+    Continuous batching (a server): `step_batch` runs the first len(limits) rows (the others
+    stand); a row joins with `start_row` (prefilled here) or `join_row` (its slot filled by the
+    caller, e.g. copied from a session), moves with `move_row`, and a row whose request stopped
+    inside a step's tokens gives the rest back with `trim`.
+
     `acceptance`: "match" (the default, see the module docstring: the tokens of plain decoding
     with the same sampler) or "rejection" (batch 1): drafts drawn from the MTP layer's
     distribution and accepted by `rejection_sample` with `generator`, the textbook algorithm,
@@ -104,7 +109,8 @@ class Speculator:
     tokens).
 
     `mode`: how the three forwards of a step run: "eager", or "graph" / "compile" (see
-    `ds4_torch.decode`): one captured or compiled function per fixed shape."""
+    `ds4_torch.decode`): one captured or compiled function per fixed shape; a step over r rows
+    then runs the next power-of-two width of rows (the rows past r idle: they keep nothing)."""
 
     def __init__(self, model, cache: DS4Cache, sampler: BatchSampler, draft_tokens: int,
                  stats: SpeculationStats | None = None, acceptance: str = "match",
@@ -124,11 +130,42 @@ class Speculator:
         self.device = cache.device
         self.slots = list(range(batch))
         self.slot_index = torch.arange(batch, device=self.device)
-        self.forwards = make_forwards(model, self.cache, mode)  # eager, captured or compiled
+        self.mode = mode
+        self._forwards: dict[int, object] = {}
+        self.forwards = self.forwards_for(batch)  # eager, captured or compiled
         # Captures and compiles trace under no_grad; eager steps skip autograd's bookkeeping entirely.
         self.grad_off = torch.inference_mode if self.forwards.mode == "eager" else torch.no_grad
-        self.last = None  # what finish() needs of the last step
+        # Every row's state: the pending token (sampled, not in the cache yet), the first draft of
+        # its next step and the MTP layer's output it came from (written in place, row by row).
+        H, hc = model.config.hidden_size, model.config.hc_mult
+        self.pending = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.draft = torch.zeros_like(self.pending)
+        self.mtp_out = torch.zeros(batch, 1, hc, H, dtype=model.dtype, device=self.device)
+        self.positions = [0] * batch  # host copies, moved by what steps emit
+        self.last = None  # what finish() and trim() need of the last step
+        self.last_sample = None  # the last step's verified rows as the sampler gave them (detailed steps)
         self.draft_probs: list[torch.Tensor] = []  # "rejection": the distributions the drafts came from
+
+    def forwards_for(self, rows: int):
+        """The forwards a step over `rows` rows runs: eager ones over exactly those rows, captured
+        or compiled ones over the next power of two (fixed shapes), at most the batch."""
+        width = rows
+        if self._forwards.get(self.B) is not None and self._forwards[self.B].mode != "eager":
+            width = min(self.B, 1 << (rows - 1).bit_length())
+        if width not in self._forwards:
+            self._forwards[width] = make_forwards(self.model, self.cache.narrow(width), self.mode)
+        return self._forwards[width]
+
+    def reset(self) -> None:
+        """Forget every captured or compiled step and every row's state (after a failed step: the
+        caller resets the cache)."""
+        self._forwards.clear()
+        self.forwards = self.forwards_for(self.B)
+        self.pending.zero_()
+        self.draft.zero_()
+        self.mtp_out.zero_()
+        self.positions = [0] * self.B
+        self.last = self.last_sample = None
 
     # ------------------------------------------------------------------ start
     def start(self, prompt_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
@@ -136,29 +173,16 @@ class Speculator:
         tokens, logits = self.start_batch([prompt_ids.view(-1).tolist()], chunk)
         return tokens[0], logits[0]
 
-    def _align_mtp(self, b: int) -> None:
-        """Put sequence b's MTP layer at the main model's position before a prefill: a layer
-        ahead of it is reset (its rows would belong to other tokens), one behind it moves up
-        (the prefill feeds it from there)."""
-        mtp_cache = self.cache.mtp
-        held, main = int(mtp_cache.positions[b]), int(self.cache.positions[b])
-        if held > main:
-            mtp_cache.reset(b)
-        if held != main:
-            mtp_cache.positions[b] = main
-
     def start_batch(self, prompts, chunk: int) -> tuple[list[int], torch.Tensor]:
         """Prefill each sequence's prompt (main and MTP layers; lengths may differ) after what its
         cache slot already holds; the first tokens and their logits [B, V]. The MTP state is moved
-        to where the main layers stand: a lagging one (a previous call left its last position
-        unfed, or the cache was filled without it) skips the positions it lacks, one ahead (main
-        layers rewound without it) starts blank. Either only costs drafts: the output is the same,
-        and the MTP positions never run ahead."""
+        to where the main layers stand (`decode.align_mtp`): a lagging one skips the positions it
+        lacks, one ahead starts blank. Either only costs drafts: the output is the same, and the
+        MTP positions never run ahead."""
         if len(prompts) != self.B:
             raise ValueError(f"start_batch needs {self.B} prompts, got {len(prompts)}")
         logits, streams = [], []
         for b, prompt in enumerate(prompts):
-            self._align_mtp(b)
             ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
             row, last = prefill(self.model, self.cache.slot(b), ids, chunk, mtp=True)
             logits.append(row)
@@ -166,12 +190,14 @@ class Speculator:
         logits, streams = torch.cat(logits), torch.cat(streams)
         first = self.sampler.sample(logits, slots=self.slots).tokens
         self.sampler.append(first, slots=self.slots)
-        self.pending = first                                   # [B] at positions cache.positions, not in the cache
-        self.positions = [int(p) for p in self.cache.positions.tolist()]  # host copies, moved by what steps emit
+        self.pending.copy_(first)                              # at positions cache.positions, not in the cache
+        self.positions = [int(p) for p in self.cache.positions.tolist()]
         try:
             with self.grad_off():  # the first draft: the MTP layer at the last prompt position
-                logits_m, self.mtp_out = self.forwards.mtp(streams, first.view(-1, 1), None)
-                self.draft = self._pick(logits_m[:, -1], torch.zeros(self.B, dtype=torch.long, device=self.device))
+                logits_m, out = self.forwards.mtp(streams, first.view(-1, 1), None)
+                self.mtp_out.copy_(out)
+                self.draft.copy_(self._pick(logits_m[:, -1], torch.zeros(self.B, dtype=torch.long,
+                                                                         device=self.device), self.B))
         except BaseException:
             self.cache.invalidate(range(self.B))
             raise
@@ -182,59 +208,79 @@ class Speculator:
         running batch): prefill its prompt after what its slot holds, as `start_batch` does for
         every row; its first token and logits [V]. Rows never started, or idle in a step (limit 0),
         keep nothing."""
+        self._check_row(b)
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
+        logits, streams = prefill(self.model, self.cache.slot(b), ids, chunk, mtp=True)
+        first = self.sampler.sample(logits, slots=[b]).tokens
+        self.sampler.append(first, slots=[b])
+        self.join_row(b, int(first[0]), streams)
+        return int(first[0]), logits[0]
+
+    def _check_row(self, b: int) -> None:
         if not 0 <= b < self.B:
             raise IndexError(f"row {b} outside [0, {self.B})")
         if self.acceptance == "rejection":
-            raise ValueError("start_row is for acceptance='match' (rejection sampling: start_batch, batch 1)")
-        if not hasattr(self, "pending"):  # the batch's state, rows not started included
-            H, n = self.model.config.hidden_size, self.model.config.hc_mult
-            self.pending = torch.zeros(self.B, dtype=torch.long, device=self.device)
-            self.draft = torch.zeros_like(self.pending)
-            self.mtp_out = torch.zeros(self.B, 1, n, H, dtype=self.model.dtype, device=self.device)
-            self.positions = [int(p) for p in self.cache.positions.tolist()]
+            raise ValueError("rows join one by one with acceptance='match' (rejection sampling: start_batch, batch 1)")
+
+    def join_row(self, b: int, first: int, streams: torch.Tensor | None) -> None:
+        """Row b joins: its cache slot holds its sequence (filled by the caller), `first` is the
+        token sampled after it (already appended to sampler slot b), `streams` [1, 1, n, H] the
+        main model's hidden streams at its last position (`prefill(..., mtp=True)`), or None
+        when unknown (the slot was filled without them): the first draft is then a guess,
+        which costs that draft only."""
+        self._check_row(b)
         slot = self.cache.slot(b)
-        self._align_mtp(b)
-        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
-        logits, streams = prefill(self.model, slot, ids, chunk, mtp=True)
-        first = self.sampler.sample(logits, slots=[b]).tokens
-        self.sampler.append(first, slots=[b])
         try:
             with self.grad_off():
-                logits_m, out = self.model.mtp_forward(streams, first.view(1, 1), slot, logits_to_keep=1)
-                draft = self.sampler.sample(logits_m[:, -1], slots=[b], ahead=torch.zeros_like(first),
-                                            tokens_only=True).tokens
-                self.pending[b], self.draft[b], self.mtp_out[b] = first[0], draft[0], out[0]
+                self.pending[b] = first
+                if streams is None:  # level with the main layers, as after the pass it skips
+                    align_mtp(slot, 0)
+                    self.draft[b] = first
+                    self.mtp_out[b] = 0
+                else:  # its pass at the last position, with the token after it
+                    align_mtp(slot, 0, behind=1)
+                    ids = torch.tensor([[first]], dtype=torch.long, device=self.device)
+                    logits_m, out = self.model.mtp_forward(streams.to(self.device), ids, slot, logits_to_keep=1)
+                    self.draft[b] = self.sampler.sample(logits_m[:, -1], slots=[b], ahead=self.pending.new_zeros(1),
+                                                        tokens_only=True).tokens[0]
+                    self.mtp_out[b] = out[0]
         except BaseException:
             self.cache.invalidate([b])
             raise
         self.positions[b] = int(self.cache.positions[b])
-        return int(first[0]), logits[0]
+
+    def move_row(self, dst: int, src: int) -> None:
+        """Row `src`'s state goes to row `dst` (its cache slot is moved by the caller)."""
+        self.pending[dst], self.draft[dst], self.mtp_out[dst] = self.pending[src], self.draft[src], self.mtp_out[src]
+        self.positions[dst] = self.positions[src]
 
     # ------------------------------------------------------------------ one step
-    def room(self) -> int:
-        """Positions left in the cache once the pending tokens are in (the fullest sequence's)."""
-        return self.cache.max_context - max(self.positions) - 1
+    def room(self, rows: int | None = None) -> int:
+        """Positions left in the cache once the pending tokens are in (the fullest of the first
+        `rows` sequences)."""
+        return self.cache.max_context - max(self.positions[:rows or self.B]) - 1
 
-    def _pick(self, logits: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
-        """Drafts [B] from the MTP layer's logits [B, V], for the tokens `ahead` [B] places past
-        each slot's next one."""
+    def _pick(self, logits: torch.Tensor, ahead: torch.Tensor, width: int) -> torch.Tensor:
+        """Drafts [width] from the MTP layer's logits [width, V], for the tokens `ahead` [width]
+        places past each slot's next one."""
         if self.acceptance == "rejection":
             q = self.sampler.probabilities(logits, slots=self.slots)
             self.draft_probs.append(q[0])
             return torch.multinomial(q, 1, generator=self.generator)[:, 0]
-        return self.sampler.sample(logits, slots=self.slots, ahead=ahead, tokens_only=True).tokens
+        return self.sampler.sample(logits, slots=self.slots[:width], ahead=ahead, tokens_only=True).tokens
 
-    def _draft(self, n: int) -> torch.Tensor:
-        """n draft tokens [B, n] for the positions after the pending ones: the first from the last
-        MTP pass, the others from one-token passes, rolled back afterwards."""
-        drafts, out, undos = [self.draft], self.mtp_out, []
+    def _draft(self, forwards, n: int, width: int) -> torch.Tensor:
+        """n draft tokens [width, n] for the positions after the pending ones: the first from the
+        last MTP pass, the others from one-token passes, rolled back afterwards."""
+        drafts, out, undos = [self.draft[:width]], self.mtp_out[:width], []
         for k in range(1, n):
             undos.append(Rollback())
-            logits, out = self.forwards.mtp(out, drafts[-1].view(-1, 1), undos[-1])
-            drafts.append(self._pick(logits[:, -1], torch.full((self.B,), k, dtype=torch.long, device=self.device)))
-        zero = torch.zeros(self.B, dtype=torch.long, device=self.device)
+            logits, out = forwards.mtp(out, drafts[-1].view(-1, 1), undos[-1])
+            drafts.append(self._pick(logits[:, -1], torch.full((width,), k, dtype=torch.long, device=self.device),
+                                     width))
+        zero = torch.zeros(width, dtype=torch.long, device=self.device)
         for undo in reversed(undos):
-            self.forwards.rollback(undo, zero)
+            forwards.rollback(undo, zero)
         return torch.stack(drafts, dim=1)
 
     def step(self, limit: int) -> tuple[list[int], torch.Tensor]:
@@ -243,60 +289,82 @@ class Speculator:
         tokens, rows = self.step_batch([limit])
         return tokens[0], rows[0]
 
-    def step_batch(self, limits: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """One verify step of every sequence: each one's emitted tokens (at most its limit, >= 1)
-        and the fp32 logits [k, V] they were sampled from. A limit of 0 leaves that row as it
-        was (an idle row of a fixed batch: it takes part in the forwards, keeps nothing)."""
-        B, device = self.B, self.device
-        if len(limits) != B or min(limits) < 0 or max(limits) < 1:
-            raise ValueError(f"step_batch needs {B} limits >= 0, one at least 1, got {limits}")
+    def step_batch(self, limits: list[int], allowed: torch.Tensor | None = None, logprobs: int | None = None,
+                   detailed: bool = False, record: bool = True) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """One verify step of the first len(limits) sequences: each one's emitted tokens (at most
+        its limit, >= 1) and the fp32 logits [k, V] they were sampled from. A limit of 0 leaves
+        that row as it was (an idle row: it takes part in the forwards, keeps nothing).
+
+        A server's step (`detailed`): the verified rows are sampled with the sampler's checks, and
+        `self.last_sample` keeps its output (row b's position j at b * (N + 1) + j: logprobs when
+        `logprobs` k is given); `allowed` [len(limits), V] masks each row's first token (a
+        grammar: give such a row limit 1); a row keeps no token past the first whose logits are
+        not finite, and one whose first is not comes back with no token (`failed_rows`, the
+        pending token fed as plain decoding's failed step would have). `record=False`: the
+        caller appends the tokens it takes to the sampler."""
+        r = len(limits)
+        if not 1 <= r <= self.B or min(limits) < 0 or max(limits) < 1:
+            raise ValueError(f"step_batch needs 1 to {self.B} limits >= 0, one at least 1, got {limits}")
+        forwards = self.forwards_for(r)
+        B = forwards.cache.batch_size  # the rows the forwards run: r, or a power of two past it
+        limits = list(limits) + [0] * (B - r)
+        device = self.device
         # Captured and compiled forwards keep their one shape: the step drafts N even when fewer
         # tokens are wanted (`limits` caps what is kept); eager ones draft only what can be kept.
-        wanted = self.n if self.forwards.mode != "eager" else max(limits) - 1
-        n = max(0, min(self.n, wanted, self.room()))
+        wanted = self.n if forwards.mode != "eager" else max(limits) - 1
+        n = max(0, min(self.n, wanted, self.room(r)))
         T = n + 1
         if self.acceptance == "rejection":
             self.draft_probs = self.draft_probs[:1] if n else []
-        # an idle row keeps its MTP output (a copy: a captured graph's outputs are overwritten in place)
-        self.mtp_out_before = self.mtp_out.clone() if min(limits) == 0 else None
+        pending, mtp_before, draft_before = self.pending[:B].clone(), self.mtp_out[:B].clone(), self.draft[:B].clone()
+        self.last_sample, self.failed_rows = None, []
         try:
             fault_point("decode")
             with self.grad_off():
-                drafts = self._draft(n) if n else self.pending.new_zeros(B, 0)
-                fed = torch.cat([self.pending.view(B, 1), drafts.to(self.pending.dtype)], dim=1)
+                drafts = self._draft(forwards, n, B) if n else pending.new_zeros(B, 0)
+                fed = torch.cat([pending.view(B, 1), drafts.to(pending.dtype)], dim=1)
                 undo = Rollback()
-                logits, streams = self.forwards.verify(fed, undo)
+                logits, streams = forwards.verify(fed, undo)
                 rows = logits.float()                                              # [B, T, V]
-                accepted, tokens = self._accept(rows, drafts, n)
-                caps = [min(limit, T) for limit in limits]
-                if min(caps) < T:  # a sequence may keep fewer than it could
-                    accepted = torch.minimum(accepted, torch.tensor(caps, device=device) - 1)
+                accepted, tokens, usable = self._accept(rows, drafts, n, allowed, logprobs, detailed)
+                caps = torch.tensor([min(limit, T) for limit in limits], device=device)
+                if usable is not None:  # no token past the first one whose logits are not finite
+                    caps = torch.minimum(caps, usable.clamp(min=1))
+                accepted = torch.minimum(accepted, caps - 1)
                 keep = accepted + 1                                            # 0: an idle row
-                idle = keep == 0 if min(caps) == 0 else None
+                idle = keep == 0
                 accepted = accepted.clamp(min=0)
-                self.forwards.rollback(undo, keep)
+                forwards.rollback(undo, keep)
                 # The MTP layer catches up on the verified positions and keeps the accepted ones;
                 # its pass at the last kept position drafts the next step's first token.
                 mtp_undo = Rollback()
-                logits_m, self.mtp_out = self.forwards.catch_up(streams, tokens, accepted, mtp_undo)
-                self.forwards.rollback(mtp_undo, keep)
+                logits_m, mtp_out = forwards.catch_up(streams, tokens, accepted, mtp_undo)
+                forwards.rollback(mtp_undo, keep)
                 if self.acceptance == "rejection":
                     self.draft_probs = []
-                draft, pending = self._pick(logits_m[:, -1], keep), tokens.gather(1, accepted.view(B, 1)).view(B)
-                if idle is not None:  # idle rows keep their state
-                    draft = torch.where(idle, self.draft, draft)
-                    pending = torch.where(idle, self.pending, pending)
-                    self.mtp_out = torch.where(idle.view(B, 1, 1, 1), self.mtp_out_before, self.mtp_out)
-                self.draft, self.pending = draft, pending
-                host = torch.cat([(keep - 1).view(B, 1), tokens], dim=1).tolist()  # the one host read
+                draft, new_pending = self._pick(logits_m[:, -1], keep, B), tokens.gather(1, accepted.view(B, 1)).view(B)
+                # idle rows keep their state (copies above: a captured graph's outputs change in place)
+                self.draft[:B] = torch.where(idle, draft_before, draft)
+                self.pending[:B] = torch.where(idle, pending, new_pending)
+                self.mtp_out[:B] = torch.where(idle.view(B, 1, 1, 1), mtp_before, mtp_out)
+                read = [(keep - 1).view(B, 1), tokens]
+                if usable is not None:
+                    read.append(usable.view(B, 1))
+                host = torch.cat(read, dim=1).tolist()  # the one host read
                 synchronize(device)
         except BaseException:
             self.cache.invalidate(range(B))
             raise
-        self.last = (undo, mtp_undo, [row[0] + 1 for row in host])
+        self.last = (forwards, undo, mtp_undo, [row[0] + 1 for row in host])
         out, out_rows = [], []
-        for b, row in enumerate(host):
+        for b, row in enumerate(host[:r]):
             a = row[0]
+            if usable is not None and row[-1] == 0 and a >= 0:  # its first token cannot be sampled
+                self.failed_rows.append(b)
+                out.append([])
+                out_rows.append(rows[b, :0])
+                self.positions[b] += 1  # the pending token was fed
+                continue
             out.append(row[1:a + 2])
             out_rows.append(rows[b, :a + 1])
             if a < 0:
@@ -306,35 +374,69 @@ class Speculator:
             self.stats.drafted += n
             self.stats.accepted += a
             self.stats.emitted += a + 1
-        self.sampler.append(torch.tensor([t for o in out for t in o], device=device),
-                            slots=[b for b, o in enumerate(out) for _ in o])
+        if record:
+            self.sampler.append(torch.tensor([t for o in out for t in o], device=device),
+                                slots=[b for b, o in enumerate(out) for _ in o])
         return out, out_rows
 
-    def _accept(self, rows: torch.Tensor, drafts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accept(self, rows: torch.Tensor, drafts: torch.Tensor, n: int, allowed=None, logprobs=None,
+                detailed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(accepted drafts [B], the tokens at the T verified positions' next positions [B, T]: the
-        first accepted + 1 of them are emitted) from the verified logits [B, T, V]."""
+        first accepted + 1 of them are emitted, the leading positions whose logits are usable [B]
+        or None when not `detailed`) from the verified logits [B, T, V]."""
         B, T, V = rows.shape
         if self.acceptance == "rejection":
             p = self.sampler.probabilities(rows[0], slots=[0] * T)
             q = torch.stack(self.draft_probs) if n else p[:0]
             emitted = rejection_sample(p, q, drafts[0], self.generator)
             tokens = torch.cat([emitted, emitted.new_zeros(T - emitted.shape[0])])
-            return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T)
-        slots = self.slot_index.repeat_interleave(T)
+            return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T), None
+        slots = self.slot_index[:B].repeat_interleave(T)
         ahead = torch.arange(T, device=self.device).repeat(B)
         # Row j's history holds the drafts before it (penalties see them, as plain decoding's would)
         prior = None
         if n:
             before = torch.arange(n, device=self.device) < torch.arange(T, device=self.device)[:, None]  # [T, n]
             prior = (drafts.repeat_interleave(T, dim=0), before.repeat(B, 1))
-        target = self.sampler.sample(rows.reshape(B * T, V), slots=slots, ahead=ahead, tokens_only=True,
-                                     prior=prior).tokens
-        target = target.view(B, T)
+        mask = None
+        if allowed is not None:  # each row's first position; the rest (never kept: limit 1) unmasked
+            mask = torch.ones(B, T, V, dtype=torch.bool, device=self.device)
+            mask[:allowed.shape[0], 0] = allowed.to(self.device)
+            mask = mask.view(B * T, V)
+        out = self.sampler.sample(rows.reshape(B * T, V), mask, logprobs, slots=slots, ahead=ahead,
+                                  tokens_only=not detailed, prior=prior)
+        target = out.tokens.view(B, T)
+        usable = None
+        if detailed:
+            self.last_sample = out
+            usable = (~out.failed.view(B, T)).long().cumprod(1).sum(1)
         if not n:
-            return torch.zeros(B, dtype=torch.long, device=self.device), target
-        return (target[:, :n] == drafts).long().cumprod(1).sum(1), target
+            return torch.zeros(B, dtype=torch.long, device=self.device), target, usable
+        return (target[:, :n] == drafts).long().cumprod(1).sum(1), target, usable
 
     # ------------------------------------------------------------------ stopping short
+    def trim(self, used: list[int]) -> None:
+        """Rows that took fewer of the last step's tokens than it emitted (`used[b]`, for the first
+        len(used) rows; None: all of them) give the rest back: the cache holds what plain
+        decoding would have fed (every taken token but the last), the MTP layer one position
+        behind (its pass at the last position needs the token after it)."""
+        if self.last is None:
+            return
+        forwards, undo, mtp_undo, kept = self.last
+        keep = list(kept)
+        for b, u in enumerate(used):
+            if u is not None and 0 <= u < kept[b]:
+                keep[b] = u
+        if keep == kept:
+            return
+        mtp_keep = [k - 1 if k != kept[b] and k > 0 else k for b, k in enumerate(keep)]
+        with self.grad_off():
+            forwards.rollback(undo, torch.tensor(keep, device=self.device))
+            forwards.rollback(mtp_undo, torch.tensor(mtp_keep, device=self.device))
+        for b, k in enumerate(keep):
+            self.positions[b] -= kept[b] - k
+        self.last = (forwards, undo, mtp_undo, keep)
+
     def finish(self, unused: int = 0) -> None:
         """Leave the cache as plain decoding would have (batch 1): holding every token but the last
         one taken, when the caller took all but `unused` of the last step's tokens (an EOS among
@@ -342,9 +444,10 @@ class Speculator:
         last position needs the token after it, which the next prompt decides)."""
         if self.last is None or self.cache.is_invalid(0):
             return
-        undo, mtp_undo, kept = self.last
+        forwards, undo, mtp_undo, kept = self.last
         keep = kept[0] - unused
         with self.grad_off():
-            self.forwards.rollback(undo, torch.tensor([keep], device=self.device))
-            self.forwards.rollback(mtp_undo, torch.tensor([max(keep - 1, 0)], device=self.device))
+            forwards.rollback(undo, torch.tensor([keep], device=self.device))
+            forwards.rollback(mtp_undo, torch.tensor([max(keep - 1, 0)], device=self.device))
+        self.positions[0] -= unused
         self.last = None

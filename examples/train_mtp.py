@@ -63,16 +63,20 @@ def with_mtp(base: DS4ForCausalLM) -> DS4ForCausalLM:
     return model
 
 
-def distill_loss(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def distill_loss(model, x: torch.Tensor, hard_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft cross-entropy of the MTP's drafts against the main model's next-position
-    distribution, and the top-1 agreement (what greedy acceptance counts)."""
+    distribution (plus `hard_weight` times the cross-entropy against its argmax: greedy drafts
+    are accepted only when they equal it), and the top-1 agreement (what greedy acceptance counts)."""
     B, T = x.shape
     cache = model.new_cache(B, T)
     with torch.no_grad():
         logits, streams = model._forward(x, cache, return_streams=True)
         teacher = torch.softmax(logits[:, 1:].float(), dim=-1)
     draft, _ = model.mtp_forward(streams[:, :-1], x[:, 1:], cache)
-    loss = -(teacher * torch.log_softmax(draft.float(), dim=-1)).sum(-1).mean()
+    log_q = torch.log_softmax(draft.float(), dim=-1)
+    loss = -(teacher * log_q).sum(-1).mean()
+    if hard_weight:
+        loss = loss - hard_weight * log_q.gather(-1, teacher.argmax(-1, keepdim=True)).mean()
     agree = (draft.argmax(-1) == teacher.argmax(-1)).float().mean()
     return loss, agree
 
@@ -124,6 +128,8 @@ def main(argv=None):
     p.add_argument("--measure-only", action="store_true")
     p.add_argument("--continue-mtp", action="store_true",
                    help="continue the model's own MTP layer (after the main model changed) instead of a new one")
+    p.add_argument("--hard-weight", type=float, default=0.0,
+                   help="add this times the cross-entropy against the main model's argmax (greedy acceptance)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=96)
     args = p.parse_args(argv)
@@ -151,7 +157,7 @@ def main(argv=None):
         t0, steps = time.time(), 0
         for steps in range(1, args.steps + 1):
             x, _ = next(data)
-            loss, agree = distill_loss(model, x)
+            loss, agree = distill_loss(model, x, args.hard_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -171,7 +177,9 @@ def main(argv=None):
         record["mtp"] = {
             "script": "examples/train_mtp.py", "steps": steps, "planned_steps": args.steps, "batch": args.batch,
             "length": args.length, "lr": args.lr, "weight_decay": args.weight_decay, "seed": args.seed,
-            "objective": "distillation: MTP at p vs the frozen main model at p+1 (soft cross-entropy)",
+            "objective": "distillation: MTP at p vs the frozen main model at p+1 (soft cross-entropy"
+                         + (f", plus {args.hard_weight} x cross-entropy against its argmax)" if args.hard_weight else ")"),
+            "hard_weight": args.hard_weight,
             "continued": continued, "previous": record.get("mtp") if continued else None,
             "train_tokens": steps * args.batch * args.length,
             "held_out_distillation_loss_before": round(before[0], 4),

@@ -77,6 +77,7 @@ class ServerConfig:
     api_key: str | tuple[str, ...] | None = None   # one key, or several: each its own tenant (no reuse across them)
     checkpoint_interval: int = 256        # a cache checkpoint every N tokens of prefill and decode (0: none)
     checkpoint_memory_mb: float = 1024    # memory for checkpoints (LRU; message boundaries kept longest)
+    speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli;
                                           # exact-replay records (serve.replay) persist there too
     kv_disk_space_mb: int | None = None
@@ -209,7 +210,16 @@ class AppState:
             f"finish={gen.done.finish if gen.done else req.finish_reason} tool_calls={len(gen.calls)} "
             f"queue={start - first_req.t_arrival:.3f}s prefill={(first or end) - start:.3f}s "
             f"ttft={f'{first - first_req.t_arrival:.3f}s' if first else '-'} decode={decode_s:.3f}s{rate} "
-            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}"), error=error)
+            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}{self._speculation(gen)}"), error=error)
+
+    @staticmethod
+    def _speculation(gen: Generation) -> str:
+        """The request log's speculation fields (when the engine speculated for it)."""
+        drafted = sum(r.draft_tokens for r in gen.requests)
+        if not drafted:
+            return ""
+        accepted = sum(r.accepted_drafts for r in gen.requests)
+        return f" draft_tokens={drafted} accepted_drafts={accepted} acceptance={accepted / drafted:.2f}"
 
     # ------------------------------------------------------------------ one generation -> one response
     def _poll_interval(self, gen: Generation) -> float:
@@ -417,7 +427,7 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
                     decode_mode=config.decode_mode, max_queue=config.max_queue, max_batch=config.max_batch,
                     max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers,
                     checkpoint_interval=config.checkpoint_interval,
-                    checkpoint_memory_mb=config.checkpoint_memory_mb)
+                    checkpoint_memory_mb=config.checkpoint_memory_mb, speculative_tokens=config.speculative_tokens)
     replay = replay if replay is not None else ReplayStore(config.kv_disk_dir)
     state = AppState(model, tokenizer, config, engine, metrics, replay)
 
@@ -470,9 +480,11 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
-        log.info("serving %s: ctx %d, prefill chunk %d, decode mode %s, max batch %d, %d resident sessions, "
+        log.info("serving %s: ctx %d, prefill chunk %d, decode mode %s%s, max batch %d, %d resident sessions, "
                  "max queue %d%s; KV cache %.1f MiB (%d resident + %d batch slots x %.2f MiB at ctx %d)",
-                 config.model_name, config.ctx, config.prefill_chunk, engine.decoder.mode, engine.max_batch,
+                 config.model_name, config.ctx, config.prefill_chunk, engine.decoder.mode,
+                 f", speculating {config.speculative_tokens} MTP draft token(s) per step"
+                 if config.speculative_tokens else "", engine.max_batch,
                  engine.max_sessions, config.max_queue, ", API key required" if config.api_key else "",
                  engine.cache_bytes / 2**20, engine.resident.batch_size, engine.batch.batch_size,
                  engine.resident.nbytes / engine.resident.batch_size / 2**20, config.ctx)

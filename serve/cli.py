@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="tokens per prefill chunk; disconnects are noticed between chunks (default 256)")
     p.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
                    help="decode path (auto: CUDA graphs where available); env DS4_TORCH_DECODE_MODE overrides")
+    p.add_argument("--speculative-tokens", type=int, default=0, choices=range(0, 4), metavar="N",
+                   help="speculative decoding: draft N tokens (1-3) per step with the model's MTP layer and verify "
+                        "them in one forward; the same tokens as without (default 0: off)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,
@@ -129,6 +132,9 @@ def load(args, group=None):
     if args.max_sessions is not None and args.max_sessions < args.max_batch:
         raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
                         "decoding request holds a resident session")
+    if args.speculative_tokens and getattr(model, "mtp", None) is None:
+        raise UserError(f"--speculative-tokens {args.speculative_tokens} needs a model with an MTP layer "
+                        "(num_nextn_predict_layers >= 1 and mtp.* weights); this one has none")
     if args.ctx is None:
         args.ctx = choose_context(model, args.max_sessions, args.max_batch, group)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -142,7 +148,7 @@ def load(args, group=None):
     config = ServerConfig(
         model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
         decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
-        max_sessions=args.max_sessions,
+        max_sessions=args.max_sessions, speculative_tokens=args.speculative_tokens,
         api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
         checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,

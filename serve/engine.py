@@ -103,6 +103,7 @@ import torch
 
 from ds4_torch.faults import fault_point
 from ds4_torch.sampling import stop_token_ids
+from ds4_torch.speculative import check_draft_tokens
 
 from .metrics import Metrics
 from .output import End, Output, PromptLogprobs, TextState as _TextState, Token  # noqa: F401 - _TextState: old name
@@ -159,9 +160,10 @@ class Engine:
                  max_queue: int = 64, max_batch: int = DEFAULT_MAX_BATCH, max_sessions: int | None = None,
                  metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
                  checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-                 checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB):
+                 checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        check_draft_tokens(model, speculative_tokens)
         max_sessions, batch_slots = cache_slots(max_batch, max_sessions)
         if max_sessions < max_batch:
             raise ValueError(f"max_sessions ({max_sessions}) must be >= max_batch ({max_batch}): every decoding "
@@ -180,8 +182,9 @@ class Engine:
         self.peers = peers
 
         # Sampler slot i is batch slot i (a request's settings move with it).
+        self.speculative_tokens = speculative_tokens
         self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
-                             decode_mode=decode_mode, peers=peers)
+                             decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens)
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
                                  kv_store=kv_store, peers=peers)
@@ -569,6 +572,8 @@ class Engine:
             return
         try:
             self._run("copy", "batch", slot, session.slot, "resident")
+            if self.speculative_tokens:  # its first draft, from where its prefill left the MTP layer
+                self.runner.join(slot, req.pending, session.slot)
         except BaseException as e:  # noqa: BLE001
             self._run("reset", "batch", slot)
             self.runner.release(slot)
@@ -579,6 +584,9 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
+        if self.speculative_tokens:
+            self._speculative_step()
+            return
         reqs = list(self.running)
         try:
             if any(r.session.restored is not None for r in reqs):
@@ -609,6 +617,83 @@ class Engine:
             self._end(req, "failed" if req.failure is not None else "done")
         if self.token_delay:
             time.sleep(self.token_delay)
+
+    def _speculative_step(self) -> None:
+        """One speculative step (`--speculative-tokens N`) of every decoding request: each feeds
+        its pending token and N drafts in one verify forward and takes the tokens plain decoding
+        would have given (1 to N + 1; a constrained request one). Each token goes through `_take`
+        as in a plain step; a request that ends inside its tokens gives the rest back to the cache
+        (`trim`), so its session holds what plain decoding would have fed."""
+        reqs = list(self.running)
+        try:
+            if any(r.session.restored is not None for r in reqs):
+                fault_point("restore")
+            results = self.runner.speculate(reqs, [self.runner.limit(r) for r in reqs])
+        except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
+            self._failed(reqs, e, "decode")
+            return
+        self.metrics.batch_size.observe(len(reqs))
+        self.decode_rows += len(reqs)
+        done, used, taken, slots = [], [], [], []
+        for req, result in zip(reqs, results):
+            self.sessions.confirm_restored(req.session)
+            before = len(req.held)
+            req.held.append(req.pending)  # fed by the verify forward
+            if isinstance(result, BaseException):
+                self._own_failure(req, result, "sampling")
+                req.pending = None
+                done.append(req)
+                used.append(None)
+                continue
+            drawn, rows, drafted = result
+            end = None
+            for j, d in enumerate(drawn):
+                if j:
+                    req.held.append(drawn[j - 1].token)  # an accepted draft: fed too
+                req.logits = rows[j]
+                end = self._take(req, d)
+                taken.append(d.token)
+                slots.append(req.decode_slot)
+                if end is not None:
+                    break
+            used.append(j + 1 if j + 1 < len(drawn) else None)
+            self._count_drafts(req, drafted, len(drawn) - 1)
+            if end is not None:
+                done.append(req)
+                continue
+            boundary = self.sessions.wanted_between(req, before, len(req.held))
+            if boundary is not None:
+                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
+                                      pending=True)
+            if self.kv_store is not None and self.kv_store.every > 0 and \
+                    self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
+                self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
+        try:
+            if any(u is not None for u in used):
+                self.runner.trim(used)
+            self.runner.append(taken, slots)
+        except BaseException as e:  # noqa: BLE001 - the batch's state is unknown: retry the others
+            for req in done:  # ended already: answered, their sessions dropped (their slots are unknown)
+                self.runner.release(req.decode_slot)
+                self._release_quietly(req)
+                self._end(req, "failed" if req.failure is not None else "done")
+            self.running = [r for r in self.running if r not in done]
+            self._failed([r for r in reqs if r not in done], e, "decode")
+            return
+        for req in sorted(done, key=lambda r: -r.decode_slot):
+            self._end(req, "failed" if req.failure is not None else "done")
+        if self.token_delay:
+            time.sleep(self.token_delay)
+
+    def _count_drafts(self, req: GenRequest, drafted: int, accepted: int) -> None:
+        req.draft_tokens += drafted
+        req.accepted_drafts += accepted
+        m = self.metrics
+        m.spec_steps.inc()
+        m.spec_drafted.inc(drafted)
+        m.spec_accepted.inc(accepted)
+        m.spec_emitted.inc(accepted + 1)
+        m.spec_acceptance.set(m.value("ds4_spec_emitted_tokens_total") / m.value("ds4_spec_verify_steps_total"))
 
     def _sample(self, reqs: list[GenRequest], logits, slots: list[int] | None = None) -> list[str | None]:
         """The next token of every request of `reqs` (row i of `logits`, sampler slot `slots[i]`

@@ -63,6 +63,16 @@ class Metrics:
                                    "decode step, and a prefill chunk run beside it), sampling (the batched sampler "
                                    "call), host (the rest: scheduling, bookkeeping, handing tokens over)",
                                    ["part"], buckets=STEP_BUCKETS, registry=r)
+        # Speculative decoding (serve --speculative-tokens N): acceptance length = emitted / verify steps.
+        self.spec_steps = Counter("ds4_spec_verify_steps", "Speculative verify steps, counted per sequence",
+                                  registry=r)
+        self.spec_drafted = Counter("ds4_spec_draft_tokens", "Draft tokens proposed by the MTP layer", registry=r)
+        self.spec_accepted = Counter("ds4_spec_accepted_tokens", "Draft tokens accepted (equal to the token the "
+                                     "model samples at their position)", registry=r)
+        self.spec_emitted = Counter("ds4_spec_emitted_tokens", "Tokens emitted by speculative verify steps "
+                                    "(accepted drafts plus one sampled token each)", registry=r)
+        self.spec_acceptance = Gauge("ds4_spec_acceptance_length", "Mean tokens emitted per speculative verify "
+                                     "step since start, the bonus token included (1 = no draft accepted)", registry=r)
         self.healthy = Gauge("ds4_engine_healthy", "1 when the engine is usable, 0 while degraded", registry=r)
         self.healthy.set(1)
         self.ttft = Histogram("ds4_time_to_first_token_seconds",

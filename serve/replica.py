@@ -10,6 +10,11 @@ rank) equal. In a single process the engine calls its replica directly.
 Cache names: "resident" (one conversation per slot, kept between requests) and "batch" (the
 sequences decoding together).
 
+The batched sampler (`ds4_torch.sampling.BatchSampler`, one slot per batch slot) lives here too:
+rank 0's runner samples with it; when speculating, the other ranks need the same drafts, so
+every rank keeps it in the same state (the runner sends its writes as operations) and a
+speculative step (`speculate`, through `ds4_torch.speculative.Speculator`) runs whole on each.
+
 Checkpoints (`DS4Cache.take_checkpoint`) live in the replica, under ids the engine chooses, so
 each rank holds its own copy, on its own device: taking, restoring, branching from, importing and
 dropping one are replica operations like the others (cache operations: they run no collective).
@@ -21,27 +26,38 @@ import logging
 import torch
 
 from ds4_torch.decode import make_decoder, prefill
+from ds4_torch.sampling import BatchSampler, SamplingParams
+from ds4_torch.speculative import Speculator
 
 log = logging.getLogger("ds4.serve")
 
 # The operations that run the model: under tensor parallelism each is a series of collectives,
 # which cannot run once the group is broken (cache copies and resets are local).
-MODEL_OPERATIONS = frozenset({"warmup", "prefill", "decode"})
+MODEL_OPERATIONS = frozenset({"warmup", "prefill", "decode", "join", "speculate"})
 
 
 class Replica:
-    def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str):
+    def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str,
+                 speculative_tokens: int = 0):
         self.model, self.ctx, self.decode_mode = model, ctx, decode_mode
         self.device = model.device
         self.resident = model.new_cache(batch_size=sessions, max_context=ctx)
         self.batch = model.new_cache(batch_size=batch_slots, max_context=ctx)
         self.decoder = make_decoder(model, self.batch, decode_mode, scratch_padding=True)
         self.checkpoints: dict = {}  # checkpoint id -> `DS4Cache.take_checkpoint` (no logits: rank 0 keeps those)
+        self.sampler = BatchSampler(batch_slots, model.config.vocab_size, self.device)
+        self.speculative_tokens = speculative_tokens
+        self.speculator = (Speculator(model, self.batch, self.sampler, speculative_tokens, batch=batch_slots,
+                                      mode=decode_mode) if speculative_tokens else None)
+        # Speculating: resident slot -> (its position, the main model's hidden streams at the last
+        # position a prefill fed), so the next chunk (`prefill`'s carry) or the request's first
+        # draft (`join`) goes on from there. Dropped whenever the slot's contents change otherwise.
+        self.carry: dict[int, tuple[int, torch.Tensor]] = {}
 
     def shape(self) -> dict:
         """The constructor's arguments (besides the model): another rank builds the same replica."""
         return dict(ctx=self.ctx, sessions=self.resident.batch_size, batch_slots=self.batch.batch_size,
-                    decode_mode=self.decode_mode)
+                    decode_mode=self.decode_mode, speculative_tokens=self.speculative_tokens)
 
     def warmup(self) -> None:
         """Run the model once (first calls pay one-off initialisation), then clear the batch cache.
@@ -62,9 +78,29 @@ class Replica:
         token's logits [len(piece), V] when `full_logits`, else None)."""
         ids = torch.tensor([piece], dtype=torch.long, device=self.device)
         every = []
-        logits = prefill(self.model, self.resident.slot(slot), ids, len(piece), full_logits=full_logits,
-                         on_chunk=(lambda n, chunk_logits: every.append(chunk_logits[0])) if full_logits else None)
+        on_chunk = (lambda n, chunk_logits: every.append(chunk_logits[0])) if full_logits else None
+        cache = self.resident.slot(slot)
+        if self.speculator is None:
+            logits = prefill(self.model, cache, ids, len(piece), full_logits=full_logits, on_chunk=on_chunk)
+        else:  # the MTP layer is fed too, from where the slot's last chunk left it
+            carry = self._carry(slot)
+            self.carry.pop(slot, None)
+            logits, streams = prefill(self.model, cache, ids, len(piece), full_logits=full_logits,
+                                      on_chunk=on_chunk, mtp=True, carry=carry)
+            self.carry[slot] = (int(cache.positions[0]), streams)
         return logits[0].clone(), (every[0] if every else None)
+
+    def _carry(self, slot: int) -> torch.Tensor | None:
+        """The streams a prefill of resident slot `slot` left, if the slot still holds that sequence."""
+        held = self.carry.get(slot)
+        return held[1] if held is not None and held[0] == int(self.resident.positions[slot]) else None
+
+    def _changed(self, cache: str, slot: int | None) -> None:
+        if cache == "resident":
+            if slot is None:
+                self.carry.clear()
+            else:
+                self.carry.pop(slot, None)
 
     def decode(self, ids: list[int]) -> torch.Tensor:
         """One decode step of batch slots 0..len(ids)-1, each fed its token: logits [len(ids), V]."""
@@ -74,14 +110,20 @@ class Replica:
         """Copy sequence `src` of cache `src_cache` into slot `dst` of cache `dst_cache`."""
         target = getattr(self, dst_cache)
         target.copy_sequence(dst, src, None if src_cache == dst_cache else getattr(self, src_cache))
+        carry = self.carry.get(src) if src_cache == "resident" else None
+        self._changed(dst_cache, dst)
+        if carry is not None and dst_cache == "resident":
+            self.carry[dst] = carry
 
     def reset(self, cache: str, slot: int | None = None) -> None:
         """Forget slot `slot` of `cache` (every slot when None)."""
         getattr(self, cache).reset(slot)
+        self._changed(cache, slot)
 
     def import_sequence(self, slot: int, state: dict) -> None:
         """Resident slot `slot` continues from `state` (another rank's `export_sequence`)."""
         self.resident.import_sequence(slot, state)
+        self._changed("resident", slot)
 
     def take_checkpoint(self, checkpoint_id, cache: str, slot: int) -> None:
         """Checkpoint slot `slot` of `cache` as `checkpoint_id` (replacing one of that id)."""
@@ -90,6 +132,7 @@ class Replica:
     def restore_checkpoint(self, cache: str, slot: int, checkpoint_id) -> None:
         """Rewind slot `slot` of `cache` in place to checkpoint `checkpoint_id`."""
         getattr(self, cache).restore_checkpoint(slot, self._checkpoint(checkpoint_id))
+        self._changed(cache, slot)
 
     def branch_from_checkpoint(self, dst_cache: str, dst: int, src_cache: str, src: int, checkpoint_id) -> None:
         """Slot `dst` of `dst_cache` continues from checkpoint `checkpoint_id`, with the compressed
@@ -97,6 +140,7 @@ class Replica:
         target = getattr(self, dst_cache)
         target.branch_from_checkpoint(dst, src, self._checkpoint(checkpoint_id),
                                       None if src_cache == dst_cache else getattr(self, src_cache))
+        self._changed(dst_cache, dst)
 
     def import_checkpoint(self, checkpoint_id, checkpoint: dict) -> None:
         """Hold `checkpoint` (read from disk by rank 0, sent to every rank, without logits) as
@@ -123,16 +167,74 @@ class Replica:
         try:
             self.decoder.reset()
             self.batch.reset()
+            if self.speculator is not None:
+                self.speculator.reset()
             self.release_allocator()
         except BaseException as e:  # noqa: BLE001 - the reset itself failed: reallocate
             log.error("engine: reset failed (%s); reallocating the batch cache", e)
             try:
                 self.batch = self.model.new_cache(batch_size=self.batch.batch_size, max_context=self.ctx)
                 self.decoder = make_decoder(self.model, self.batch, self.decode_mode, scratch_padding=True)
+                if self.speculator is not None:
+                    self.speculator = Speculator(self.model, self.batch, self.sampler, self.speculative_tokens,
+                                                 batch=self.batch.batch_size, mode=self.decode_mode)
             except BaseException as e2:  # noqa: BLE001
                 log.error("engine: cannot reallocate the batch cache: %s", e2)
                 return f"cannot reallocate the KV cache: {e2}"
         return None
+
+    # ------------------------------------------------------------------ the sampler's writes
+    def sampler_admit(self, slot: int, params: SamplingParams, prompt_ids, generated, eos_ids) -> None:
+        """A request's settings into sampler slot `slot`; the tokens it sent already count (a retry)."""
+        self.sampler.admit(slot, params, prompt_ids, generated, eos_ids)
+
+    def sampler_move(self, dst: int, src: int) -> None:
+        """Batch slot `src`'s request moved to `dst`: its settings, and its speculation state."""
+        self.sampler.move(dst, src)
+        if self.speculator is not None:
+            self.speculator.move_row(dst, src)
+
+    def sampler_release(self, slot: int) -> None:
+        self.sampler.release(slot)
+
+    def sampler_append(self, tokens: list[int], slots: list[int] | None) -> None:
+        """The tokens the rows took: the penalties' history, min_tokens and the noise position move on."""
+        self.sampler.append(torch.tensor(tokens, dtype=torch.long), slots)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def join(self, slot: int, first: int, resident_slot: int) -> None:
+        """Batch slot `slot` (copied from resident slot `resident_slot`) starts speculating after
+        `first`, its first token: the first draft comes from the prefill's last streams when the
+        resident slot still has them."""
+        carry = self._carry(resident_slot)
+        self.speculator.join_row(slot, first, carry)
+
+    def speculate(self, limits: list[int], allowed: torch.Tensor | None, logprobs: int | None) -> list:
+        """One speculative step of batch slots 0..len(limits)-1 (`Speculator.step_batch`, detailed,
+        the caller records the tokens): per slot (tokens, their fp32 logits [k, V], failed, their
+        logprobs, their top (ids, logprobs) lists, the drafts it could have taken), logprobs when
+        `logprobs` k is given."""
+        spec = self.speculator
+        tokens, rows = spec.step_batch(limits, allowed, logprobs, detailed=True, record=False)
+        failed, T = set(spec.failed_rows), spec.last[1].T
+        out = spec.last_sample
+        lp = ids = tops = None
+        if logprobs is not None:
+            lp, ids, tops = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        result = []
+        for b, got in enumerate(tokens):
+            at = range(b * T, b * T + len(got))
+            result.append((got, rows[b], b in failed, None if lp is None else [lp[i] for i in at],
+                           None if lp is None else [(ids[i], tops[i]) for i in at], min(T - 1, limits[b] - 1)))
+        return result
+
+    def trim(self, used: list) -> None:
+        """Slots whose request took fewer of the last step's tokens give the rest back (`Speculator.trim`)."""
+        self.speculator.trim(used)
+
+    def set_pending(self, slot: int, token: int) -> None:
+        """Batch slot `slot` feeds `token` next (its grammar closed the value with another token)."""
+        self.speculator.pending[slot] = token
 
     def release_allocator(self) -> None:
         if self.device.type == "cuda":

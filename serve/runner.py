@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4_torch.sampling import BatchSampler
-
 from .replica import MODEL_OPERATIONS, Replica
 from .sequence import GenRequest
 
@@ -45,15 +43,18 @@ class Drawn:
 
 
 class Runner:
-    def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str, peers=None):
-        self.replica = Replica(model, ctx=ctx, sessions=sessions, batch_slots=batch_slots, decode_mode=decode_mode)
+    def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str, peers=None,
+                 speculative_tokens: int = 0):
+        self.replica = Replica(model, ctx=ctx, sessions=sessions, batch_slots=batch_slots, decode_mode=decode_mode,
+                               speculative_tokens=speculative_tokens)
         self.peers = peers
         if peers is not None:
             peers.open(self.replica.shape())
         self.ctx = ctx
         self.device = model.device
         self.vocab_size = model.config.vocab_size
-        self.sampler = BatchSampler(batch_slots, self.vocab_size, self.device)
+        self.sampler = self.replica.sampler
+        self.draft_tokens = speculative_tokens
         # Time in the model and the sampler since `clear_timers` (wall; CPU of the calling thread).
         self.model_s = self.sampling_s = self.cpu_s = 0.0
 
@@ -96,15 +97,24 @@ class Runner:
         return self._timed_model("decode", tokens)
 
     # ------------------------------------------------------------------ the sampler
+    def _sampler_write(self, operation: str, *args) -> None:
+        """A write to the sampler: every rank's when speculating (each runs the whole step, drafts
+        included), else this one's alone (rank 0 samples for all)."""
+        if self.draft_tokens:
+            self.run(operation, *args)
+        else:
+            getattr(self.replica, operation)(*args)
+
     def admit(self, slot: int, req: GenRequest, eos_ids) -> None:
         """`req`'s settings into sampler slot `slot`; the tokens it sent already count (a retry)."""
-        self.sampler.admit(slot, req.sampling, req.prompt_ids, req.generated, () if req.ignore_eos else eos_ids)
+        self._sampler_write("sampler_admit", slot, req.sampling, list(req.prompt_ids), list(req.generated),
+                            () if req.ignore_eos else tuple(eos_ids))
 
     def move(self, dst: int, src: int) -> None:
-        self.sampler.move(dst, src)
+        self._sampler_write("sampler_move", dst, src)
 
     def release(self, slot: int) -> None:
-        self.sampler.release(slot)
+        self._sampler_write("sampler_release", slot)
 
     def sample(self, reqs: list[GenRequest], logits: torch.Tensor, slots: list[int] | None = None) -> list:
         """The next token of each request of `reqs` (row i of `logits`, sampler slot `slots[i]` or
@@ -121,8 +131,7 @@ class Runner:
         B = len(reqs)
         results: list = [None] * B
         # Tokens each may still emit, this one included: max_tokens, and the context.
-        remaining = [min(r.max_tokens - len(r.generated), self.ctx + 1 - len(r.prompt_ids) - len(r.generated))
-                     for r in reqs]
+        remaining = [self._remaining(r) for r in reqs]
         allowed = None
         for i, req in enumerate(reqs):
             if req.constraint is not None:
@@ -190,10 +199,77 @@ class Runner:
         """The tokens the rows took: the penalties' history, min_tokens and the noise position move on."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            self.sampler.append(torch.tensor(tokens, dtype=torch.long), slots)
+            self._sampler_write("sampler_append", list(tokens), None if slots is None else list(slots))
         finally:
             self.cpu_s += time.thread_time() - c0
             self.sampling_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ speculative decoding
+    def join(self, slot: int, first: int, resident_slot: int) -> None:
+        """Batch slot `slot`, copied from `resident_slot`, speculates after its first token `first`."""
+        self._timed_model("join", slot, first, resident_slot)
+
+    def speculate(self, reqs: list[GenRequest], limits: list[int]) -> list:
+        """One speculative step of batch slots 0..len(reqs)-1 (the replica's `speculate`, on every
+        rank), request i at most limits[i] tokens: per request (its `Drawn` tokens, the fp32
+        logits [k, V] each came from, the drafts proposed), or the Exception that fails it alone
+        (logits not finite, its grammar raised). A constrained request (limit 1) gets its
+        grammar's mask and closing policy, as in `sample`; `append` must follow with the tokens
+        taken (`set_pending` first for one its grammar replaced)."""
+        B = len(reqs)
+        results: list = [None] * B
+        allowed = None
+        remaining = [self._remaining(r) for r in reqs]
+        for i, req in enumerate(reqs):
+            if req.constraint is not None:
+                if allowed is None:
+                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=self.device)
+                try:
+                    allowed[i] = req.constraint.begin(remaining[i]).to(self.device)
+                except Exception as e:  # noqa: BLE001 - this request's grammar: not the batch's
+                    results[i] = e
+        want = [r.logprobs for r in reqs if r.logprobs is not None]
+        rows = self._timed_model("speculate", limits, allowed, max(want) if want else None)
+        for i, req in enumerate(reqs):
+            tokens, logits, failed, lps, tops, drafted = rows[i]
+            if results[i] is not None:
+                continue
+            if failed:
+                results[i] = SamplingFailed("its logits are not finite (NaN or inf) or its settings allow no token")
+                continue
+            drawn = []
+            for j, token in enumerate(tokens):
+                logprob = lps[j] if req.logprobs is not None else None
+                top = list(zip(*tops[j]))[:req.logprobs] if req.logprobs else None
+                drawn.append(Drawn(token, logprob, top))
+            if req.constraint is not None:  # limit 1: its one token, closed by its grammar's policy
+                try:
+                    forced = req.constraint.finish(tokens[0], remaining[i])
+                except Exception as e:  # noqa: BLE001
+                    results[i] = e
+                    continue
+                if forced != tokens[0]:
+                    if req.logprobs is not None:
+                        drawn[0].logprob = float(torch.log_softmax(logits[0].float(), dim=-1)[forced])
+                    drawn[0].token = forced
+                    self.run("set_pending", req.decode_slot, forced)
+            results[i] = (drawn, logits, drafted)
+        return results
+
+    def _remaining(self, req: GenRequest) -> int:
+        """Tokens `req` may still emit: its max_tokens, and the context."""
+        return min(req.max_tokens - len(req.generated), self.ctx + 1 - len(req.prompt_ids) - len(req.generated))
+
+    def limit(self, req: GenRequest) -> int:
+        """The most tokens `req` may take from one speculative step: 1 + the drafts, within what it
+        may still emit; 1 for a constrained request (its grammar masks one position)."""
+        if req.constraint is not None:
+            return 1
+        return max(1, min(self.draft_tokens + 1, self._remaining(req)))
+
+    def trim(self, used: list) -> None:
+        """Batch slots whose request took fewer of the last step's tokens (used[i]; None: all) give the rest back."""
+        self.run("trim", used)
 
     # ------------------------------------------------------------------ prompt logprobs
     @staticmethod

@@ -60,6 +60,8 @@ class GenRequest:
     error: str | None = None
     attempts: int = 0
     prompt_logprob_outs: list[TokenOut] | None = None   # once computed (also sent as an event)
+    draft_tokens: int = 0              # speculative decoding: drafts proposed and accepted for this request
+    accepted_drafts: int = 0
     cumulative_logprob: float = 0.0    # sum of the generated tokens' logprobs, when `logprobs` is set (best_of)
     state: str = "new"                 # new, queued, running, done, cancelled, failed
     t_arrival: float = field(default_factory=time.perf_counter)

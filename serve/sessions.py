@@ -306,6 +306,15 @@ class Sessions:
             return True
         return False if position % self.interval == 0 else None
 
+    def wanted_between(self, req: "GenRequest", before: int, position: int) -> bool | None:
+        """`wanted` for a step that took `req`'s sequence from `before` to `position` tokens at
+        once (speculative decoding): an interval checkpoint is due at `position` when the step
+        crossed a multiple of the interval."""
+        due = self.wanted(req, position)
+        if due is None and self.enabled and position // self.interval > before // self.interval:
+            return False
+        return due
+
     def take(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
              pending: bool = False) -> None:
         """Checkpoint slot `slot` of `cache` (holding `session`'s first `position` tokens). A

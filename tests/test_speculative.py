@@ -135,7 +135,7 @@ class OracleDrafts(Speculator):
         super().__init__(*args, **kwargs)
         self.truth, self.pattern, self.emitted, self.steps = truth, pattern, 1, 0
 
-    def _draft(self, n):
+    def _draft(self, forwards, n, width):
         right = self.pattern[self.steps % len(self.pattern)]
         drafts = [t if i < right else (t + 1) % 64 for i, t in enumerate(self.truth[self.emitted:self.emitted + n])]
         self.steps += 1

@@ -47,7 +47,8 @@ def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut
         sampler.admit(b, SamplingParams())
     spec = Speculator(model, cache, sampler, n, batch=B, mode=mode)
     if forwards is not None:
-        spec.forwards, spec.grad_off = forwards(spec.cache), torch.no_grad
+        spec.forwards = spec._forwards[B] = forwards(spec.cache)  # every step runs the B rows
+        spec.grad_off = torch.no_grad
     with torch.no_grad():
         firsts, first_rows = spec.start_batch(prompts, 4)
         tokens = [[t] for t in firsts]
@@ -221,7 +222,7 @@ def test_penalties_and_min_tokens_see_the_drafts_before_a_verified_row(model, n)
         plain.append(out)
 
     class Oracle(Speculator):  # drafts from the plain continuation: every one right, all accepted
-        def _draft(self, k):
+        def _draft(self, forwards, k, width):
             return torch.tensor([(plain[b] + [0] * 8)[len(tokens[b]):len(tokens[b]) + k] for b in range(B)])
 
     for cls in (Speculator, Oracle):

@@ -1,0 +1,189 @@
+"""Speculative decoding in the server (`serve --speculative-tokens N`, issue #24): continuous
+batching with one batched verify step per iteration and per-sequence acceptance. The independent
+expectation is the same server without speculation: the tokens (greedy, seeded, penalised,
+grammar-constrained), their logprobs, the finish reasons and what the sessions keep for the next
+turn must be the same; only the number of forwards changes. Prompts are long enough to cross the
+prefill chunk (the MTP layer is carried from chunk to chunk) and requests end inside a step's
+tokens (stop token ids, max_tokens), which must give the rest back to the cache."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+
+import httpx
+import pytest
+import torch
+
+from ds4_torch.default_model import default_tokenizer
+from ds4_torch.faults import reset_fault_counts
+from serve.app import ServerConfig, create_app
+from serve.background import BackgroundServer
+from serve.cli import build_parser, load
+from ds4_torch.runtime import UserError
+
+MODEL = "ds4-default"
+TIMEOUT = 120
+PROMPTS = ["ROMEO:\nWhat light through yonder", "First Citizen:\nBefore we proceed any further, hear me speak. " * 3,
+           "KING HENRY:\n", "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind"]
+
+
+def server(model, n, **config):
+    settings = dict(ctx=512, prefill_chunk=32, max_batch=4, speculative_tokens=n)
+    settings.update(config)
+    return BackgroundServer(create_app(model, default_tokenizer(), ServerConfig(**settings)))
+
+
+def complete(srv, prompt, max_tokens, **extra):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def run_all(model, n, requests, **config):
+    """The four prompts at once (one batch), each with its own settings; the choices, the
+    server's metrics and its resident sessions."""
+    with server(model, n, **config) as srv:
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as ex:
+            out = list(ex.map(lambda kw: complete(srv, **kw), requests))
+        engine = srv.app.state.engine
+        sessions = [(list(s.tokens), int(engine.resident.positions[s.slot])) for s in engine.sessions if s.tokens]
+        return out, srv.app.state.metrics, sessions
+
+
+@pytest.fixture(scope="module")
+def model(model):
+    assert model.mtp is not None, "the embedded model ships an MTP layer"
+    return model
+
+
+@pytest.mark.parametrize("n,mode", [(1, "eager"), (3, "eager"), (2, "graph")])
+def test_greedy_batch_gives_plain_tokens(model, n, mode):
+    """Graph mode: the verify, MTP and rollback steps captured per power-of-two width (the
+    capture emulator on CPU), the rows past the batch idle."""
+    requests = [dict(prompt=p, max_tokens=23 + 7 * i) for i, p in enumerate(PROMPTS)]
+    plain, _, plain_sessions = run_all(model, 0, requests)
+    spec, metrics, sessions = run_all(model, n, requests, decode_mode=mode)
+    assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
+    assert [c["finish_reason"] for c in spec] == ["length"] * 4
+    # each session holds what plain decoding fed (every token but the last), at that position
+    assert sorted(sessions) == sorted(plain_sessions)
+    assert all(len(tokens) == position for tokens, position in sessions)
+    drafted, accepted = metrics.value("ds4_spec_draft_tokens_total"), metrics.value("ds4_spec_accepted_tokens_total")
+    steps, emitted = metrics.value("ds4_spec_verify_steps_total"), metrics.value("ds4_spec_emitted_tokens_total")
+    assert 0 < accepted <= drafted <= n * steps
+    assert emitted == steps + accepted
+    assert metrics.value("ds4_spec_acceptance_length") == pytest.approx(emitted / steps)
+
+
+def test_seeded_penalised_and_logprobs_match_plain(model):
+    requests = [dict(prompt=PROMPTS[0], max_tokens=30, temperature=0.8, seed=11),
+                dict(prompt=PROMPTS[1], max_tokens=30, temperature=1.0, top_k=20, seed=12, logprobs=3),
+                dict(prompt=PROMPTS[2], max_tokens=30, presence_penalty=1.5, frequency_penalty=0.5),
+                dict(prompt=PROMPTS[3], max_tokens=30, logprobs=2, logit_bias={"11": 3.0})]
+    plain, _, _ = run_all(model, 0, requests)
+    spec, metrics, _ = run_all(model, 2, requests)
+    assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
+    for got, want in zip(spec, plain):
+        if want["logprobs"] is None:
+            continue
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+        for g, w in zip(got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"]):
+            assert g.keys() == w.keys() and list(g.values()) == pytest.approx(list(w.values()), abs=1e-5)
+    assert metrics.value("ds4_spec_accepted_tokens_total") > 0
+
+
+def test_a_request_ending_inside_a_step_gives_the_rest_back(model):
+    """A stop token id met among a step's accepted drafts ends the request there: the finish is
+    the plain one, and the session holds exactly what plain decoding fed, so the next turn
+    (which extends it) gives the plain continuation."""
+    base, _, _ = run_all(model, 0, [dict(prompt=p, max_tokens=40) for p in PROMPTS])
+    requests = []
+    for i, p in enumerate(PROMPTS):  # each stops at a token of its greedy continuation, 5 to 20 tokens in
+        ids = base[i]["token_ids"]
+        k = next(j for j in range(5 + 3 * i, 40) if ids[j] not in ids[:j])
+        requests.append(dict(prompt=p, max_tokens=40, stop_token_ids=[ids[k]]))
+    for n in (0, 3):
+        with server(model, n) as srv:
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                first = list(ex.map(lambda kw: complete(srv, **kw), requests))
+            engine = srv.app.state.engine
+            held = sorted((list(s.tokens), int(engine.resident.positions[s.slot])) for s in engine.sessions if s.tokens)
+            # the next turn: the prompt, the reply and more text
+            follow = [complete(srv, PROMPTS[i] + c["text"] + "\nJULIET:", 12) for i, c in enumerate(first)]
+            result = ([c["token_ids"] for c in first], [c["finish_reason"] for c in first], held,
+                      [c["token_ids"] for c in follow])
+        if n == 0:
+            want = result
+    assert result[1] == ["stop"] * 4
+    assert all(len(tokens) == position for tokens, position in result[2])
+    assert result == want
+
+
+def chat(srv, content, max_tokens, **extra):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_grammar_requests_take_one_token_per_step(model):
+    """A request with a JSON schema speculates one token per step (its grammar masks one
+    position), beside others that take several: the same replies as without speculation."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    asks = [dict(content="Who are you?", max_tokens=40, response_format=fmt),
+            dict(content=PROMPTS[1], max_tokens=20), dict(content=PROMPTS[3], max_tokens=25)]
+    replies = []
+    for n in (0, 2):
+        with server(model, n) as srv:
+            with concurrent.futures.ThreadPoolExecutor(len(asks)) as ex:
+                replies.append(list(ex.map(lambda kw: chat(srv, **kw), asks)))
+    assert [(c["message"], c["finish_reason"]) for c in replies[1]] == \
+        [(c["message"], c["finish_reason"]) for c in replies[0]]
+    assert json.loads(replies[1][0]["message"]["content"]).keys() == {"name"}
+
+
+def test_metrics_and_request_log_show_acceptance(model, caplog):
+    with server(model, 2) as srv, caplog.at_level(logging.INFO, logger="ds4.serve"):
+        complete(srv, PROMPTS[1], 30)
+        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+    for name in ("ds4_spec_draft_tokens_total", "ds4_spec_accepted_tokens_total", "ds4_spec_verify_steps_total",
+                 "ds4_spec_acceptance_length"):
+        assert name in text
+    line = next(r.getMessage() for r in caplog.records if "draft_tokens=" in r.getMessage())
+    drafted = int(line.split("draft_tokens=")[1].split()[0])
+    accepted = int(line.split("accepted_drafts=")[1].split()[0])
+    assert 0 < accepted <= drafted
+
+
+def test_a_failed_step_is_retried_with_the_same_tokens(model, monkeypatch):
+    """A device error in a verify step resets the batch and retries the request after the
+    tokens it sent (prefilled again, the MTP layer with them): the same tokens as without."""
+    want, _, _ = run_all(model, 0, [dict(prompt=PROMPTS[1], max_tokens=30)])
+    reset_fault_counts()
+    monkeypatch.setenv("DS4_TORCH_FAULT", "decode:6")
+    got, metrics, _ = run_all(model, 2, [dict(prompt=PROMPTS[1], max_tokens=30)])
+    assert metrics.value("ds4_device_errors_total") == 1
+    assert got[0]["token_ids"] == want[0]["token_ids"]
+
+
+def test_serve_refuses_speculation_without_an_mtp_layer(tmp_path):
+    """A model without an MTP layer (the asset with its config's MTP slot removed: the loader
+    drops the mtp.* weights) is refused at start with a message naming the flag."""
+    import json
+    import shutil
+
+    from ds4_torch.default_model import DEFAULT_MODEL_DIR
+
+    shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(num_nextn_predict_layers=0, mtp_layer_types=[])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    args = build_parser().parse_args(["--model", str(tmp_path / "m"), "--speculative-tokens", "1", "--ctx", "256"])
+    with pytest.raises(UserError, match="--speculative-tokens 1 needs a model with an MTP layer"):
+        load(args)
