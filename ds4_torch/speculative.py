@@ -316,7 +316,10 @@ class Speculator:
         T = n + 1
         if self.acceptance == "rejection":
             self.draft_probs = self.draft_probs[:1] if n else []
-        pending, mtp_before, draft_before = self.pending[:B].clone(), self.mtp_out[:B].clone(), self.draft[:B].clone()
+        idle_rows = min(limits) == 0
+        pending = self.pending[:B]
+        if idle_rows:  # idle rows keep their state (copies: a captured graph's outputs change in place)
+            mtp_before, draft_before = self.mtp_out[:B].clone(), self.draft[:B].clone()
         self.last_sample, self.failed_rows = None, []
         try:
             fault_point("decode")
@@ -327,12 +330,13 @@ class Speculator:
                 logits, streams = forwards.verify(fed, undo)
                 rows = logits.float()                                              # [B, T, V]
                 accepted, tokens, usable = self._accept(rows, drafts, n, allowed, logprobs, detailed)
-                caps = torch.tensor([min(limit, T) for limit in limits], device=device)
-                if usable is not None:  # no token past the first one whose logits are not finite
-                    caps = torch.minimum(caps, usable.clamp(min=1))
-                accepted = torch.minimum(accepted, caps - 1)
+                caps = [min(limit, T) for limit in limits]
+                if min(caps) < T or usable is not None:  # a sequence may keep fewer than it could
+                    cap = torch.tensor(caps, device=device)
+                    if usable is not None:  # no token past the first one whose logits are not finite
+                        cap = torch.minimum(cap, usable.clamp(min=1))
+                    accepted = torch.minimum(accepted, cap - 1)
                 keep = accepted + 1                                            # 0: an idle row
-                idle = keep == 0
                 accepted = accepted.clamp(min=0)
                 forwards.rollback(undo, keep)
                 # The MTP layer catches up on the verified positions and keeps the accepted ones;
@@ -343,10 +347,12 @@ class Speculator:
                 if self.acceptance == "rejection":
                     self.draft_probs = []
                 draft, new_pending = self._pick(logits_m[:, -1], keep, B), tokens.gather(1, accepted.view(B, 1)).view(B)
-                # idle rows keep their state (copies above: a captured graph's outputs change in place)
-                self.draft[:B] = torch.where(idle, draft_before, draft)
-                self.pending[:B] = torch.where(idle, pending, new_pending)
-                self.mtp_out[:B] = torch.where(idle.view(B, 1, 1, 1), mtp_before, mtp_out)
+                if idle_rows:
+                    idle = keep == 0
+                    draft = torch.where(idle, draft_before, draft)
+                    new_pending = torch.where(idle, pending, new_pending)
+                    mtp_out = torch.where(idle.view(B, 1, 1, 1), mtp_before, mtp_out)
+                self.draft[:B], self.pending[:B], self.mtp_out[:B] = draft, new_pending, mtp_out
                 read = [(keep - 1).view(B, 1), tokens]
                 if usable is not None:
                     read.append(usable.view(B, 1))

@@ -260,7 +260,8 @@ def test_bench_serve_prints_every_client_count(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     rows = table.read_text().splitlines()
-    assert rows[0].startswith("clients,tok_s_total") and [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
+    assert rows[0].startswith("clients,") and "tok_s_total" in rows[0].split(",")
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
     assert "48-token prompt arriving while 2 streams decode" in out
     header = rows[0].split(",")
     for column in ("host_us_per_seq_step", "mean_batch", "step_model_ms", "step_sampling_ms", "step_host_ms"):
@@ -269,3 +270,22 @@ def test_bench_serve_prints_every_client_count(tmp_path, capsys):
         values = dict(zip(header, row.split(",")))
         assert 0 < float(values["host_us_per_seq_step"]) < 1e6 and float(values["step_model_ms"]) > 0
     assert "the engine alone" in out
+
+
+def test_bench_serve_compares_speculation_in_the_same_run(tmp_path, capsys):
+    """`--speculative-tokens 0 2`: one table per value (the speculating one with the acceptance
+    length: tokens per verify step, >= 1, at most 1 + 2) and a line comparing the totals."""
+    from ds4_torch.cli import main
+
+    table = tmp_path / "serve.csv"
+    rc = main(["bench", "serve", "--clients", "1", "2", "--new-tokens", "6", "--prompt-len", "16",
+               "--prefill-chunk", "16", "--stall-prompt-len", "0", "--repeat", "1", "--threads", "1",
+               "--speculative-tokens", "0", "2", "--csv", str(table)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "--speculative-tokens 2 against 0, total tok/s: 1 client(s)" in out and "accept len" in out
+    rows = [dict(zip(*(line.split(",") for line in (table.read_text().splitlines()[0], row))))
+            for row in table.read_text().splitlines()[1:]]
+    assert [(r["clients"], r["speculative_tokens"]) for r in rows] == [("1", "0"), ("2", "0"), ("1", "2"), ("2", "2")]
+    for r in rows[2:]:
+        assert 1.0 <= float(r["acceptance_length"]) <= 3.0

@@ -57,6 +57,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--repeat", type=positive_int, default=3, help="direct runs; the median is reported (default 3)")
+    p.add_argument("--speculative-tokens", type=int, nargs="+", choices=range(0, 4), default=[0], metavar="N",
+                   help="the server's --speculative-tokens; several values run the streams once per value, in this "
+                        "run, and compare each with the first (default 0: no speculation)")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -185,9 +188,6 @@ def _gaps(stamps: list[float]) -> list[float]:
 
 
 def run(args) -> int:
-    from serve.app import ServerConfig, create_app
-    from serve.background import BackgroundServer
-
     from ..decode import prefill
     from ..runtime import UserError, load_model, load_model_tokenizer
     from .report import write_csv
@@ -227,9 +227,36 @@ def run(args) -> int:
         chunk_s = max(_gaps(stamps))
 
     ctx = max(args.prompt_len + args.new_tokens, args.stall_prompt_len + 1)
+    if any(args.speculative_tokens) and getattr(model, "mtp", None) is None:
+        raise UserError("--speculative-tokens needs a model with an MTP layer (mtp.* weights)")
+    print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
+    all_rows, first = [], None
+    for n in args.speculative_tokens:
+        # the same prompts for every value: the tokens, and so the work, are the same
+        gen.manual_seed(1)
+        rows = _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts,
+                            stall_prompt if first is None else None, chunk_s)
+        if first is None:
+            first = rows
+        elif n != args.speculative_tokens[0]:
+            print(f"--speculative-tokens {n} against {args.speculative_tokens[0]}, total tok/s: " + ", ".join(
+                f"{r['clients']} client(s) {r['tok_s_total'] / f['tok_s_total']:.2f}x"
+                for r, f in zip(rows, first) if r["clients"] == f["clients"]))
+        all_rows += rows
+    rows = all_rows
+    if args.csv:
+        write_csv(rows, args.csv)
+    return 0
+
+
+def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, stall_prompt, chunk_s) -> list[dict]:
+    """One server (`--speculative-tokens n`) through every client count: its table printed, its rows."""
+    from serve.app import ServerConfig, create_app
+    from serve.background import BackgroundServer
+
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=args.prefill_chunk,
                           max_queue=max(64, max(counts)), max_batch=max_batch,
-                          max_sessions=max(max_batch, max(counts) + 1, 16))
+                          max_sessions=max(max_batch, max(counts) + 1, 16), speculative_tokens=n)
     app = create_app(model, tokenizer, config)
     rows = []
     stall = None
@@ -239,8 +266,9 @@ def run(args) -> int:
 
     def host_counters():
         parts = [metrics.value("ds4_step_seconds_sum", part=p) for p in ("model", "sampling", "host")]
+        spec = [metrics.value(f"ds4_spec_{k}_total") for k in ("verify_steps", "emitted_tokens")]
         return engine.host_cpu_s + engine.output.cpu_s, engine.decode_rows, \
-            metrics.value("ds4_step_seconds_count", part="model"), parts
+            metrics.value("ds4_step_seconds_count", part="model"), parts, spec
 
     with BackgroundServer(app) as srv:
         alone = []
@@ -250,20 +278,23 @@ def run(args) -> int:
             alone.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "itl_p50_ms": 1000 * _pct(gaps, 50),
                           "itl_p99_ms": 1000 * _pct(gaps, 99)})
         for c in counts:
-            cpu0, rows0, steps0, parts0 = host_counters()
+            cpu0, rows0, steps0, parts0, spec0 = host_counters()
             r = run_clients(srv.url, prompts(c), args.new_tokens)
             engine.output.flush(10)
-            cpu1, rows1, steps1, parts1 = host_counters()
+            cpu1, rows1, steps1, parts1, spec1 = host_counters()
             steps = max(1.0, steps1 - steps0)
             split = {f"step_{p}_ms": 1000 * (b - a) / steps for p, a, b in zip(("model", "sampling", "host"), parts0,
                                                                                 parts1)}
+            verify = spec1[0] - spec0[0]
             gaps = [g for s in r["stamps"] for g in _gaps(s)]
-            rows.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "ttft_p50_s": _pct(r["ttft"], 50),
+            rows.append({"clients": c, "speculative_tokens": n, "tok_s_total": r["tokens"] / r["wall"],
+                         "ttft_p50_s": _pct(r["ttft"], 50),
                          "ttft_p99_s": _pct(r["ttft"], 99), "itl_p50_ms": 1000 * _pct(gaps, 50),
                          "itl_p99_ms": 1000 * _pct(gaps, 99),
                          "host_us_per_seq_step": 1e6 * (cpu1 - cpu0) / max(1, rows1 - rows0),
-                         "mean_batch": (rows1 - rows0) / steps, **split})
-        if args.stall_prompt_len > 0:
+                         "mean_batch": (rows1 - rows0) / steps,
+                         "acceptance_length": (spec1[1] - spec0[1]) / verify if verify else float("nan"), **split})
+        if stall_prompt is not None:
             r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens, late=stall_prompt)
             lo, hi = r["window"]
             inside = [b - a for s in r["stamps"] for a, b in zip(s, s[1:]) if b > lo and a < hi]
@@ -273,17 +304,19 @@ def run(args) -> int:
                      "prefill_s": hi - lo}
 
     base = rows[0]["tok_s_total"] if rows and rows[0]["clients"] == 1 else float("nan")
-    print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
+    if n:
+        print(f"--speculative-tokens {n} (accept len: tokens per verify step, the bonus token included):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9} {'host us/seq/step':>17} {'step ms: model':>15} "
-          f"{'sampling':>9} {'host':>6}")
+          f"{'sampling':>9} {'host':>6}" + (f" {'accept len':>10}" if n else ""))
     for r in rows:
         r["vs_1_client"] = r["tok_s_total"] / base
         r["itl_vs_1_client"] = r["itl_p50_ms"] / rows[0]["itl_p50_ms"] if rows[0]["clients"] == 1 else float("nan")
         print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['ttft_p50_s']:>8.3f}s "
               f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms "
               f"{r['itl_vs_1_client']:>8.2f}x {r['host_us_per_seq_step']:>17.1f} {r['step_model_ms']:>15.2f} "
-              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f}")
+              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f}"
+              + (f" {r['acceptance_length']:>10.2f}" if n else ""))
     print("(tok/s total: all tokens / wall time, prefill and queueing included; TTFT: request sent -> first token; "
           "ITL: gap between consecutive tokens of one stream; host us/seq/step: CPU time of the engine and output "
           "threads outside the model and the sampler, per sequence per decode step; step ms: the engine's mean decode "
@@ -300,6 +333,4 @@ def run(args) -> int:
               f"in {stall['prefill_s']:.2f} s; largest gap any stream saw meanwhile {stall['max_gap_ms']:.1f} ms "
               f"(ITL p50 outside it {stall['itl_p50_ms']:.1f} ms; its slowest {args.prefill_chunk}-token chunk, "
               f"prefilled directly, {stall['chunk_ms']:.1f} ms)")
-    if args.csv:
-        write_csv(rows, args.csv)
-    return 0
+    return rows
