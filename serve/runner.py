@@ -19,7 +19,9 @@ logprobs asked for), once, after the sampler.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -107,7 +109,10 @@ class Runner:
 
     def admit(self, slot: int, req: GenRequest, eos_ids) -> None:
         """`req`'s settings into sampler slot `slot`; the tokens it sent already count (a retry)."""
-        self._sampler_write("sampler_admit", slot, req.sampling, list(req.prompt_ids), list(req.generated),
+        params = req.sampling
+        if self.draft_tokens and params.seed is None:  # every rank must draw the same noise: one seed, chosen here
+            params = dataclasses.replace(params, seed=secrets.randbits(64))
+        self._sampler_write("sampler_admit", slot, params, list(req.prompt_ids), list(req.generated),
                             () if req.ignore_eos else tuple(eos_ids))
 
     def move(self, dst: int, src: int) -> None:

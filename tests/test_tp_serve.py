@@ -461,3 +461,43 @@ def test_engine_checkpoints_reach_the_followers(tmp_path):
         time.sleep(0.2)
         same(srv.app.state.engine, peers.follower)
     assert {"import_sequence", "import_checkpoint"} <= set(peers.sent)
+
+
+def test_speculative_steps_reach_the_followers(tmp_path):
+    """`--speculative-tokens 2` under tensor parallelism: every rank runs the whole speculative
+    step (drafts included), so the sampler's writes and the steps must reach the followers, whose
+    caches (MTP layer included) and samplers then equal the lead's; the tokens equal a plain
+    single-process server's."""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from serve.app import ServerConfig, create_app
+    from serve.background import BackgroundServer
+
+    model, tok = build_default_model(), default_tokenizer()
+    prompts = ["ROMEO:\nWhat light", "First Citizen:\nBefore we proceed any further, hear me speak. " * 2]
+    bodies = [dict(prompt=prompts[0], max_tokens=30, temperature=0.9, seed=3, stop_token_ids=[7]),
+              dict(prompt=prompts[1], max_tokens=37, temperature=0, presence_penalty=1.0),
+              dict(prompt=prompts[0] + " and", max_tokens=20)]  # unseeded: rank 0 picks one seed for all
+    outputs = []
+    for n, peers in ((0, None), (2, MirrorPeers(model))):
+        app = create_app(model, tok, ServerConfig(ctx=256, prefill_chunk=16, max_batch=2, speculative_tokens=n),
+                         peers=peers)
+        with BackgroundServer(app) as srv:
+            got = [None] * len(bodies)
+
+            def ask_one(i):
+                got[i] = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "ignore_eos": True, "return_token_ids": True, **bodies[i]}).json()
+            threads = [threading.Thread(target=ask_one, args=(i,)) for i in range(len(bodies))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            outputs.append([g["choices"][0]["token_ids"] for g in got[:2]])  # the unseeded one: its own draw
+            if peers is not None:
+                time.sleep(0.2)
+                assert_same_caches(srv.app.state.engine.replica, peers.follower)
+                lead, follower = srv.app.state.engine.replica.sampler, peers.follower.sampler
+                assert torch.equal(lead.generated, follower.generated)
+                assert {"speculate", "join", "sampler_admit", "sampler_append"} <= set(peers.sent)
+                assert srv.app.state.metrics.value("ds4_spec_accepted_tokens_total") > 0
+    assert outputs[1] == outputs[0]
