@@ -501,3 +501,27 @@ def test_speculative_steps_reach_the_followers(tmp_path):
                 assert {"speculate", "join", "sampler_admit", "sampler_append"} <= set(peers.sent)
                 assert srv.app.state.metrics.value("ds4_spec_accepted_tokens_total") > 0
     assert outputs[1] == outputs[0]
+
+
+def test_speculating_ranks_answer_like_the_single_process_server(tmp_path, single):
+    """Two real ranks (torchrun, gloo) with `--speculative-tokens 2`: concurrent greedy requests
+    give the single plain process's answers, and drafts were accepted."""
+    ranks = torchrun(tmp_path, "--speculative-tokens", "2").wait_ready()
+    try:
+        client = ranks.client()
+        got = {}
+        threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, ask(client, p))) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == {p: single[p] for p in PROMPTS}
+        metrics = httpx.get(ranks.url + "/metrics").text
+        accepted = float(re.search(r"^ds4_spec_accepted_tokens_total (\S+)$", metrics, re.M).group(1))
+        assert accepted > 0, metrics
+    finally:
+        ranks.procs[0].send_signal(signal.SIGINT)
+        try:
+            ranks.procs[0].wait(30)
+        finally:
+            ranks.kill()
