@@ -183,6 +183,7 @@ class Engine:
 
         # Sampler slot i is batch slot i (a request's settings move with it).
         self.speculative_tokens = speculative_tokens
+        self.spec_totals = [0, 0]  # verify steps (per sequence), tokens they emitted: the acceptance length
         self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
                              decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens)
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
@@ -634,7 +635,7 @@ class Engine:
             return
         self.metrics.batch_size.observe(len(reqs))
         self.decode_rows += len(reqs)
-        done, used, taken, slots = [], [], [], []
+        done, used, taken, slots, counted, counts = [], [], [], [], [], []
         for req, result in zip(reqs, results):
             self.sessions.confirm_restored(req.session)
             before = len(req.held)
@@ -657,7 +658,8 @@ class Engine:
                 if end is not None:
                     break
             used.append(j + 1 if j + 1 < len(drawn) else None)
-            self._count_drafts(req, drafted, len(drawn) - 1)
+            counted.append(req)
+            counts.append((drafted, len(drawn) - 1))
             if end is not None:
                 done.append(req)
                 continue
@@ -668,6 +670,7 @@ class Engine:
             if self.kv_store is not None and self.kv_store.every > 0 and \
                     self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
                 self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
+        self._count_drafts(counted, counts)
         try:
             if any(u is not None for u in used):
                 self.runner.trim(used)
@@ -685,15 +688,20 @@ class Engine:
         if self.token_delay:
             time.sleep(self.token_delay)
 
-    def _count_drafts(self, req: GenRequest, drafted: int, accepted: int) -> None:
-        req.draft_tokens += drafted
-        req.accepted_drafts += accepted
+    def _count_drafts(self, reqs: list[GenRequest], counts: list[tuple[int, int]]) -> None:
+        """Each request's drafts proposed and accepted in this step: its own counts and /metrics."""
+        for req, (drafted, accepted) in zip(reqs, counts):
+            req.draft_tokens += drafted
+            req.accepted_drafts += accepted
+        drafted, accepted = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        self.spec_totals[0] += len(counts)
+        self.spec_totals[1] += len(counts) + accepted
         m = self.metrics
-        m.spec_steps.inc()
+        m.spec_steps.inc(len(counts))
         m.spec_drafted.inc(drafted)
         m.spec_accepted.inc(accepted)
-        m.spec_emitted.inc(accepted + 1)
-        m.spec_acceptance.set(m.value("ds4_spec_emitted_tokens_total") / m.value("ds4_spec_verify_steps_total"))
+        m.spec_emitted.inc(len(counts) + accepted)
+        m.spec_acceptance.set(self.spec_totals[1] / self.spec_totals[0])
 
     def _sample(self, reqs: list[GenRequest], logits, slots: list[int] | None = None) -> list[str | None]:
         """The next token of every request of `reqs` (row i of `logits`, sampler slot `slots[i]`

@@ -133,21 +133,7 @@ class Runner:
             self.sampling_s += time.perf_counter() - t0
 
     def _sample(self, reqs, logits, slots):
-        B = len(reqs)
-        results: list = [None] * B
-        # Tokens each may still emit, this one included: max_tokens, and the context.
-        remaining = [self._remaining(r) for r in reqs]
-        allowed = None
-        for i, req in enumerate(reqs):
-            if req.constraint is not None:
-                if allowed is None:
-                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=logits.device)
-                try:
-                    allowed[i] = req.constraint.begin(remaining[i]).to(logits.device)
-                except Exception as e:  # noqa: BLE001 - this request's grammar: not the batch's
-                    results[i] = e
-        want = [r.logprobs for r in reqs if r.logprobs is not None]
-        k = max(want) if want else None
+        results, remaining, allowed, k = self._prepare(reqs)
         rows = self._draw(logits, allowed, k, slots, results)
         for i, req in enumerate(reqs):
             if results[i] is not None:
@@ -170,6 +156,26 @@ class Runner:
                 top = list(zip(top_ids[:req.logprobs], top_lps[:req.logprobs]))
             results[i] = Drawn(token, logprob if req.logprobs is not None else None, top)
         return results
+
+    def _prepare(self, reqs: list[GenRequest]) -> tuple[list, list[int], torch.Tensor | None, int | None]:
+        """What one sampler call for `reqs` needs: per request None or the exception that already
+        fails it (its grammar raised), the tokens each may still emit (this one included:
+        max_tokens, and the context), the grammar masks [B, V] (None without a constrained
+        request) and the logprobs to compute (the most any request asked; None: none)."""
+        B = len(reqs)
+        results: list = [None] * B
+        remaining = [self._remaining(r) for r in reqs]
+        allowed = None
+        for i, req in enumerate(reqs):
+            if req.constraint is not None:
+                if allowed is None:
+                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=self.device)
+                try:
+                    allowed[i] = req.constraint.begin(remaining[i]).to(self.device)
+                except Exception as e:  # noqa: BLE001 - this request's grammar: not the batch's
+                    results[i] = e
+        want = [r.logprobs for r in reqs if r.logprobs is not None]
+        return results, remaining, allowed, max(want) if want else None
 
     def _draw(self, logits, allowed, k, slots, results) -> list:
         """The batched call: per row (token, failed, logprob, top ids, top logprobs). If it raises,
@@ -221,20 +227,8 @@ class Runner:
         (logits not finite, its grammar raised). A constrained request (limit 1) gets its
         grammar's mask and closing policy, as in `sample`; `append` must follow with the tokens
         taken (`set_pending` first for one its grammar replaced)."""
-        B = len(reqs)
-        results: list = [None] * B
-        allowed = None
-        remaining = [self._remaining(r) for r in reqs]
-        for i, req in enumerate(reqs):
-            if req.constraint is not None:
-                if allowed is None:
-                    allowed = torch.ones(B, self.vocab_size, dtype=torch.bool, device=self.device)
-                try:
-                    allowed[i] = req.constraint.begin(remaining[i]).to(self.device)
-                except Exception as e:  # noqa: BLE001 - this request's grammar: not the batch's
-                    results[i] = e
-        want = [r.logprobs for r in reqs if r.logprobs is not None]
-        rows = self._timed_model("speculate", limits, allowed, max(want) if want else None)
+        results, remaining, allowed, k = self._prepare(reqs)
+        rows = self._timed_model("speculate", limits, allowed, k)
         for i, req in enumerate(reqs):
             tokens, logits, failed, lps, tops, drafted = rows[i]
             if results[i] is not None:

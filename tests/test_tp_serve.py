@@ -96,6 +96,17 @@ def ask(client: openai.OpenAI, prompt: str, n: int = 24, stream: bool = False) -
     return r.choices[0].text
 
 
+def ask_all(client: openai.OpenAI) -> dict[str, str]:
+    """Every prompt of PROMPTS at once (they decode together): prompt -> its greedy text."""
+    got = {}
+    threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, ask(client, p))) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
 def chat(client: openai.OpenAI, content: str, n: int = 24) -> str:
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                        max_tokens=n, temperature=0)
@@ -137,14 +148,7 @@ def test_answers_equal_the_single_process_server(tp_server, single):
 
 
 def test_concurrent_requests_batch_and_equal_the_single_process_server(tp_server, single):
-    client = tp_server.client()
-    got = {}
-    threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, ask(client, p))) for p in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert got == {p: single[p] for p in PROMPTS}
+    assert ask_all(tp_server.client()) == {p: single[p] for p in PROMPTS}
     # they really decoded together: the batch histogram saw steps of more than one sequence
     metrics = httpx.get(tp_server.url + "/metrics").text
     sizes = {float(m) for m in re.findall(r'ds4_batch_size_bucket\{le="1\.0"\} (\S+)', metrics)}
@@ -508,14 +512,7 @@ def test_speculating_ranks_answer_like_the_single_process_server(tmp_path, singl
     give the single plain process's answers, and drafts were accepted."""
     ranks = torchrun(tmp_path, "--speculative-tokens", "2").wait_ready()
     try:
-        client = ranks.client()
-        got = {}
-        threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, ask(client, p))) for p in PROMPTS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert got == {p: single[p] for p in PROMPTS}
+        assert ask_all(ranks.client()) == {p: single[p] for p in PROMPTS}
         metrics = httpx.get(ranks.url + "/metrics").text
         accepted = float(re.search(r"^ds4_spec_accepted_tokens_total (\S+)$", metrics, re.M).group(1))
         assert accepted > 0, metrics
