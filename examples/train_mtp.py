@@ -82,6 +82,43 @@ def distill_loss(model, x: torch.Tensor, hard_weight: float = 0.0) -> tuple[torc
 
 
 @torch.no_grad()
+def generated_sequences(model, train: torch.Tensor, count: int, prompt_len: int, new_tokens: int,
+                        temperatures: tuple[float, ...], seed: int, batch: int = 32) -> torch.Tensor:
+    """[count, prompt_len + new_tokens] token rows: training-split windows continued by the main
+    model itself (batched decode, seeded, the temperatures in turn). Speculation drafts after
+    the model's own tokens, not after Shakespeare's: training the MTP layer on them too targets
+    what it is measured on (self-distillation, as EAGLE and Medusa do)."""
+    from ds4_torch.sampling import BatchSampler, SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for first in range(0, count, batch):
+        B = min(batch, count - first)
+        starts = torch.randint(0, len(train) - prompt_len, (B,), generator=g)
+        ids = torch.stack([train[s:s + prompt_len] for s in starts])
+        sampler = BatchSampler(B, model.config.vocab_size)
+        for b in range(B):
+            t = temperatures[(first + b) % len(temperatures)]
+            sampler.admit(b, SamplingParams(temperature=t, seed=seed + first + b))
+        cache = model.new_cache(B, prompt_len + new_tokens)
+        with torch.inference_mode():
+            logits = model._forward(ids, cache, logits_to_keep=1)[:, -1]
+            out = []
+            for _ in range(new_tokens):
+                token = sampler.sample(logits.float()).tokens
+                sampler.append(token)
+                out.append(token)
+                logits = model._forward(token.view(B, 1), cache)[:, -1]
+        rows.append(torch.cat([ids, torch.stack(out, 1)], 1))
+    return torch.cat(rows)
+
+
+def row_batches(rows: torch.Tensor, batch: int, g: torch.Generator):
+    while True:
+        yield rows[torch.randint(0, rows.shape[0], (batch,), generator=g)], None
+
+
+@torch.no_grad()
 def held_out_agreement(model, data: torch.Tensor, length: int = 256) -> tuple[float, float]:
     model.eval()
     losses, agrees, n = 0.0, 0.0, 0
@@ -130,6 +167,9 @@ def main(argv=None):
                    help="continue the model's own MTP layer (after the main model changed) instead of a new one")
     p.add_argument("--hard-weight", type=float, default=0.0,
                    help="add this times the cross-entropy against the main model's argmax (greedy acceptance)")
+    p.add_argument("--self-distill", type=int, default=0, metavar="N",
+                   help="also train on N training-split windows continued by the main model itself (greedy and "
+                        "at 0.7 in turn), every other step (default 0: Shakespeare only)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=96)
     args = p.parse_args(argv)
@@ -153,10 +193,19 @@ def main(argv=None):
         print(f"held-out distillation loss {before[0]:.4f}, top-1 agreement {before[1]:.3f}", flush=True)
         opt, sched = optimizer(model.mtp, args.lr, args.weight_decay, args.steps)
         data = batches(train, args.batch, args.length, torch.Generator().manual_seed(args.seed))
+        own = None
+        if args.self_distill:
+            t_gen = time.time()
+            model.eval()
+            rows = generated_sequences(model, train, args.self_distill, args.length // 4,
+                                       args.length - args.length // 4, (0.0, 0.7), args.seed)
+            own = row_batches(rows, args.batch, torch.Generator().manual_seed(args.seed + 1))
+            print(f"{rows.shape[0]} sequences of {rows.shape[1]} tokens generated in {time.time() - t_gen:.0f} s",
+                  flush=True)
         model.train()
         t0, steps = time.time(), 0
         for steps in range(1, args.steps + 1):
-            x, _ = next(data)
+            x, _ = next(own if own is not None and steps % 2 == 0 else data)
             loss, agree = distill_loss(model, x, args.hard_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -180,8 +229,9 @@ def main(argv=None):
             "objective": "distillation: MTP at p vs the frozen main model at p+1 (soft cross-entropy"
                          + (f", plus {args.hard_weight} x cross-entropy against its argmax)" if args.hard_weight else ")"),
             "hard_weight": args.hard_weight,
+            "self_distill_sequences": args.self_distill,
             "continued": continued, "previous": record.get("mtp") if continued else None,
-            "train_tokens": steps * args.batch * args.length,
+            "train_tokens": steps * args.batch * args.length,  # every other step the model's own text with --self-distill
             "held_out_distillation_loss_before": round(before[0], 4),
             "held_out_distillation_loss_after": round(after[0], 4),
             "held_out_top1_agreement_before": round(before[1], 4),

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=int, default=0, choices=range(0, 4), metavar="N",
                    help="speculative decoding: draft N tokens (1-3) per step with the model's MTP layer and verify "
                         "them in one forward; the same tokens as without (default 0: off)")
+    p.add_argument("--speculative-max-batch", type=positive_int, default=None, metavar="N",
+                   help="speculate only while at most N sequences decode together; above, plain steps (a verify "
+                        "step of many sequences can cost more than its accepted drafts save; default: always)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,
@@ -149,6 +152,7 @@ def load(args, group=None):
         model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
         decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
         max_sessions=args.max_sessions, speculative_tokens=args.speculative_tokens,
+        speculative_max_batch=args.speculative_max_batch,
         api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
         checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,

@@ -160,7 +160,8 @@ class Engine:
                  max_queue: int = 64, max_batch: int = DEFAULT_MAX_BATCH, max_sessions: int | None = None,
                  metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
                  checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-                 checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0):
+                 checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0,
+                 speculative_max_batch: int | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_draft_tokens(model, speculative_tokens)
@@ -184,6 +185,10 @@ class Engine:
         # Sampler slot i is batch slot i (a request's settings move with it).
         self.speculative_tokens = speculative_tokens
         self.spec_totals = [0, 0]  # verify steps (per sequence), tokens they emitted: the acceptance length
+        # Speculate only while at most this many sequences decode (None: always); above, plain
+        # steps, after which each row's speculation state is stale until it joins again.
+        self.speculative_max_batch = speculative_max_batch
+        self._rejoin: set[GenRequest] = set()
         self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
                              decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens)
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
@@ -586,8 +591,11 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
         if self.speculative_tokens:
-            self._speculative_step()
-            return
+            limit = self.speculative_max_batch
+            if limit is None or len(self.running) <= limit:
+                self._speculative_step()
+                return
+            self._rejoin = set(self.running)  # a plain step: their drafts start over when speculation resumes
         reqs = list(self.running)
         try:
             if any(r.session.restored is not None for r in reqs):
@@ -629,6 +637,10 @@ class Engine:
         try:
             if any(r.session.restored is not None for r in reqs):
                 fault_point("restore")
+            for req in reqs:
+                if req in self._rejoin:  # after plain steps: its MTP layer skips what they fed
+                    self.runner.join(req.decode_slot, req.pending, None)
+            self._rejoin.clear()
             results = self.runner.speculate(reqs, [self.runner.limit(r) for r in reqs])
         except BaseException as e:  # noqa: BLE001 - device errors, OOM, injected faults, bugs
             self._failed(reqs, e, "decode")

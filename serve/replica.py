@@ -202,11 +202,11 @@ class Replica:
         self.sampler.append(torch.tensor(tokens, dtype=torch.long), slots)
 
     # ------------------------------------------------------------------ speculative decoding
-    def join(self, slot: int, first: int, resident_slot: int) -> None:
-        """Batch slot `slot` (copied from resident slot `resident_slot`) starts speculating after
-        `first`, its first token: the first draft comes from the prefill's last streams when the
-        resident slot still has them."""
-        carry = self._carry(resident_slot)
+    def join(self, slot: int, first: int, resident_slot: int | None) -> None:
+        """Batch slot `slot` (copied from resident slot `resident_slot`, or None: it was decoding
+        without speculation) starts speculating after `first`, its pending token: the first draft
+        comes from the prefill's last streams when the resident slot still has them."""
+        carry = None if resident_slot is None else self._carry(resident_slot)
         self.speculator.join_row(slot, first, carry)
 
     def speculate(self, limits: list[int], allowed: torch.Tensor | None, logprobs: int | None) -> list:

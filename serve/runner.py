@@ -216,8 +216,9 @@ class Runner:
             self.sampling_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ speculative decoding
-    def join(self, slot: int, first: int, resident_slot: int) -> None:
-        """Batch slot `slot`, copied from `resident_slot`, speculates after its first token `first`."""
+    def join(self, slot: int, first: int, resident_slot: int | None) -> None:
+        """Batch slot `slot`, copied from `resident_slot` (None: it decoded plainly), speculates
+        after its pending token `first`."""
         self._timed_model("join", slot, first, resident_slot)
 
     def speculate(self, reqs: list[GenRequest], limits: list[int]) -> list:

@@ -292,7 +292,23 @@ def check_speculative():
             print(f"ok speculative {mode} N={n}")
 
 
-CHECKS = {"speculative": check_speculative, "kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench,
+def check_serve_speculative():
+    """The server speculating on CUDA (`--speculative-tokens 2`, decode mode auto: captured CUDA
+    graphs per power-of-two width): a batch of concurrent greedy requests gives the plain
+    server's tokens, and drafts are accepted."""
+    from ds4_torch.default_model import build_default_model
+    from test_serve_speculative import PROMPTS, run_all
+
+    model = build_default_model(device=DEVICE)
+    requests = [dict(prompt=p, max_tokens=23 + 7 * i) for i, p in enumerate(PROMPTS)]
+    plain, _, _ = run_all(model, 0, requests)
+    spec, metrics, _ = run_all(model, 2, requests)
+    assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
+    assert metrics.value("ds4_spec_accepted_tokens_total") > 0
+    print("ok serve speculative on cuda")
+
+
+CHECKS = {"serve_speculative": check_serve_speculative, "speculative": check_speculative, "kernels": check_kernels, "graph": check_graph, "model": check_model, "bench": check_bench,
           "quant": check_quant}
 
 if __name__ == "__main__":

@@ -68,6 +68,12 @@ def test_speculative_decoding_on_cuda_eager_and_cuda_graphs():
 
 
 @pytest.mark.gpu
+def test_the_server_speculates_on_cuda():
+    out = run_checks("serve_speculative")
+    assert "ok serve speculative on cuda" in out
+
+
+@pytest.mark.gpu
 def test_bench_kernels_reports_bandwidth():
     run_checks("bench")
 

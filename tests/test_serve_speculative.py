@@ -78,6 +78,20 @@ def test_greedy_batch_gives_plain_tokens(model, n, mode):
     assert metrics.value("ds4_spec_acceptance_length") == pytest.approx(emitted / steps)
 
 
+def test_plain_steps_above_the_speculation_limit(model):
+    """`speculative_max_batch=2`: four requests of different lengths decode plainly while more
+    than two run, then speculate (their MTP layers rejoining after the plain steps): the tokens
+    of a server that never speculates, seeded ones included."""
+    requests = [dict(prompt=p, max_tokens=12 + 14 * i, temperature=0.7 * (i % 2), seed=i) for i, p in enumerate(PROMPTS)]
+    plain, _, plain_sessions = run_all(model, 0, requests)
+    spec, metrics, sessions = run_all(model, 2, requests, speculative_max_batch=2)
+    assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
+    assert sorted(sessions) == sorted(plain_sessions)
+    assert metrics.value("ds4_spec_accepted_tokens_total") > 0
+    steps = metrics.value("ds4_batch_size_count")
+    assert metrics.value("ds4_spec_verify_steps_total") < metrics.value("ds4_batch_size_sum") and steps > 0
+
+
 def test_seeded_penalised_and_logprobs_match_plain(model):
     requests = [dict(prompt=PROMPTS[0], max_tokens=30, temperature=0.8, seed=11),
                 dict(prompt=PROMPTS[1], max_tokens=30, temperature=1.0, top_k=20, seed=12, logprobs=3),

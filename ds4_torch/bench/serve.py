@@ -60,6 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--speculative-tokens", type=int, nargs="+", choices=range(0, 4), default=[0], metavar="N",
                    help="the server's --speculative-tokens; several values run the streams once per value, in this "
                         "run, and compare each with the first (default 0: no speculation)")
+    p.add_argument("--speculative-max-batch", type=positive_int, default=None, metavar="N",
+                   help="the server's --speculative-max-batch (default: always speculate)")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -256,7 +258,8 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
 
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=args.prefill_chunk,
                           max_queue=max(64, max(counts)), max_batch=max_batch,
-                          max_sessions=max(max_batch, max(counts) + 1, 16), speculative_tokens=n)
+                          max_sessions=max(max_batch, max(counts) + 1, 16), speculative_tokens=n,
+                          speculative_max_batch=args.speculative_max_batch)
     app = create_app(model, tokenizer, config)
     rows = []
     stall = None
