@@ -118,6 +118,7 @@ log = logging.getLogger("ds4.serve")
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MIN_SESSIONS = 16
+STOP_WAIT_S = 0.05  # speculating, the longest the engine waits for the output part to match stop strings
 SHUTDOWN_SAVE_S = 30.0  # a clean shutdown waits this long for the writer to save every conversation
 
 
@@ -189,6 +190,10 @@ class Engine:
         # steps, after which each row's speculation state is stale until it joins again.
         self.speculative_max_batch = speculative_max_batch
         self._rejoin: set[GenRequest] = set()
+        # The last speculative step's tokens per request that goes on: (generated before it,
+        # tokens it took, their logits [k, V], held before it), so a stop string the output part
+        # finds among them can give the rest back (`_trim_at_stops`).
+        self._last_step: dict[GenRequest, tuple[int, int, torch.Tensor, int]] = {}
         self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
                              decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens)
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
@@ -590,6 +595,7 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
+        self._last_step = {}
         if self.speculative_tokens:
             limit = self.speculative_max_batch
             if limit is None or len(self.running) <= limit:
@@ -659,6 +665,7 @@ class Engine:
                 used.append(None)
                 continue
             drawn, rows, drafted = result
+            generated_before = len(req.generated)
             end = None
             for j, d in enumerate(drawn):
                 if j:
@@ -675,6 +682,7 @@ class Engine:
             if end is not None:
                 done.append(req)
                 continue
+            self._last_step[req] = (generated_before, len(drawn), rows, before)
             boundary = self.sessions.wanted_between(req, before, len(req.held))
             if boundary is not None:
                 self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
@@ -808,11 +816,46 @@ class Engine:
         else:
             self._abort(req, stage)
 
+    def _trim_at_stops(self, stopped: list[GenRequest]) -> None:
+        """Speculating, a stop string the output part found among the last step's tokens of a
+        request: that step's tokens past the one completing it are given back (`trim`), so its
+        session holds what plain decoding, which meets the stop a token at a time, would have
+        fed: every token up to the stop's last one (which is the reply's last, not fed)."""
+        used, cut = [None] * len(self.running), []
+        for req in stopped:
+            info = self._last_step.get(req)
+            if info is None or req.stop_at is None:
+                continue
+            generated_before, taken, rows, held_before = info
+            k = req.stop_at - generated_before  # the step's tokens up to and including the stop's last
+            if 1 <= k < taken:
+                used[req.decode_slot] = k
+                cut.append((req, k, rows, held_before))
+        self._last_step = {}
+        if not cut:
+            return
+        try:
+            self.runner.trim(used)
+        except BaseException as e:  # noqa: BLE001 - keep what was fed, as after a lagging stop
+            log.warning("engine: could not give back the tokens past a stop string: %s: %s", type(e).__name__, e)
+            return
+        for req, k, rows, held_before in cut:
+            del req.held[held_before + k:]
+            req.logits = rows[k - 1]
+
     def _reap(self) -> None:
         """End the requests whose client left, and those the output part found a stop string in
-        (or failed to detokenize): done (or failed), their session keeping what was fed."""
-        for req in sorted((r for r in self.running if r.cancel.is_set() or r.stop_found.is_set()),
-                          key=lambda r: -r.decode_slot):
+        (or failed to detokenize): done (or failed), their session keeping what was fed (when
+        speculating, up to the stop: `_trim_at_stops`)."""
+        if self._last_step and any(r.stop for r in self._last_step):
+            # Speculating, a stop string among the last step's tokens can still be given back
+            # (not after the next step): let the output part see them first (stop strings only).
+            self.output.flush(STOP_WAIT_S)
+        # One look at the flags (the output part sets them meanwhile): trimmed and ended alike.
+        leaving = [r for r in self.running if r.cancel.is_set() or r.stop_found.is_set()]
+        if self._last_step:
+            self._trim_at_stops([r for r in leaving if not r.cancel.is_set()])
+        for req in sorted(leaving, key=lambda r: -r.decode_slot):
             if req.cancel.is_set():
                 self._end(req, "cancelled", stage="decode")
             else:

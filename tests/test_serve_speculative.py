@@ -201,3 +201,61 @@ def test_serve_refuses_speculation_without_an_mtp_layer(tmp_path):
     args = build_parser().parse_args(["--model", str(tmp_path / "m"), "--speculative-tokens", "1", "--ctx", "256"])
     with pytest.raises(UserError, match="--speculative-tokens 1 needs a model with an MTP layer"):
         load(args)
+
+
+def test_a_stop_string_inside_a_step_leaves_the_session_at_the_stop(model):
+    """The output part finds a stop string (spanning tokens) among the tokens one verify step
+    took: the engine gives the step's later tokens back, so the session holds the reply up to
+    the stop's last token and a follow-up reuses it, as without speculation; the text, tokens
+    and usage are the plain ones."""
+    from ds4_torch.generation import generate
+    from test_batched_serving import _stop_spanning_tokens, prompt_ids
+
+    tok = default_tokenizer()
+    ids, n = prompt_ids(30, 11), 40
+    tokens = list(generate(model, ids, n))
+    stop, text, upto = _stop_spanning_tokens(tok, tokens)
+    with server(model, 3) as srv:
+        r = complete(srv, ids, n, stop=[stop])
+        assert (r["text"], r["token_ids"], r["finish_reason"]) == (text, tokens[:upto], "stop")
+        follow = ids + tokens[:upto] + prompt_ids(5, 12)
+        body = {"model": MODEL, "prompt": follow, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        again = httpx.post(srv.url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) + upto - 1
+    assert again["choices"][0]["token_ids"] == list(generate(model, follow, 4))
+
+
+def test_a_row_whose_verified_logits_overflow(model, monkeypatch):
+    """NaN or inf in the verified logits of one request: at its first position the request fails
+    alone (a 500 naming it); at later positions only, it keeps the tokens before them (and so
+    gives the same tokens as a plain server); the stream beside it is exact."""
+    from ds4_torch.decode import SpeculativeForwards
+
+    seeded = [dict(prompt=PROMPTS[2], max_tokens=10, temperature=1.0, top_k=13, seed=seed) for seed in (1, 2)]
+    want, _, _ = run_all(model, 0, [dict(prompt=PROMPTS[1], max_tokens=30), seeded[1]])
+    with server(model, 2) as srv:
+        engine = srv.app.state.engine
+        real = SpeculativeForwards.verify
+
+        def verify(self, ids, undo):
+            logits, streams = real(self, ids, undo)
+            logits = logits.clone()
+            for i, req in enumerate(engine.running[:ids.shape[0]]):
+                if req.sampling.top_k == 13 and len(req.generated) >= 2:
+                    first = 0 if req.sampling.seed == 1 else 1
+                    logits[i, first:, 7] = float("nan") if req.sampling.seed == 1 else float("inf")
+            return logits, streams
+
+        monkeypatch.setattr(SpeculativeForwards, "verify", verify)
+        engine.token_delay = 0.01
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            beside = ex.submit(complete, srv, PROMPTS[1], 30)
+            body = {"model": MODEL, "ignore_eos": True, "return_token_ids": True, **seeded[0]}
+            failed = ex.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=TIMEOUT)
+            capped = ex.submit(complete, srv, **seeded[1])
+            r = failed.result()
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+            assert "not finite" in r.json()["error"]["message"]
+            assert [beside.result()["token_ids"], capped.result()["token_ids"]] == [c["token_ids"] for c in want]
+        assert engine.health() is None
