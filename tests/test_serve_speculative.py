@@ -259,3 +259,17 @@ def test_a_row_whose_verified_logits_overflow(model, monkeypatch):
             assert "not finite" in r.json()["error"]["message"]
             assert [beside.result()["token_ids"], capped.result()["token_ids"]] == [c["token_ids"] for c in want]
         assert engine.health() is None
+
+
+def test_a_request_running_into_the_context_limit(model):
+    """A reply that fills the context ends with "length" at the same token with or without
+    speculation (the last steps draft only what still fits)."""
+    from test_batched_serving import prompt_ids
+
+    ids = prompt_ids(40, 21)
+    replies = []
+    for n in (0, 3):
+        with server(model, n, ctx=64) as srv:
+            r = complete(srv, ids, 100)
+            replies.append((r["token_ids"], r["finish_reason"]))
+    assert replies[1] == replies[0] and replies[0][1] == "length" and 64 - 40 <= len(replies[0][0]) <= 64 + 1 - 40
