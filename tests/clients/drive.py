@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -143,6 +144,8 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1, help="serve with torchrun --nproc-per-node N (gloo)")
     p.add_argument("--clients", nargs="+", default=["claude", "codex"], choices=["claude", "codex"])
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per client run")
+    p.add_argument("--serve-args", default="", help="more arguments for the server, one string (e.g. "
+                                                       "'--speculative-tokens 2')")
     p.add_argument("--runs", type=int, default=1, help="runs per client, each in a fresh directory; with more "
                                                       "than one, each run's tool loop is judged (loops.py)")
     a = p.parse_args()
@@ -151,7 +154,7 @@ def main() -> int:
     install_clients(a.clients_dir)
     port, proxy_port = _free_port(), _free_port()
     serve = ["serve", "--port", str(port)] + (["--model", a.model] if a.model else []) + \
-        (["--ctx", str(a.ctx)] if a.ctx else [])
+        (["--ctx", str(a.ctx)] if a.ctx else []) + shlex.split(a.serve_args)
     if a.tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.tp), "-m", "ds4_torch",
                *serve, "--tp", str(a.tp)]
