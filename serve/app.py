@@ -79,6 +79,7 @@ class ServerConfig:
     checkpoint_memory_mb: float = 1024    # memory for checkpoints (LRU; message boundaries kept longest)
     speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     speculative_max_batch: int | None = None  # speculate only while at most this many decode (None: always)
+    speculative_policy: str = "auto"      # "auto": the kind of step measured faster; "always" (serve.speculation)
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli;
                                           # exact-replay records (serve.replay) persist there too
     kv_disk_space_mb: int | None = None
@@ -429,7 +430,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
                     max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers,
                     checkpoint_interval=config.checkpoint_interval,
                     checkpoint_memory_mb=config.checkpoint_memory_mb, speculative_tokens=config.speculative_tokens,
-                    speculative_max_batch=config.speculative_max_batch)
+                    speculative_max_batch=config.speculative_max_batch,
+                    speculative_policy=config.speculative_policy)
     replay = replay if replay is not None else ReplayStore(config.kv_disk_dir)
     state = AppState(model, tokenizer, config, engine, metrics, replay)
 

@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--speculative-max-batch", type=positive_int, default=None, metavar="N",
                    help="speculate only while at most N sequences decode together; above, plain steps (a verify "
                         "step of many sequences can cost more than its accepted drafts save; default: always)")
+    p.add_argument("--speculative-policy", choices=("auto", "always"), default="auto",
+                   help="auto (default): speculate in the steps where it measured faster than plain decoding "
+                        "(per batch size, re-checked every 32 steps; the tokens are the same either way); "
+                        "always: every step with at most --speculative-max-batch sequences")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,
@@ -152,7 +156,7 @@ def load(args, group=None):
         model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
         decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
         max_sessions=args.max_sessions, speculative_tokens=args.speculative_tokens,
-        speculative_max_batch=args.speculative_max_batch,
+        speculative_max_batch=args.speculative_max_batch, speculative_policy=args.speculative_policy,
         api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
         checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,

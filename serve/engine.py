@@ -111,6 +111,7 @@ from .protocol import APIError
 from .runner import Drawn, Runner
 from .scheduler import EngineStopped, QueueFull, Scheduler  # noqa: F401 - imported from here by the API
 from .sequence import GenRequest, TokenOut  # noqa: F401 - the engine's request types, imported from here by the API
+from .speculation import SpeculationPolicy
 from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
                        SnapshotWriter as _SnapshotWriter)
 
@@ -162,7 +163,7 @@ class Engine:
                  metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
                  checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0,
-                 speculative_max_batch: int | None = None):
+                 speculative_max_batch: int | None = None, speculative_policy: str = "auto"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_draft_tokens(model, speculative_tokens)
@@ -186,9 +187,10 @@ class Engine:
         # Sampler slot i is batch slot i (a request's settings move with it).
         self.speculative_tokens = speculative_tokens
         self.spec_totals = [0, 0]  # verify steps (per sequence), tokens they emitted: the acceptance length
-        # Speculate only while at most this many sequences decode (None: always); above, plain
-        # steps, after which each row's speculation state is stale until it joins again.
-        self.speculative_max_batch = speculative_max_batch
+        # Which decode steps speculate (serve.speculation): at most `speculative_max_batch`
+        # sequences, and with "auto" the kind measured faster. After plain steps each row's
+        # speculation state is stale until it joins again.
+        self.speculation = SpeculationPolicy(speculative_policy, speculative_max_batch)
         self._rejoin: set[GenRequest] = set()
         # The last speculative step's tokens per request that goes on: (generated before it,
         # tokens it took, their logits [k, V], held before it), so a stop string the output part
@@ -596,12 +598,23 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> None:
         self._last_step = {}
-        if self.speculative_tokens:
-            limit = self.speculative_max_batch
-            if limit is None or len(self.running) <= limit:
-                self._speculative_step()
-                return
+        if not self.speculative_tokens:
+            self._plain_step()
+            return
+        rows, model_s = len(self.running), self.runner.model_s
+        generated = sum(len(r.generated) for r in self.running)
+        speculative = self.speculation.speculate(rows)
+        if speculative:
+            reqs = list(self.running)
+            self._speculative_step()
+        else:
             self._rejoin = set(self.running)  # a plain step: their drafts start over when speculation resumes
+            reqs = list(self.running)
+            self._plain_step()
+        tokens = sum(len(r.generated) for r in reqs) - generated
+        self.speculation.record(rows, speculative, tokens, self.runner.model_s - model_s)
+
+    def _plain_step(self) -> None:
         reqs = list(self.running)
         try:
             if any(r.session.restored is not None for r in reqs):

@@ -29,7 +29,9 @@ PROMPTS = ["ROMEO:\nWhat light through yonder", "First Citizen:\nBefore we proce
 
 
 def server(model, n, **config):
-    settings = dict(ctx=512, prefill_chunk=32, max_batch=4, speculative_tokens=n)
+    """A server speculating N tokens in every step ("always": the steps under test; the "auto"
+    policy is tested on its own below)."""
+    settings = dict(ctx=512, prefill_chunk=32, max_batch=4, speculative_tokens=n, speculative_policy="always")
     settings.update(config)
     return BackgroundServer(create_app(model, default_tokenizer(), ServerConfig(**settings)))
 
@@ -273,3 +275,39 @@ def test_a_request_running_into_the_context_limit(model):
             r = complete(srv, ids, 100)
             replies.append((r["token_ids"], r["finish_reason"]))
     assert replies[1] == replies[0] and replies[0][1] == "length" and 64 - 40 <= len(replies[0][0]) <= 64 + 1 - 40
+
+
+def test_the_auto_policy_runs_the_faster_kind_of_step():
+    """`SpeculationPolicy("auto")`: each kind measured once per batch size (speculation first),
+    then the faster one, the other tried every `probe_every` steps; a measured slowdown turns
+    speculation off for that size only; the batch limit holds for every policy."""
+    from serve.speculation import SpeculationPolicy
+
+    p = SpeculationPolicy("auto", max_batch=8, probe_every=4)
+    assert p.speculate(1)
+    p.record(1, True, 5, 0.010)                 # 500 tok/s speculating
+    assert not p.speculate(1)
+    p.record(1, False, 1, 0.004)                # 250 tok/s plain
+    kinds = []
+    for _ in range(8):
+        kinds.append(p.speculate(1))
+        p.record(1, kinds[-1], 5 if kinds[-1] else 1, 0.010 if kinds[-1] else 0.004)
+    assert kinds == [True, False, True, True, True, False, True, True]  # plain tried every 4th step of the size
+    p.record(16, True, 20, 0.020)               # at 16 rows speculation is slower
+    p.record(16, False, 16, 0.010)
+    assert p.speculate(16) is False and p.speculate(2) is True  # 2 rows: unmeasured, tried speculating
+    assert not p.speculate(9) and not SpeculationPolicy("always", max_batch=8).speculate(9)
+    assert SpeculationPolicy("always").speculate(64)
+    with pytest.raises(ValueError, match="speculative policy"):
+        SpeculationPolicy("sometimes")
+
+
+def test_the_auto_policy_serves_plain_tokens(model):
+    """A server with the default policy ("auto") switches kinds as it measures them: the tokens
+    are a plain server's, and it ran both kinds of step."""
+    requests = [dict(prompt=p, max_tokens=60) for p in PROMPTS[:2]]
+    plain, _, _ = run_all(model, 0, requests)
+    spec, metrics, _ = run_all(model, 2, requests, speculative_policy="auto")
+    assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
+    steps, verify = metrics.value("ds4_batch_size_count"), metrics.value("ds4_spec_verify_steps_total")
+    assert 0 < verify and metrics.value("ds4_batch_size_sum") > verify  # some rows decoded plainly

@@ -62,6 +62,8 @@ def add_arguments(p) -> None:
                         "run, and compare each with the first (default 0: no speculation)")
     p.add_argument("--speculative-max-batch", type=positive_int, default=None, metavar="N",
                    help="the server's --speculative-max-batch (default: always speculate)")
+    p.add_argument("--speculative-policy", choices=("auto", "always"), default="always",
+                   help="the server's --speculative-policy (default always: measure speculation itself)")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -259,7 +261,8 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=args.prefill_chunk,
                           max_queue=max(64, max(counts)), max_batch=max_batch,
                           max_sessions=max(max_batch, max(counts) + 1, 16), speculative_tokens=n,
-                          speculative_max_batch=args.speculative_max_batch)
+                          speculative_max_batch=args.speculative_max_batch,
+                          speculative_policy=args.speculative_policy)
     app = create_app(model, tokenizer, config)
     rows = []
     stall = None
