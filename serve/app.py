@@ -79,7 +79,7 @@ class ServerConfig:
     checkpoint_memory_mb: float = 1024    # memory for checkpoints (LRU; message boundaries kept longest)
     speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     speculative_max_batch: int | None = None  # speculate only while at most this many decode (None: always)
-    speculative_policy: str = "auto"      # "auto": the kind of step measured faster; "always" (serve.speculation)
+    speculative_policy: str = "always"    # "always", or "auto": the kind of step measured faster (serve.speculation)
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli;
                                           # exact-replay records (serve.replay) persist there too
     kv_disk_space_mb: int | None = None

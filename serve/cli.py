@@ -36,10 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--speculative-max-batch", type=positive_int, default=None, metavar="N",
                    help="speculate only while at most N sequences decode together; above, plain steps (a verify "
                         "step of many sequences can cost more than its accepted drafts save; default: always)")
-    p.add_argument("--speculative-policy", choices=("auto", "always"), default="auto",
-                   help="auto (default): speculate in the steps where it measured faster than plain decoding "
-                        "(per batch size, re-checked every 32 steps; the tokens are the same either way); "
-                        "always: every step with at most --speculative-max-batch sequences")
+    p.add_argument("--speculative-policy", choices=("auto", "always"), default="always",
+                   help="always (default): speculate in every step with at most --speculative-max-batch sequences; "
+                        "auto: only in the steps where it measured faster than plain decoding (per batch size, "
+                        "re-checked every 32 steps; the tokens are the same either way)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,

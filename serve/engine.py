@@ -163,7 +163,7 @@ class Engine:
                  metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
                  checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0,
-                 speculative_max_batch: int | None = None, speculative_policy: str = "auto"):
+                 speculative_max_batch: int | None = None, speculative_policy: str = "always"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_draft_tokens(model, speculative_tokens)
@@ -604,6 +604,7 @@ class Engine:
         rows, model_s = len(self.running), self.runner.model_s
         generated = sum(len(r.generated) for r in self.running)
         speculative = self.speculation.speculate(rows)
+        fair = not (speculative and self._rejoin & set(self.running))
         if speculative:
             reqs = list(self.running)
             self._speculative_step()
@@ -612,7 +613,7 @@ class Engine:
             reqs = list(self.running)
             self._plain_step()
         tokens = sum(len(r.generated) for r in reqs) - generated
-        self.speculation.record(rows, speculative, tokens, self.runner.model_s - model_s)
+        self.speculation.record(rows, speculative, tokens, self.runner.model_s - model_s, fair)
 
     def _plain_step(self) -> None:
         reqs = list(self.running)

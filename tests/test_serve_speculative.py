@@ -293,9 +293,16 @@ def test_the_auto_policy_runs_the_faster_kind_of_step():
         kinds.append(p.speculate(1))
         p.record(1, kinds[-1], 5 if kinds[-1] else 1, 0.010 if kinds[-1] else 0.004)
     assert kinds == [True, False, True, True, True, False, True, True]  # plain tried every 4th step of the size
-    p.record(16, True, 20, 0.020)               # at 16 rows speculation is slower
-    p.record(16, False, 16, 0.010)
-    assert p.speculate(16) is False and p.speculate(2) is True  # 2 rows: unmeasured, tried speculating
+    q = SpeculationPolicy("auto", probe_every=4)
+    q.record(16, True, 20, 0.020)               # at 16 rows speculation is slower
+    q.record(16, False, 16, 0.010)
+    assert q.speculate(16) is False and q.speculate(2) is True  # 2 rows: unmeasured, tried speculating
+    q.record(16, False, 16, 0.010)
+    before = dict(q.rate)
+    assert q.speculate(16) is True  # the probe of speculation (the 4th step of the size) lasts 4 steps
+    q.record(16, True, 16, 0.5, fair=False)  # its first: rows rejoining, counted, not measured
+    assert q.rate == before
+    assert [q.speculate(16) for _ in range(3)] == [True] * 3 and q.speculate(16) is False
     assert not p.speculate(9) and not SpeculationPolicy("always", max_batch=8).speculate(9)
     assert SpeculationPolicy("always").speculate(64)
     with pytest.raises(ValueError, match="speculative policy"):
