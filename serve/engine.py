@@ -602,7 +602,8 @@ class Engine:
             self._plain_step()
             return
         rows, model_s = len(self.running), self.runner.model_s
-        generated = sum(len(r.generated) for r in self.running)
+        measuring = self.speculation.policy == "auto"  # "always" needs no timings
+        generated = sum(len(r.generated) for r in self.running) if measuring else 0
         speculative = self.speculation.speculate(rows)
         fair = not (speculative and self._rejoin & set(self.running))
         if speculative:
@@ -612,8 +613,9 @@ class Engine:
             self._rejoin = set(self.running)  # a plain step: their drafts start over when speculation resumes
             reqs = list(self.running)
             self._plain_step()
-        tokens = sum(len(r.generated) for r in reqs) - generated
-        self.speculation.record(rows, speculative, tokens, self.runner.model_s - model_s, fair)
+        if measuring:
+            tokens = sum(len(r.generated) for r in reqs) - generated
+            self.speculation.record(rows, speculative, tokens, self.runner.model_s - model_s, fair)
 
     def _plain_step(self) -> None:
         reqs = list(self.running)
