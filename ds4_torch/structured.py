@@ -3,6 +3,7 @@
     so = StructuredOutputs(tokenizer, vocab_size)     # once per tokenizer
     grammar = so.json_schema(schema)                  # or so.json_object(), so.lark(text); ValueError names what is unsupported
     c = grammar.constraint()                          # per request (and per choice)
+    Triggered(token_id, grammar)                      # the grammar starts after that token (tool-call blocks)
     token = c.step(lambda allowed: sample(logits, params, gen, allowed=allowed), remaining)
     c.done                                            # nothing can follow: the output is complete
 
@@ -125,6 +126,20 @@ class Grammar:
 
     def constraint(self) -> "Constraint":
         return Constraint(self)
+
+
+class Triggered:
+    """A grammar that starts once `trigger` (one token) is sampled: what comes before is free, the
+    text after the trigger follows `grammar` until it is complete, and what follows that is free
+    again (e.g. a tool-call block: `<｜DSML｜tool_calls>` opens it, the calls after it name offered
+    tools). A request pays for masks only inside it."""
+
+    def __init__(self, trigger: int, grammar: Grammar):
+        self.trigger, self.grammar = int(trigger), grammar
+
+    @property
+    def outputs(self) -> StructuredOutputs:
+        return self.grammar.outputs
 
 
 class Constraint:

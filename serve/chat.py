@@ -351,10 +351,11 @@ class Generation:
     def __init__(self, state, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams, stop: list[str],
                  logprobs: int | None, ignore_eos: bool, parse: bool, thinking: bool = False,
                  schemas: dict | None = None, tool_choice: ToolChoice = ToolChoice(), call_id_prefix: str = "call_",
-                 grammar=None, prompt_logprobs: int | None = None):
+                 grammar=None, prompt_logprobs: int | None = None, after_trigger=None):
         self.state = state
         self.choice = 0                      # its index among the choices of a response
         self.grammar = grammar               # what the content (after any reasoning) follows
+        self.after_trigger = after_trigger   # a tool-call block's grammar (offered_calls_grammar)
         self.prompt_logprobs = prompt_logprobs
         self.tokenizer = state.tokenizer
         self.prompt_ids = prompt_ids
@@ -401,12 +402,13 @@ class Generation:
         starts = starts[:1] + starts[1:][-MAX_MESSAGE_CHECKPOINTS:]
         boundaries = tuple(sorted({*starts, *hint_positions(state.tokenizer, creq, ids)}))
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
+        after_trigger = offered_calls_grammar(state, creq)
         gens = []
         for i in range(n):
             gen = cls(state, ids, max_tokens, sampling=creq.sampling.for_choice(i), stop=creq.stop,
                       logprobs=creq.logprobs, ignore_eos=creq.ignore_eos, parse=True, thinking=creq.thinking,
                       schemas=schemas if tools else None, tool_choice=creq.tool_choice,
-                      call_id_prefix=call_id_prefix, grammar=creq.grammar)
+                      call_id_prefix=call_id_prefix, grammar=creq.grammar, after_trigger=after_trigger)
             gen.usage.prompt_tokens = len(ids)
             gen.boundaries = boundaries
             gens.append(gen)
@@ -432,6 +434,7 @@ class Generation:
                  prompt_logprobs: int | None = None) -> GenRequest:
         req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=stop, logprobs=self.logprobs,
                          ignore_eos=self.ignore_eos, grammar=grammar, prompt_logprobs=prompt_logprobs,
+                         after_trigger=self.after_trigger if grammar is None else None,
                          emit=self.channel.push, tenant=self.tenant, boundaries=self.boundaries)
         self.requests.append(req)
         return req
@@ -812,8 +815,34 @@ def _arguments_rule(so, params: Any, where: str) -> str:
 
 
 # The parameters of a non-strict tool's call: any names, text (string="true") or JSON values, as
-# the output parser reads them; its schema is checked after the fact (a failing call is dropped, logged and counted).
-_ANY_PARAMETER = '{open} " name=\\"" /[^"<>\\n]+/ "\\" string=\\"" ("true\\">" {text} | "false\\">" %json {{}}) {close} "\\n"'
+# the output parser reads them; its schema is checked after the fact (a failing call is dropped,
+# logged and counted). When the schema allows no other names (`additionalProperties: false`),
+# only the names it declares, and a property typed "string" as text, one of another JSON type as
+# JSON of that type: what a schema check would refuse anyway is never written.
+_ANY_PARAMETER = '{open} " name=\\"" {name} "\\" string=\\"" {value} {close} "\\n"'
+_ANY_VALUE = '("true\\">" {text} | "false\\">" %json {{}})'
+_RAW_NAME = '/[^"<>\\n]+/'
+_JSON_TYPES = {"number", "integer", "boolean", "array", "object", "null"}
+
+
+def _free_arguments(so, fn: dict) -> str:
+    """Lark for the parameters of a call of a non-strict tool (see _ANY_PARAMETER)."""
+    tags = dict(open=so.literal(PARAMETER_OPEN), close=so.literal(PARAMETER_CLOSE))
+    any_value = _ANY_VALUE.format(text=_RAW_TEXT)
+    params = fn.get("parameters")
+    props = (params.get("properties") or {}) if isinstance(params, dict) else None
+    if not isinstance(params, dict) or params.get("additionalProperties") is not False or \
+            not isinstance(props, dict) or any(not n or any(c in n for c in '"<>\n') for n in props):
+        return f'(({_ANY_PARAMETER.format(name=_RAW_NAME, value=any_value, **tags)})+ | "\\n")'
+    if not props:
+        return '"\\n"'
+    parts = []
+    for name, sub in props.items():
+        kind = sub.get("type") if isinstance(sub, dict) else None
+        value = ('"true\\">" ' + _RAW_TEXT if kind == "string" else
+                 '"false\\">" %json ' + json.dumps({"type": kind}) if kind in _JSON_TYPES else any_value)
+        parts.append(_ANY_PARAMETER.format(name=json.dumps(name, ensure_ascii=False), value=value, **tags))
+    return "(((" + " | ".join(parts) + '))+ | "\\n")'
 
 
 def _invoke_rule(so, creq: ChatRequest, i: int, fn: dict, with_name: bool = True) -> str:
@@ -823,11 +852,36 @@ def _invoke_rule(so, creq: ChatRequest, i: int, fn: dict, with_name: bool = True
     if fn.get("strict") is True:
         arguments = _arguments_rule(so, fn.get("parameters"), creq.tool_params_path.format(i=i))
     else:
-        any_parameter = _ANY_PARAMETER.format(open=so.literal(PARAMETER_OPEN), close=so.literal(PARAMETER_CLOSE),
-                                              text=_RAW_TEXT)
-        arguments = f'(({any_parameter})+ | "\\n")'
+        arguments = _free_arguments(so, fn)
     name = json.dumps(f'{fn["name"]}">', ensure_ascii=False) if with_name else ""
     return f'({name} "\\n" {arguments} {so.literal(INVOKE_CLOSE)})'
+
+
+def offered_calls_grammar(state, creq: ChatRequest):
+    """With tools offered and tool_choice auto, and no other grammar: once the model opens a
+    tool-call block (`<｜DSML｜tool_calls>`, one token), the rest of the block follows a grammar:
+    calls of offered tools only, with the parameter names each declares (a strict tool's
+    arguments following its schema), closed within the budget. The reply before it is free and
+    costs no masks. So a call never names a tool that was not offered, and always parses (a weak
+    model otherwise calls tools it was trained on, and the server has to drop the call). None
+    when off (`--free-tool-calls`), or when the block's opener is not one token of this tokenizer."""
+    if not state.config.tool_call_grammar or creq.grammar is not None or creq.tool_choice.mode != "auto" \
+            or not _offered(creq):
+        return None
+    trigger = state.tokenizer.encode(TOOL_CALLS_OPEN, add_special_tokens=False)
+    if len(trigger) != 1:
+        return None
+    from ds4_torch.structured import Triggered
+
+    so = state.engine.structured_outputs()
+    try:
+        invokes = " | ".join(_invoke_rule(so, creq, i, t["function"]) for i, t in enumerate(creq.tools))
+        text = (f'start: "\\n" invoke ("\\n" invoke)* "\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
+                f'invoke: {so.literal(INVOKE_OPEN)} " name=\\"" ({invokes})\n')
+        return Triggered(trigger[0], so.lark(text))
+    except (ValueError, APIError) as e:  # a schema the grammar cannot take: calls stay free
+        log.warning("tool calls not constrained to the offered tools: %s", e)
+        return None
 
 
 def strict_tool_grammar(state, creq: ChatRequest):

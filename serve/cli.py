@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="always (default): speculate in every step with at most --speculative-max-batch sequences; "
                         "auto: only in the steps where it measured faster than plain decoding (per batch size, "
                         "re-checked every 32 steps; the tokens are the same either way)")
+    p.add_argument("--free-tool-calls", action="store_true",
+                   help="do not constrain tool-call blocks: by default, once the model opens one, its calls may "
+                        "only name offered tools and the parameters each declares (a model's call to another "
+                        "tool would be dropped)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,
@@ -157,6 +161,7 @@ def load(args, group=None):
         decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
         max_sessions=args.max_sessions, speculative_tokens=args.speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, speculative_policy=args.speculative_policy,
+        tool_call_grammar=not args.free_tool_calls,
         api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
         checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,

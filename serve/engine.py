@@ -89,7 +89,9 @@ What clients ask beyond plain sampling:
   lengths.
 - **Structured outputs** (`GenRequest.grammar`, from `ds4_torch.structured`): the request's
   constraint masks each sample and closes the value before the budget ends; the request ends
-  ("stop") when nothing can follow.
+  ("stop") when nothing can follow. `GenRequest.after_trigger` starts such a constraint once the
+  request takes its trigger token (a tool-call block's opener); speculating, the step's tokens
+  after the trigger go back.
 - `max_tokens` 0: the prompt is prefilled (for its logprobs) and nothing is sampled ("length").
 """
 from __future__ import annotations
@@ -285,6 +287,8 @@ class Engine:
             if req.grammar.outputs.vocab_size != self.model.config.vocab_size:
                 raise ValueError("grammar: compiled for another vocabulary")
             req.constraint = req.grammar.constraint()  # here, so a failure is the caller's ValueError
+        if req.after_trigger is not None and req.after_trigger.outputs.vocab_size != self.model.config.vocab_size:
+            raise ValueError("grammar: compiled for another vocabulary")
 
     def _stop_token(self, stop: str) -> int | None:
         """The token whose text is exactly `stop`, if one is (e.g. `</think>`): the engine ends a
@@ -683,6 +687,7 @@ class Engine:
             drawn, rows, drafted = result
             generated_before = len(req.generated)
             end = None
+            free = req.constraint is None
             for j, d in enumerate(drawn):
                 if j:
                     req.held.append(drawn[j - 1].token)  # an accepted draft: fed too
@@ -692,13 +697,18 @@ class Engine:
                 slots.append(req.decode_slot)
                 if end is not None:
                     break
+                if free and req.constraint is not None:
+                    # Its grammar starts after this token: the step's later tokens were not masked
+                    # by it, so they go back; its drafts start over (`_rejoin`).
+                    self._rejoin.add(req)
+                    break
             used.append(j + 1 if j + 1 < len(drawn) else None)
             counted.append(req)
             counts.append((drafted, len(drawn) - 1))
             if end is not None:
                 done.append(req)
                 continue
-            self._last_step[req] = (generated_before, len(drawn), rows, before)
+            self._last_step[req] = (generated_before, j + 1, rows, before)
             boundary = self.sessions.wanted_between(req, before, len(req.held))
             if boundary is not None:
                 self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
@@ -770,8 +780,12 @@ class Engine:
         """`req` takes its token; it goes to the output part. "end" when it ends the request."""
         token = d.token
         req.generated.append(token)
-        # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
         c = req.constraint
+        if c is not None and req.after_trigger is not None and c.done:
+            # Its block closed: the reply goes on free, to the EOS the model writes (so a valid
+            # call leaves the model's own tokens as they were), or to another block.
+            req.constraint = c = None
+        # A constrained request's EOS ends it even with ignore_eos: its grammar allows nothing after.
         if token in req.sampling.stop_token_ids or (token in self.eos_ids and (not req.ignore_eos or c is not None)):
             end = "eos"
         elif c is not None and c.done or token in req.stop_tokens:  # nothing can follow / its text is a stop
@@ -783,7 +797,18 @@ class Engine:
             end = None
         self._hand(Token(req, token, end, d.logprob, d.top))
         req.pending = None if end is not None else token
+        if end is None and c is None and req.after_trigger is not None and token == req.after_trigger.trigger:
+            self._arm(req)
         return None if end is None else "end"
+
+    @staticmethod
+    def _arm(req: GenRequest) -> None:
+        """`req` took its trigger token: from its next token on, its output follows the grammar
+        (until the grammar is done: `_take`)."""
+        try:
+            req.constraint = req.after_trigger.grammar.constraint()
+        except Exception as e:  # noqa: BLE001 - the text goes on unconstrained, as without one
+            log.warning("engine: %s: the grammar after its trigger token failed to start: %s", req.id, e)
 
     def _own_failure(self, req: GenRequest, error: BaseException, doing: str) -> None:
         log.error("engine: %s failed while %s", req.id, doing, exc_info=error)

@@ -44,6 +44,9 @@ class GenRequest:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None   # k: each prompt token's logprob and its k best (event "prompt_logprobs")
     grammar: Any = None                  # a ds4_torch.structured.Grammar: the output follows it
+    # A ds4_torch.structured.Triggered: once its token is taken, what follows keeps to its grammar
+    # until the grammar is done (the calls of a tool-call block name offered tools); free otherwise.
+    after_trigger: Any = None
     tenant: Any = None                   # who asked (the API key): prefix reuse never crosses tenants
     boundaries: tuple[int, ...] = ()     # prompt positions worth a checkpoint (message ends, client hints)
     emit: Callable[[tuple], None] = lambda event: None

@@ -1,0 +1,198 @@
+"""Tool-call blocks constrained to the offered tools (`serve.chat.offered_calls_grammar`): with
+tools offered and tool_choice auto, once the model opens a `<｜DSML｜tool_calls>` block the calls
+in it may only name offered tools, with the parameter names a tool declares when its schema
+allows no others; the text before the block stays free. The independent expectations: the
+encoding's own rendering of calls (accepted or rejected by the grammar), the same server with
+`--free-tool-calls` (the tiny model, left alone, calls the weather tool it was trained on, which
+the server must drop), and the same server without speculation (speculating, the grammar starts
+inside a step's tokens and the rest must be given back)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from types import SimpleNamespace
+
+import anthropic
+import openai
+import pytest
+
+from ds4_torch.chat_encoding import TOOL_CALLS_OPEN, render_assistant_completion
+from ds4_torch.default_model import default_tokenizer
+from ds4_torch.structured import StructuredOutputs
+from serve.app import ServerConfig, create_app
+from serve.background import BackgroundServer
+from serve.chat import ChatRequest, ToolChoice, offered_calls_grammar
+from serve.cli import build_parser
+
+from helpers import metric
+
+MODEL = "ds4-default"
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def tool(name, properties, closed=True):
+    """`properties`: names (typed string) or {name: type}."""
+    types = properties if isinstance(properties, dict) else dict.fromkeys(properties, "string")
+    params = {"type": "object", "properties": {p: {"type": t} for p, t in types.items()}}
+    if closed:
+        params["additionalProperties"] = False
+    return {"type": "function", "function": {"name": name, "description": f"The {name} tool.", "parameters": params}}
+
+
+# Claude Code names its tools this way and closes their schemas (additionalProperties false).
+BASH = tool("Bash", {"command": "string", "timeout": "number", "description": "string"})
+READ = tool("Read", ["file_path"])
+PLACEHOLDER = tool("DeferredToolPlaceholder", [])
+OPEN_TOOL = tool("lookup", ["query"], closed=False)
+
+
+# --------------------------------------------------------------------------- the grammar itself
+@pytest.fixture(scope="module")
+def state(model, tok):
+    so = StructuredOutputs(tok, model.config.vocab_size)
+    return SimpleNamespace(engine=SimpleNamespace(structured_outputs=lambda: so), tokenizer=tok,
+                           config=SimpleNamespace(tool_call_grammar=True))
+
+
+def block_matcher(state, tok, tools):
+    """'rejected' / 'open' / 'stopped' for the text of a reply, fed to the grammar after its trigger."""
+    triggered = offered_calls_grammar(state, ChatRequest(messages=[], tools=tools))
+    assert triggered is not None
+    hf = getattr(tok, "hf", tok)
+    assert hf.encode(TOOL_CALLS_OPEN, add_special_tokens=False) == [triggered.trigger]
+
+    def run(reply: str) -> str:
+        ids = hf.encode(reply, add_special_tokens=False)
+        at = ids.index(triggered.trigger)  # everything before the block is free
+        m = triggered.grammar.constraint().matcher
+        for t in ids[at + 1:]:
+            if not m.consume_token(t):
+                return "rejected"
+        return "stopped" if m.is_stopped() else "open"
+    return run
+
+
+def rendered(*calls, content=""):
+    return render_assistant_completion({"role": "assistant", "content": content, "tool_calls": [
+        {"type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for n, a in calls]})
+
+
+def test_block_grammar_takes_offered_calls_as_the_encoding_renders_them(state, tok):
+    run = block_matcher(state, tok, [BASH, READ, PLACEHOLDER, OPEN_TOOL])
+    assert run(rendered(("Bash", {"command": "ls"}))) == "stopped"
+    assert run(rendered(("Bash", {"command": "ls", "description": "list"}), ("Read", {"file_path": "a.py"}),
+                        content="Let me look. <b>free</b> text")) == "stopped"
+    assert run(rendered(("DeferredToolPlaceholder", {}))) == "stopped"
+    assert run(rendered(("lookup", {"query": "x", "anything": [1, 2]}))) == "stopped"  # its schema allows others
+    assert run(rendered(("Bash", {"command": "ls"})).split("</｜DSML｜invoke>")[0]) == "open"  # a call's prefix
+
+
+def test_block_grammar_rejects_tools_not_offered_and_undeclared_parameters(state, tok):
+    run = block_matcher(state, tok, [BASH, READ, PLACEHOLDER, OPEN_TOOL])
+    assert run(rendered(("get_weather", {"city": "Paris"}))) == "rejected"
+    assert run(rendered(("bash", {"command": "ls"}))) == "rejected"
+    assert run(rendered(("Bash", {"city": "Paris"}))) == "rejected"  # additionalProperties false
+    assert run(rendered(("DeferredToolPlaceholder", {"city": "Paris"}))) == "rejected"
+    assert run(rendered(("Bash", {"command": "ls"})) + "more") == "rejected"  # the block ended
+    # Values of a declared type: text for a string, JSON of the type for the others.
+    assert run(rendered(("Bash", {"command": "ls", "timeout": 5}))) == "stopped"
+    assert run(rendered(("Bash", {"command": 3}))) == "rejected"
+    assert run(rendered(("Bash", {"command": "ls", "timeout": "soon"}))) == "rejected"
+    assert run(rendered(("Bash", {"command": "ls", "timeout": [5]}))) == "rejected"
+
+
+def test_no_block_grammar_when_off_or_when_another_rule_holds(state):
+    tools = [BASH]
+    assert offered_calls_grammar(state, ChatRequest(messages=[], tools=tools)) is not None
+    assert offered_calls_grammar(state, ChatRequest(messages=[], tools=[])) is None
+    for choice in (ToolChoice("none"), ToolChoice("required"), ToolChoice("function", "Bash")):
+        assert offered_calls_grammar(state, ChatRequest(messages=[], tools=tools, tool_choice=choice)) is None
+    assert offered_calls_grammar(state, ChatRequest(messages=[], tools=tools, grammar=object())) is None
+    off = SimpleNamespace(**{**vars(state), "config": SimpleNamespace(tool_call_grammar=False)})
+    assert offered_calls_grammar(off, ChatRequest(messages=[], tools=tools)) is None
+
+
+def test_cli_flag_turns_it_off():
+    assert build_parser().parse_args(["--free-tool-calls"]).free_tool_calls
+    assert not build_parser().parse_args([]).free_tool_calls
+
+
+# --------------------------------------------------------------------------- through the server
+def server(model, **config):
+    settings = dict(ctx=1024, prefill_chunk=64, max_batch=4)
+    settings.update(config)
+    return BackgroundServer(create_app(model, default_tokenizer(), ServerConfig(**settings)))
+
+
+def weather_calls(srv, tools, n=8, **extra):
+    oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=tools, temperature=1.0, seed=3, n=n,
+                                    max_tokens=80, **extra)
+    return r.choices
+
+
+def test_the_model_left_free_calls_a_tool_not_offered_and_constrained_calls_an_offered_one(model):
+    with server(model, tool_call_grammar=False) as srv:
+        free = weather_calls(srv, [BASH, READ])
+        dropped = metric(srv, "ds4_markup_dropped_total", kind="call")
+    # The independent expectation: left alone, the tiny model calls its drilled weather tool,
+    # which the server drops (nothing of it reaches the text).
+    assert dropped >= 1 and not any(c.message.tool_calls for c in free)
+    with server(model) as srv:
+        constrained = weather_calls(srv, [BASH, READ])
+        assert metric(srv, "ds4_markup_dropped_total", kind="call") == 0
+    calls = [t for c in constrained for t in c.message.tool_calls or []]
+    assert len(calls) >= dropped  # every block it opened became a call
+    for c in constrained:
+        assert "｜DSML｜" not in (c.message.content or "")
+        for t in c.message.tool_calls or []:
+            args = json.loads(t.function.arguments)
+            assert t.function.name in ("Bash", "Read") and set(args) <= {"Bash": {"command", "timeout", "description"},
+                                                                          "Read": {"file_path"}}[t.function.name]
+            assert c.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_anthropic_tool_use_names_an_offered_tool(model, thinking):
+    """Claude Code's shape: Anthropic Messages, closed schemas, thinking on or off."""
+    tools = [{"name": t["function"]["name"], "description": "d", "input_schema": t["function"]["parameters"]}
+             for t in (BASH, READ, PLACEHOLDER)]
+    uses = 0
+    with server(model) as srv:
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
+        for _ in range(4):
+            m = client.messages.create(model=MODEL, max_tokens=120, messages=WEATHER_Q, tools=tools,
+                                       thinking={"type": "enabled", "budget_tokens": 64} if thinking
+                                       else {"type": "disabled"})
+            for block in m.content:
+                if block.type == "tool_use":
+                    uses += 1
+                    assert block.name in ("Bash", "Read", "DeferredToolPlaceholder")
+                    declared = {"Bash": {"command", "timeout", "description"}, "Read": {"file_path"}}.get(block.name, set())
+                    assert set(block.input) <= declared
+                elif block.type == "text":
+                    assert "｜DSML｜" not in block.text
+        assert metric(srv, "ds4_markup_dropped_total", kind="call") == 0
+    assert uses >= 1
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_speculating_gives_the_same_constrained_calls(model, n):
+    """The grammar starts at the block's opening token, inside a speculative step: the step's
+    later tokens (not masked by it) go back, and the request goes on one masked token a step."""
+    def run(**config):
+        with server(model, **config) as srv:
+            oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+            def ask(tools):
+                r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=tools, temperature=0,
+                                                max_tokens=80)
+                c = r.choices[0]
+                return c.finish_reason, c.message.content, [(t.function.name, t.function.arguments)
+                                                            for t in c.message.tool_calls or []]
+            with concurrent.futures.ThreadPoolExecutor(3) as ex:  # one batch
+                return list(ex.map(ask, [[BASH, READ], [READ], [PLACEHOLDER, BASH]]))
+
+    plain = run()
+    assert all(calls for _, _, calls in plain)  # the block opened in each: the grammar took part
+    assert run(speculative_tokens=n, speculative_policy="always") == plain
