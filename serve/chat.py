@@ -817,8 +817,9 @@ def _arguments_rule(so, params: Any, where: str) -> str:
 # The parameters of a non-strict tool's call: any names, text (string="true") or JSON values, as
 # the output parser reads them; its schema is checked after the fact (a failing call is dropped,
 # logged and counted). When the schema allows no other names (`additionalProperties: false`),
-# only the names it declares, and a property typed "string" as text, one of another JSON type as
-# JSON of that type: what a schema check would refuse anyway is never written.
+# the properties it declares, in its order, the required ones always; a property typed "string"
+# as text, one of another JSON type as JSON of that type: what a schema check would refuse for
+# those reasons is never written (other keywords are still checked after the fact).
 _ANY_PARAMETER = '{open} " name=\\"" {name} "\\" string=\\"" {value} {close} "\\n"'
 _ANY_VALUE = '("true\\">" {text} | "false\\">" %json {{}})'
 _RAW_NAME = '/[^"<>\\n]+/'
@@ -836,13 +837,17 @@ def _free_arguments(so, fn: dict) -> str:
         return f'(({_ANY_PARAMETER.format(name=_RAW_NAME, value=any_value, **tags)})+ | "\\n")'
     if not props:
         return '"\\n"'
+    required = params.get("required") if isinstance(params.get("required"), list) else []
     parts = []
     for name, sub in props.items():
         kind = sub.get("type") if isinstance(sub, dict) else None
         value = ('"true\\">" ' + _RAW_TEXT if kind == "string" else
                  '"false\\">" %json ' + json.dumps({"type": kind}) if kind in _JSON_TYPES else any_value)
-        parts.append(_ANY_PARAMETER.format(name=json.dumps(name, ensure_ascii=False), value=value, **tags))
-    return "(((" + " | ".join(parts) + '))+ | "\\n")'
+        part = _ANY_PARAMETER.format(name=json.dumps(name, ensure_ascii=False), value=value, **tags)
+        parts.append(f"({part})" if name in required else f"({part})?")
+    if any(name in required for name in props):
+        return " ".join(parts)
+    return f'({" ".join(parts)} | "\\n")'
 
 
 def _invoke_rule(so, creq: ChatRequest, i: int, fn: dict, with_name: bool = True) -> str:

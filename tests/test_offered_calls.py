@@ -30,17 +30,17 @@ MODEL = "ds4-default"
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def tool(name, properties, closed=True):
+def tool(name, properties, closed=True, required=()):
     """`properties`: names (typed string) or {name: type}."""
     types = properties if isinstance(properties, dict) else dict.fromkeys(properties, "string")
-    params = {"type": "object", "properties": {p: {"type": t} for p, t in types.items()}}
+    params = {"type": "object", "properties": {p: {"type": t} for p, t in types.items()}, "required": list(required)}
     if closed:
         params["additionalProperties"] = False
     return {"type": "function", "function": {"name": name, "description": f"The {name} tool.", "parameters": params}}
 
 
 # Claude Code names its tools this way and closes their schemas (additionalProperties false).
-BASH = tool("Bash", {"command": "string", "timeout": "number", "description": "string"})
+BASH = tool("Bash", {"command": "string", "timeout": "number", "description": "string"}, required=["command"])
 READ = tool("Read", ["file_path"])
 PLACEHOLDER = tool("DeferredToolPlaceholder", [])
 OPEN_TOOL = tool("lookup", ["query"], closed=False)
@@ -94,6 +94,10 @@ def test_block_grammar_rejects_tools_not_offered_and_undeclared_parameters(state
     assert run(rendered(("Bash", {"city": "Paris"}))) == "rejected"  # additionalProperties false
     assert run(rendered(("DeferredToolPlaceholder", {"city": "Paris"}))) == "rejected"
     assert run(rendered(("Bash", {"command": "ls"})) + "more") == "rejected"  # the block ended
+    # A closed schema's properties in its order, the required ones always.
+    assert run(rendered(("Bash", {"description": "list"}))) == "rejected"  # command is required
+    assert run(rendered(("Bash", {"description": "list", "command": "ls"}))) == "rejected"  # not its order
+    assert run(rendered(("Read", {}))) == "stopped"  # nothing required
     # Values of a declared type: text for a string, JSON of the type for the others.
     assert run(rendered(("Bash", {"command": "ls", "timeout": 5}))) == "stopped"
     assert run(rendered(("Bash", {"command": 3}))) == "rejected"
