@@ -120,6 +120,32 @@ def test_op_low_precision_within_ulps_of_fp32(case, dtype, backend):
     assert_close(got, loop_reference(*args, LIMIT), dtype)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_torch_loop_and_all_experts_paths_both_match_loop(case, monkeypatch):
+    """`moe_torch` runs every expert on every token when that is cheap (small products, most
+    experts hit) and loops over the hit experts otherwise: both must give the loop's result,
+    ids outside [0, E) included, and the choice must follow the rule."""
+    args = case_inputs(case)
+    name, N, k, E, H, I, _ = case
+    assert moe_module._dense_pays(N, k, E, H, I) == (N * k >= E and E * N * 3 * H * I <= moe_module.DENSE_EXPERTS_MAX_MACS)
+    want = loop_reference(*args, LIMIT)
+    for limit in (0, 1 << 40):  # never / always when most experts are hit
+        monkeypatch.setattr(moe_module, "DENSE_EXPERTS_MAX_MACS", limit)
+        assert_close(moe_module.moe_torch(*args, LIMIT), want, torch.float32)
+    if N * k >= E:
+        assert_close(moe_module.moe_all_experts(*case_inputs(case, torch.bfloat16), LIMIT),
+                     loop_reference(*case_inputs(case, torch.bfloat16), LIMIT), torch.bfloat16)
+
+
+def test_small_decode_batches_take_the_all_experts_path():
+    """The embedded model's sizes: a 16-row decode step runs every expert (no per-expert loop, no
+    host sync), a lone row and a prefill chunk loop over the experts they hit."""
+    assert moe_module._dense_pays(16, 2, 8, 128, 128)
+    assert not moe_module._dense_pays(1, 2, 8, 128, 128)
+    assert not moe_module._dense_pays(256, 2, 8, 128, 128)
+    assert not moe_module._dense_pays(64, 6, 256, 4096, 2048)  # V4-Flash: never
+
+
 def test_op_does_not_mutate_or_alias_inputs():
     for backend in ("torch", "triton"):
         args = case_inputs(CASES[4])

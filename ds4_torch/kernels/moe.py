@@ -24,7 +24,8 @@ Implementations (chosen as for the attention ops, `ops.kernel_for`; backend "aut
 "triton"):
 - every device without a kernel of its own (CPU, MPS), and "torch": `moe_torch` below, a loop
   over the experts actually selected that multiplies each expert's token group by *views* of its
-  weights (never a gathered copy of the selected set). Quantized experts are unpacked there, only
+  weights (never a gathered copy of the selected set); when the products are small and most
+  experts are hit anyway, every expert on every token instead (`moe_all_experts`). Quantized experts are unpacked there, only
   when selected, tile by tile into a reused buffer (`quantized.py`). It reads the expert counts on the host; as
   one opaque op under `make_fx` / `torch.compile` that sync is not part of any traced graph.
 - CUDA ("auto" / "triton"), or CPU under TRITON_INTERPRET=1 with "triton": the fused Triton kernels
@@ -107,6 +108,34 @@ def swiglu(gate_up: Tensor, limit: float) -> Tensor:
 
 
 
+# Below this many multiply-adds, running every expert on every token (a few batched products)
+# beats the per-expert loop, whose ~15 small ops per expert cost tens of microseconds on a CPU:
+# about 0.2 ms of fp32 products on one core. Only small models at small batches qualify.
+DENSE_EXPERTS_MAX_MACS = 1 << 23
+
+
+def _dense_pays(N: int, k: int, E: int, H: int, I: int) -> bool:
+    """Most experts are hit anyway (N*k >= E) and computing all of them is cheap."""
+    return N * k >= E and E * N * 3 * H * I <= DENSE_EXPERTS_MAX_MACS
+
+
+def moe_all_experts(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
+                    swiglu_limit: float) -> Tensor:
+    """Every expert on every token, then each (token, slot) pair picks its expert's output: the
+    same products and the same fp32 sum over slots as the loop, with no host sync and a fixed
+    number of ops (dense weights)."""
+    N, k = expert_ids.shape
+    E = gate_up.shape[0]
+    h = swiglu(torch.matmul(hidden, gate_up.transpose(1, 2)), swiglu_limit)  # [E, N, I]
+    y = torch.bmm(h, down.transpose(1, 2))  # [E, N, H]
+    flat = expert_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < E)
+    tokens = torch.arange(N, device=hidden.device).repeat_interleave(k)
+    pairs = y[flat.clamp(0, E - 1), tokens] * routing_weights.reshape(-1, 1).to(hidden.dtype)
+    pairs = torch.where(valid[:, None], pairs, pairs.new_zeros(()))  # an id outside [0, E) adds nothing
+    return pairs.view(N, k, -1).sum(1)
+
+
 def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
               swiglu_limit: float, gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """The torch implementation (see the module docstring); also differentiable, for training
@@ -114,6 +143,8 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
     N, H = hidden.shape
     k = expert_ids.shape[1]
     E = gate_up.shape[0]
+    if gate_up_scale is None and _dense_pays(N, k, E, H, gate_up.shape[1] // 2):
+        return moe_all_experts(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit)
     flat_ids = expert_ids.reshape(-1)
     pair_weights = routing_weights.reshape(-1).to(hidden.dtype)
     # Pairs sorted by expert; bins: [no expert below 0] [experts 0..E-1] [no expert at E and above].
