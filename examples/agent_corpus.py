@@ -341,15 +341,26 @@ def agent_conversation(rng: random.Random, split: str = "train", system_tokens: 
     return {"messages": messages, "tools": tools, "thinking": think}
 
 
+def single_tool_chat(rng: random.Random, filler: str, split: str = "train") -> tuple[dict, str]:
+    """One tool with a made-up name in the tools section, `filler` before the request in the
+    user message, then the call, its result and the answer. Returns (conversation, tool name)."""
+    purpose = rng.choice(["weather", "time", "stock", "list", "read"])
+    name = novel_tool_name(rng, split)
+    arg = SERVICE_TOOLS[purpose][1] if purpose in SERVICE_TOOLS else {"list": "path", "read": "file_path"}[purpose]
+    offered = {purpose: (name, arg)}
+    tools = [_tool(name, rng.choice(DESCRIPTIONS[purpose]), {arg: _string()}, [arg])]
+    text, _, args, result, answer = _request(rng, purpose, split, offered, 0.0)
+    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    messages = [{"role": "user", "content": (filler + "\n\n" if filler else "") + text},
+                {**_assistant("", None), "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": result},
+                _assistant(answer, None)]
+    return {"messages": messages, "tools": tools, "thinking": False}, name
+
+
 def long_range_probe(rng: random.Random, filler: str, tok=None) -> tuple[dict, str]:
     """The issue's long-range probe: one tool with a held-out name in the tools section at the
     start, `filler` (tens of thousands of tokens) in the first user message, and a request for
     the tool at the end. Returns (conversation without the answer, the tool's name)."""
-    purpose = rng.choice(["weather", "time", "stock", "list", "read"])
-    name = novel_tool_name(rng, "held_out")
-    arg = SERVICE_TOOLS[purpose][1] if purpose in SERVICE_TOOLS else {"list": "path", "read": "file_path"}[purpose]
-    offered = {purpose: (name, arg)}
-    tools = [_tool(name, rng.choice(DESCRIPTIONS[purpose]), {arg: _string()}, [arg])]
-    text, _, _, _, _ = _request(rng, purpose, "held_out", offered, 0.0)
-    messages = [{"role": "user", "content": filler + "\n\n" + text}]
-    return {"messages": messages, "tools": tools, "thinking": False}, name
+    conv, name = single_tool_chat(rng, filler, "held_out")
+    return {**conv, "messages": conv["messages"][:1]}, name

@@ -148,6 +148,8 @@ def main() -> int:
                                                        "'--speculative-tokens 2')")
     p.add_argument("--runs", type=int, default=1, help="runs per client, each in a fresh directory; with more "
                                                       "than one, each run's tool loop is judged (loops.py)")
+    p.add_argument("--record", default=None, metavar="TRAINING_JSON",
+                   help="append the tool-loop tally to this training.json's 'real_clients' list (the model's record)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
@@ -198,7 +200,25 @@ def main() -> int:
     for name in a.clients:
         mine = [r for r in results if r["client"] == name]
         print(f"{name}: {sum(r['completed_loop'] for r in mine)} of {len(mine)} runs completed a tool loop")
+    if a.record:
+        record_tally(a, results)
     return 0
+
+
+def record_tally(a, results: list[dict]) -> None:
+    """The runs' tally in the model's training.json, beside its training record."""
+    with open(a.record) as f:
+        record = json.load(f)
+    tally = {"script": "tests/clients/drive.py", "date": time.strftime("%Y-%m-%d"), "runs": a.runs,
+             "model": a.model or "embedded", "serve_args": a.serve_args, "tp": a.tp}
+    for name in a.clients:
+        mine = [r for r in results if r["client"] == name]
+        tally[name] = {"completed_loops": sum(r["completed_loop"] for r in mine), "runs": len(mine),
+                       "called": [r["loop"]["called"] for r in mine],
+                       "ran": [r["loop"]["ran"] for r in mine], "answered": [r["loop"]["answered"] for r in mine]}
+    record.setdefault("real_clients", []).append(tally)
+    with open(a.record, "w") as f:
+        json.dump(record, f, indent=2, ensure_ascii=False)
 
 
 if __name__ == "__main__":
