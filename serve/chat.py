@@ -862,6 +862,13 @@ def _invoke_rule(so, creq: ChatRequest, i: int, fn: dict, with_name: bool = True
     return f'({name} "\\n" {arguments} {so.literal(INVOKE_CLOSE)})'
 
 
+# Past this many tools the block grammar is not built: compiling it (on the event loop) and its
+# first mask (in the engine's step) grow with the tools, ~0.1 ms each, and a request must not
+# stall the others (agents offer 10-40).
+MAX_CONSTRAINED_TOOLS = 64
+MAX_CALLS_GRAMMAR_CHARS = 1 << 16
+
+
 def offered_calls_grammar(state, creq: ChatRequest):
     """With tools offered and tool_choice auto, and no other grammar: once the model opens a
     tool-call block (`<｜DSML｜tool_calls>`, one token), the rest of the block follows a grammar:
@@ -869,9 +876,14 @@ def offered_calls_grammar(state, creq: ChatRequest):
     arguments following its schema), closed within the budget. The reply before it is free and
     costs no masks. So a call never names a tool that was not offered, and always parses (a weak
     model otherwise calls tools it was trained on, and the server has to drop the call). None
-    when off (`--free-tool-calls`), or when the block's opener is not one token of this tokenizer."""
+    when off (`--free-tool-calls`), with more than MAX_CONSTRAINED_TOOLS tools, or when the
+    block's opener is not one token of this tokenizer."""
     if not state.config.tool_call_grammar or creq.grammar is not None or creq.tool_choice.mode != "auto" \
             or not _offered(creq):
+        return None
+    if len(creq.tools) > MAX_CONSTRAINED_TOOLS:
+        log.info("tool calls not constrained to the offered tools: %d tools (more than %d)", len(creq.tools),
+                 MAX_CONSTRAINED_TOOLS)
         return None
     trigger = state.tokenizer.encode(TOOL_CALLS_OPEN, add_special_tokens=False)
     if len(trigger) != 1:
@@ -883,9 +895,13 @@ def offered_calls_grammar(state, creq: ChatRequest):
         invokes = " | ".join(_invoke_rule(so, creq, i, t["function"]) for i, t in enumerate(creq.tools))
         text = (f'start: "\\n" invoke ("\\n" invoke)* "\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
                 f'invoke: {so.literal(INVOKE_OPEN)} " name=\\"" ({invokes})\n')
+        if len(text) > MAX_CALLS_GRAMMAR_CHARS:  # thousands of parameters, or names of megabytes
+            log.info("tool calls not constrained to the offered tools: their grammar would be %d characters",
+                     len(text))
+            return None
         return Triggered(trigger[0], so.lark(text))
     except (ValueError, APIError) as e:  # a schema the grammar cannot take: calls stay free
-        log.warning("tool calls not constrained to the offered tools: %s", e)
+        log.warning("tool calls not constrained to the offered tools: %.300s", str(e))
         return None
 
 

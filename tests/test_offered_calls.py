@@ -116,6 +116,19 @@ def test_no_block_grammar_when_off_or_when_another_rule_holds(state):
     assert offered_calls_grammar(off, ChatRequest(messages=[], tools=tools)) is None
 
 
+def test_no_block_grammar_for_tool_lists_too_big_to_compile_quickly(state, caplog):
+    """A hostile request (thousands of tools or parameters) must not stall the others: compiling
+    and the first mask grow with the grammar, so past the caps calls stay free (checked after)."""
+    from serve import chat
+
+    many = [tool(f"t{i}", ["a"]) for i in range(chat.MAX_CONSTRAINED_TOOLS + 1)]
+    assert offered_calls_grammar(state, ChatRequest(messages=[], tools=many[:-1])) is not None
+    assert offered_calls_grammar(state, ChatRequest(messages=[], tools=many)) is None
+    wide = tool("wide", [f"p{i}" for i in range(5000)])
+    assert offered_calls_grammar(state, ChatRequest(messages=[], tools=[wide])) is None
+    assert all(len(r.getMessage()) < 500 for r in caplog.records)
+
+
 def test_cli_flag_turns_it_off():
     assert build_parser().parse_args(["--free-tool-calls"]).free_tool_calls
     assert not build_parser().parse_args([]).free_tool_calls
