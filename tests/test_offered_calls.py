@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from types import SimpleNamespace
 
 import anthropic
@@ -213,3 +214,46 @@ def test_speculating_gives_the_same_constrained_calls(model, n):
     plain = run()
     assert all(calls for _, _, calls in plain)  # the block opened in each: the grammar took part
     assert run(speculative_tokens=n, speculative_policy="always") == plain
+
+
+def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(model, tok, monkeypatch):
+    """Engine level, where the trigger can be a token the MTP layer drafts well (a tool-call
+    opener rarely is): the trigger is taken inside a speculative step, so the step's later tokens,
+    which the grammar did not mask, must go back (`trim`) and the row's drafts start over. The
+    tokens must equal plain decoding's under the same grammar, which differ from free decoding's."""
+    from ds4_torch.structured import Triggered
+    from serve.engine import Engine, GenRequest
+
+    prompts = ["ROMEO:\nWhat light through yonder window breaks? It is the east, and",
+               "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n",
+               "KING HENRY:\nOnce more unto the breach, dear friends, once more;", "To be, or not to be, that is"]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+
+    def run(n, triggers=None):
+        eng = Engine(model, tok, ctx=256, prefill_chunk=32, max_batch=4, speculative_tokens=n,
+                     speculative_policy="always")
+        trims = []
+        real_trim = eng.runner.trim
+        monkeypatch.setattr(eng.runner, "trim", lambda used: (trims.append(list(used)), real_trim(used))[1])
+        eng.start()
+        try:
+            so = eng.structured_outputs()
+            grammar = so.lark(r'start: /[a-z \n]*/')  # after the trigger: lower case, spaces, newlines
+            reqs = [GenRequest(i, 24, after_trigger=None if triggers is None else Triggered(t, grammar))
+                    for i, t in zip(ids, triggers or ids)]
+            eng.submit_all(reqs)
+            deadline = time.monotonic() + 120
+            while not all(r.finished() for r in reqs):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            return [list(r.generated) for r in reqs], trims
+        finally:
+            eng.stop()
+
+    free, _ = run(0)
+    triggers = [g[3] for g in free]  # each request's grammar starts at its fourth token
+    plain, _ = run(0, triggers)
+    assert plain != free and [p[:4] for p in plain] == [f[:4] for f in free]
+    spec, trims = run(3, triggers)
+    assert spec == plain
+    assert any(u is not None for used in trims for u in used)  # a step's tokens went back

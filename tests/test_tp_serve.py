@@ -522,3 +522,38 @@ def test_speculating_ranks_answer_like_the_single_process_server(tmp_path, singl
             ranks.procs[0].wait(30)
         finally:
             ranks.kill()
+
+
+def test_a_tool_call_block_under_its_grammar_while_speculating_reaches_the_followers():
+    """Speculating under tensor parallelism, a request opens a tool-call block: its masked steps
+    (one token each, the mask computed on rank 0 and sent with the step) reach every rank; the
+    call and the caches equal the plain single-process server's, and the model, which left alone
+    calls its drilled get_weather, calls the offered tool. (Steps giving back the tokens past a
+    trigger: test_offered_calls.py.)"""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from serve.app import ServerConfig, create_app
+    from serve.background import BackgroundServer
+
+    model, tok = build_default_model(), default_tokenizer()
+    tools = [{"type": "function", "function": {"name": "Bash", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"],
+        "additionalProperties": False}}}]
+    outputs = []
+    for n, peers in ((0, None), (2, MirrorPeers(model))):
+        app = create_app(model, tok, ServerConfig(ctx=1024, prefill_chunk=64, max_batch=2, speculative_tokens=n),
+                         peers=peers)
+        with BackgroundServer(app) as srv:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": tools, "temperature": 0, "max_tokens": 60, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            r = r.json()
+            choice = r["choices"][0]
+            outputs.append((choice["token_ids"], choice["message"].get("tool_calls") and
+                            [t["function"] for t in choice["message"]["tool_calls"]]))
+            if peers is not None:
+                time.sleep(0.2)
+                assert_same_caches(srv.app.state.engine.replica, peers.follower)
+                assert {"speculate", "join"} <= set(peers.sent)
+    assert outputs[0][1] and outputs[0][1][0]["name"] == "Bash"
+    assert outputs[1] == outputs[0]
