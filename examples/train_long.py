@@ -289,13 +289,31 @@ def evaluate_long(model_dir: Path, data: Path, rotations: int, probes: int, quic
 
 
 # --------------------------------------------------------------------------- main
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(p: argparse.ArgumentParser, minutes: float, steps: int, lr: float, seed: int) -> None:
+    """What every run continuing the embedded model takes: its base and output, the data, how
+    long, the schedule, the optimiser, the seed and the threads."""
     p.add_argument("--base", type=Path, default=Path("ds4_torch/assets/tiny-shakespeare"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--minutes", type=float, default=60.0, help="train this long (then finish the step)")
-    p.add_argument("--steps", type=int, default=400, help="the learning-rate schedule's length")
+    p.add_argument("--minutes", type=float, default=minutes, help="train this long (then finish the step)")
+    p.add_argument("--steps", type=int, default=steps, help="the learning-rate schedule's length")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--threads", type=int, default=1)
+
+
+def start_training(model, args) -> tuple:
+    """`model` in training mode on the differentiable reference ops: its expert balancer, and the
+    optimiser and schedule `args` (run_arguments) ask for."""
+    model.ops = AttentionOps("reference", reference.attention, reference.compress_rows, reference.indexer_topk)
+    model.train()
+    return (ExpertBalancer(model),) + optimizer(model, args.lr, args.weight_decay, args.steps)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_arguments(p, minutes=60.0, steps=400, lr=5e-4, seed=7)
     p.add_argument("--min-length", type=int, default=8192)
     p.add_argument("--max-length", type=int, default=32768)
     p.add_argument("--text-share", type=float, default=0.35, help="share of steps on plain Shakespeare")
@@ -305,10 +323,6 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, nargs=2, default=(1, 6), metavar=("MIN", "MAX"),
                    help="requests per agent chat")
     p.add_argument("--novel-tools", type=float, default=0.3, help="chance of a made-up tool name in agent chats")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--rotations", type=int, default=0, help="evaluation: cyclic shifts of the held-out text")
     p.add_argument("--probes", type=int, default=20)
@@ -347,10 +361,7 @@ def main(argv=None):
         model._init_buffers()
     tok = Tokenizer.from_file(str(args.base / "tokenizer.json"))
     train_text, held_out = shakespeare_splits(tok, args.data)
-    model.ops = AttentionOps("reference", reference.attention, reference.compress_rows, reference.indexer_topk)
-    model.train()
-    balance = ExpertBalancer(model)
-    opt, sched = optimizer(model, args.lr, args.weight_decay, args.steps)
+    balance, opt, sched = start_training(model, args)
     rng = random.Random(args.seed)
     t0 = time.time()
     step = 0

@@ -35,13 +35,12 @@ import torch.nn.functional as F
 
 from ds4_torch import DS4ForCausalLM
 from ds4_torch.chat_encoding import INVOKE_OPEN, render_prompt
-from ds4_torch.kernels import AttentionOps, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agent_corpus  # noqa: E402
 import tool_corpus  # noqa: E402
-from train_long import called_names, greedy_reply  # noqa: E402
-from train_tiny import DEFAULT_DATA, ExpertBalancer, evaluate, optimizer  # noqa: E402
+from train_long import called_names, greedy_reply, run_arguments, start_training  # noqa: E402
+from train_tiny import evaluate  # noqa: E402
 from train_tools import IGNORE, encode_chat, shakespeare_splits  # noqa: E402
 
 KINDS = ("single", "agent", "four")
@@ -119,20 +118,12 @@ def greedy_calls(model, tok, probes) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, default=Path("ds4_torch/assets/tiny-shakespeare"))
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--minutes", type=float, default=40.0, help="train this long (then finish the step)")
-    p.add_argument("--steps", type=int, default=2000, help="the learning-rate schedule's length")
+    run_arguments(p, minutes=40.0, steps=2000, lr=1e-3, seed=11)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--chat-rows", type=int, default=3)
     p.add_argument("--text-rows", type=int, default=1)
     p.add_argument("--mix", type=float, nargs=3, default=(0.5, 0.3, 0.2), metavar=tuple(k.upper() for k in KINDS))
     p.add_argument("--max-filler", type=int, default=3000, help="most tokens between the tools and the request")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=100)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -149,10 +140,7 @@ def main(argv=None):
     full = args.data.read_text(encoding="utf-8")
     train_chars, held_chars = full[:int(len(full) * 0.9)], full[int(len(full) * 0.9):]
     train_text, held_out = shakespeare_splits(tok, args.data)
-    model.ops = AttentionOps("reference", reference.attention, reference.compress_rows, reference.indexer_topk)
-    model.train()
-    balance = ExpertBalancer(model)
-    opt, sched = optimizer(model, args.lr, args.weight_decay, args.steps)
+    balance, opt, sched = start_training(model, args)
     rng = random.Random(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     near = name_probes(tok, held_chars, 24, 0, seed=606)
