@@ -840,7 +840,8 @@ def _free_arguments(so, fn: dict) -> str:
     required = params.get("required") if isinstance(params.get("required"), list) else []
     parts = []
     for name, sub in props.items():
-        kind = sub.get("type") if isinstance(sub, dict) else None
+        kind = sub.get("type") if isinstance(sub, dict) else None  # a list of types: any value
+        kind = kind if isinstance(kind, str) else None
         value = ('"true\\">" ' + _RAW_TEXT if kind == "string" else
                  '"false\\">" %json ' + json.dumps({"type": kind}) if kind in _JSON_TYPES else any_value)
         part = _ANY_PARAMETER.format(name=json.dumps(name, ensure_ascii=False), value=value, **tags)
@@ -872,8 +873,8 @@ MAX_CALLS_GRAMMAR_CHARS = 1 << 16
 def offered_calls_grammar(state, creq: ChatRequest):
     """With tools offered and tool_choice auto, and no other grammar: once the model opens a
     tool-call block (`<｜DSML｜tool_calls>`, one token), the rest of the block follows a grammar:
-    calls of offered tools only, with the parameter names each declares (a strict tool's
-    arguments following its schema), closed within the budget. The reply before it is free and
+    calls of offered tools only, a closed schema's declared parameters (`_free_arguments`; a
+    strict tool's arguments following its schema), closed within the budget. The reply before it is free and
     costs no masks. So a call never names a tool that was not offered, and always parses (a weak
     model otherwise calls tools it was trained on, and the server has to drop the call). None
     when off (`--free-tool-calls`), with more than MAX_CONSTRAINED_TOOLS tools, or when the

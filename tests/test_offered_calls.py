@@ -106,6 +106,20 @@ def test_block_grammar_rejects_tools_not_offered_and_undeclared_parameters(state
     assert run(rendered(("Bash", {"command": "ls", "timeout": [5]}))) == "rejected"
 
 
+def test_odd_schemas_still_give_a_grammar(state, tok):
+    """Whatever a client's schema holds (a list of types, a property that is not an object, no
+    properties at all), the grammar is built, or calls stay free: never an error."""
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "additionalProperties": False, "required": "x",
+        "properties": {"u": {"type": ["string", "null"]}, "v": True, "w": {"enum": [1, 2]}}}}}
+    bare = {"type": "function", "function": {"name": "bare"}}
+    run = block_matcher(state, tok, [odd, bare])
+    assert run(rendered(("odd", {"u": "x", "v": [1], "w": 2}))) == "stopped"
+    assert run(rendered(("odd", {"u": None}))) == "stopped"
+    assert run(rendered(("bare", {"anything": "goes"}))) == "stopped"
+    assert run(rendered(("odd", {"z": 1}))) == "rejected"
+
+
 def test_no_block_grammar_when_off_or_when_another_rule_holds(state):
     tools = [BASH]
     assert offered_calls_grammar(state, ChatRequest(messages=[], tools=tools)) is not None
