@@ -811,7 +811,9 @@ def _arguments_rule(so, params: Any, where: str) -> str:
         tag = so.literal(PARAMETER_OPEN) + " " + json.dumps(f' name="{name}" string="{flag}">', ensure_ascii=False)
         part = f'{tag} {value} {so.literal(PARAMETER_CLOSE)} "\\n"'
         parts.append(f"({part})" if name in required else f"({part})?")
-    return " ".join(parts) if parts else '"\\n"'
+    if any(name in required for name in props):
+        return " ".join(parts)
+    return f'({" ".join(parts)} | "\\n")' if parts else '"\\n"'  # no parameter: the line stays empty
 
 
 # The parameters of a non-strict tool's call: any names, text (string="true") or JSON values, as

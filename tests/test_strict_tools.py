@@ -92,6 +92,18 @@ def test_auto_grammar_allows_text_and_calls_as_the_encoding_renders_them(auto_gr
     assert auto_grammar(rendered(good, ("get_time", {"city": "Oslo", "tz": [1, 2]}), ("get_time", {}))) == "stopped"
 
 
+def test_a_strict_tool_with_only_optional_parameters_can_be_called_with_none(state, tok):
+    """The encoding renders a call without parameters with an empty line in it: the grammar of a
+    strict tool whose parameters are all optional must take that, and a call with them."""
+    optional = weather({"type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": False})
+    grammar = strict_tool_grammar(state, ChatRequest(messages=[], tools=[optional]))
+    hf = getattr(tok, "hf", tok)
+    for args in ({}, {"city": "Oslo"}):
+        m = grammar.constraint().matcher
+        assert all(m.consume_token(t) for t in hf.encode(rendered(("get_weather", args)), add_special_tokens=False))
+        assert m.is_stopped()
+
+
 def test_auto_grammar_rejects_markup_in_text_bad_arguments_and_unknown_tools(auto_grammar):
     # Tags spelled in plain tokens inside the text (the parser would read them as markup), and
     # a tag token without the blank line before the block.
