@@ -344,7 +344,10 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
     dropped = {t.get("name") for t in get_list(body, "tools") or [] if isinstance(t, dict)} - \
         {t["function"]["name"] for t in tools}
     hints: list[int] = []
+    tc = get_object(body, "tool_choice") or {}
+    parallel = not get_bool(tc, "disable_parallel_tool_use", False, where="tool_choice.")
     creq = ChatRequest(messages=_messages(body, hints), tools=tools, cache_hints=tuple(hints), tool_choice=_tool_choice(body, dropped),
+                       parallel_tool_calls=parallel,
                        thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
                        max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences"),
                        tool_params_path="tools[{i}].input_schema")

@@ -74,6 +74,7 @@ class ChatRequest:
     logprobs: int | None = None
     ignore_eos: bool = False
     grammar: Any = None                           # a ds4_torch.structured.Grammar the content follows
+    parallel_tool_calls: bool = True              # False: one call at most (a grammar, or later calls dropped)
     # Message counts after which the client marked a cache breakpoint (Anthropic's cache_control):
     # hints where to checkpoint, never needed (message starts are checkpointed anyway).
     cache_hints: tuple[int, ...] = ()
@@ -351,11 +352,13 @@ class Generation:
     def __init__(self, state, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams, stop: list[str],
                  logprobs: int | None, ignore_eos: bool, parse: bool, thinking: bool = False,
                  schemas: dict | None = None, tool_choice: ToolChoice = ToolChoice(), call_id_prefix: str = "call_",
-                 grammar=None, prompt_logprobs: int | None = None, after_trigger=None):
+                 grammar=None, prompt_logprobs: int | None = None, after_trigger=None,
+                 parallel_tool_calls: bool = True):
         self.state = state
         self.choice = 0                      # its index among the choices of a response
         self.grammar = grammar               # what the content (after any reasoning) follows
         self.after_trigger = after_trigger   # a tool-call block's grammar (offered_calls_grammar)
+        self.parallel_tool_calls = parallel_tool_calls
         self.prompt_logprobs = prompt_logprobs
         self.tokenizer = state.tokenizer
         self.prompt_ids = prompt_ids
@@ -408,7 +411,8 @@ class Generation:
             gen = cls(state, ids, max_tokens, sampling=creq.sampling.for_choice(i), stop=creq.stop,
                       logprobs=creq.logprobs, ignore_eos=creq.ignore_eos, parse=True, thinking=creq.thinking,
                       schemas=schemas if tools else None, tool_choice=creq.tool_choice,
-                      call_id_prefix=call_id_prefix, grammar=creq.grammar, after_trigger=after_trigger)
+                      call_id_prefix=call_id_prefix, grammar=creq.grammar, after_trigger=after_trigger,
+                      parallel_tool_calls=creq.parallel_tool_calls)
             gen.usage.prompt_tokens = len(ids)
             gen.boundaries = boundaries
             gens.append(gen)
@@ -546,7 +550,8 @@ class Generation:
         elif isinstance(ev, MarkupDropped):
             self._dropped(ev.kind, ev.text)
         elif isinstance(ev, ToolCall):
-            problem = self._call_problem(ev)
+            problem = "parallel_tool_calls is false: only the first call is kept" \
+                if self.calls and not self.parallel_tool_calls else self._call_problem(ev)
             if problem:
                 self._dropped("call", ev.raw, problem)
                 return
@@ -896,7 +901,8 @@ def offered_calls_grammar(state, creq: ChatRequest):
     so = state.engine.structured_outputs()
     try:
         invokes = " | ".join(_invoke_rule(so, creq, i, t["function"]) for i, t in enumerate(creq.tools))
-        text = (f'start: "\\n" invoke ("\\n" invoke)* "\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
+        more = ' ("\\n" invoke)*' if creq.parallel_tool_calls else ""
+        text = (f'start: "\\n" invoke{more} "\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
                 f'invoke: {so.literal(INVOKE_OPEN)} " name=\\"" ({invokes})\n')
         if len(text) > MAX_CALLS_GRAMMAR_CHARS:  # thousands of parameters, or names of megabytes
             log.info("tool calls not constrained to the offered tools: their grammar would be %d characters",
@@ -935,7 +941,8 @@ def strict_tool_grammar(state, creq: ChatRequest):
         invokes = " | ".join(_invoke_rule(so, creq, i, fn) for i, fn in fns)
         # Several calls in one block, each on its own line (render_tool_calls); the text before the
         # block ends with the separator, one regex, so where the text ends is never ambiguous.
-        text = (f'start: /{_RAW}(<\\/?)?/ | /{_RAW}\\n\\n/ {so.literal(TOOL_CALLS_OPEN)} "\\n" invoke ("\\n" invoke)* '
+        more = '("\\n" invoke)* ' if creq.parallel_tool_calls else ""
+        text = (f'start: /{_RAW}(<\\/?)?/ | /{_RAW}\\n\\n/ {so.literal(TOOL_CALLS_OPEN)} "\\n" invoke {more}'
                 f'"\\n" {so.literal(TOOL_CALLS_CLOSE)}\n'
                 f'invoke: {so.literal(INVOKE_OPEN)} " name=\\"" ({invokes})\n')
     else:

@@ -310,7 +310,8 @@ def parse_chat(body: dict, max_top_logprobs: int = MAX_TOP_LOGPROBS, state=None)
     creq = ChatRequest(messages=messages, tools=tools, tool_choice=choice, thinking=thinking,
                        reasoning_effort=effort if thinking else None, sampling=sampling,
                        max_tokens=get_number(body, param, None, lo=1, integer=True), max_tokens_param=param,
-                       stop=parse_stop(body), logprobs=opts.logprobs, ignore_eos=opts.ignore_eos, grammar=grammar)
+                       stop=parse_stop(body), logprobs=opts.logprobs, ignore_eos=opts.ignore_eos, grammar=grammar,
+                       parallel_tool_calls=get_bool(body, "parallel_tool_calls", True))
     if state is not None:
         creq.grammar = strict_tool_grammar(state, creq)  # strict tools: a forced call, or auto's text-or-calls
     return creq, opts

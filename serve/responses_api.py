@@ -51,9 +51,10 @@ from .protocol import APIError, bad, get_bool, get_list, get_number, get_object,
 from .request_policy import (UNREADABLE_INPUT, check_count, check_tools_size, drop_hosted_tools, ignore_unknown,
                              is_hosted_tool, note_ignored, refuse_unreadable)
 
-FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "reasoning", "max_output_tokens", "temperature",
+FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
+          "max_output_tokens", "temperature",
           "top_p", "stream", "include", "text", "truncation", "stream_options", "max_tool_calls"}
-IGNORED = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+IGNORED = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier"}
 ENCRYPTED_PREFIX = "ds4-reasoning:"  # our encrypted_content: the reasoning text, base64
 # Input items with nothing to render: calls of tools the server did not run, OpenAI-side state.
 IGNORED_ITEMS = {"web_search_call", "file_search_call", "computer_call", "computer_call_output", "image_generation_call",
@@ -327,12 +328,14 @@ def parse_request(body: dict, state) -> tuple[ChatRequest, dict]:
                        thinking=effort is not None, reasoning_effort=effort, sampling=sampling,
                        max_tokens=get_number(body, "max_output_tokens", None, lo=1, integer=True),
                        messages_param="input", max_tokens_param="max_output_tokens", grammar=grammar,
-                       tool_params_path="tools[{i}].parameters")
+                       tool_params_path="tools[{i}].parameters",
+                       parallel_tool_calls=get_bool(body, "parallel_tool_calls", True))
     creq.grammar = strict_tool_grammar(state, creq)  # strict tools: a forced call, or auto's text-or-calls
     echo = {"model": model, "instructions": body.get("instructions"), "stream": get_bool(body, "stream", False),
             "encrypted": "reasoning.encrypted_content" in include, "reasoning": reasoning,
             "max_output_tokens": body.get("max_output_tokens"), "tools": get_list(body, "tools") or [],
             "tool_choice": body.get("tool_choice", "auto"), "temperature": sampling.temperature,
+            "parallel_tool_calls": creq.parallel_tool_calls,
             "top_p": sampling.top_p, "metadata": body.get("metadata") or {},
             "text_format": fmt or {"type": "text"}, "names": names}
     return creq, echo
@@ -369,7 +372,8 @@ class ResponseView:
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": e["instructions"], "max_output_tokens": e["max_output_tokens"],
                 "model": e["model"] or self.s.config.model_name,
-                "output": self.items if done else [], "parallel_tool_calls": True, "previous_response_id": None,
+                "output": self.items if done else [], "parallel_tool_calls": e["parallel_tool_calls"],
+                "previous_response_id": None,
                 "reasoning": {"effort": e["reasoning"].get("effort"), "summary": None}, "store": False,
                 "temperature": e["temperature"], "text": {"format": e["text_format"]}, "tool_choice": e["tool_choice"],
                 "tools": e["tools"], "top_p": e["top_p"], "truncation": "disabled",

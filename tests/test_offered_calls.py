@@ -271,3 +271,67 @@ def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(mod
     spec, trims = run(3, triggers)
     assert spec == plain
     assert any(u is not None for used in trims for u in used)  # a step's tokens went back
+
+
+# --------------------------------------------------------------------------- parallel_tool_calls false
+def test_parallel_tool_calls_false_allows_one_call_in_the_grammars(state, tok):
+    from serve.chat import strict_tool_grammar
+
+    two = rendered(("Bash", {"command": "ls"}), ("Read", {"file_path": "a.py"}))
+    one = rendered(("Bash", {"command": "ls"}))
+    assert block_matcher(state, tok, [BASH, READ])(two) == "stopped"  # parallel calls by default
+    hf = getattr(tok, "hf", tok)
+    triggered = offered_calls_grammar(state, ChatRequest(messages=[], tools=[BASH, READ], parallel_tool_calls=False))
+    strict = strict_tool_grammar(state, ChatRequest(messages=[], parallel_tool_calls=False, tools=[
+        {"type": "function", "function": {**BASH["function"], "strict": True}}, READ]))
+    for reply, ok in ((one, True), (two, False)):
+        ids = hf.encode(reply, add_special_tokens=False)
+        m = triggered.grammar.constraint().matcher
+        assert all(m.consume_token(t) for t in ids[ids.index(triggered.trigger) + 1:]) == ok
+        m = strict.constraint().matcher
+        assert all(m.consume_token(t) for t in ids) == ok
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call_without_a_grammar(model, tok):
+    """Past the grammar's caps (or with --free-tool-calls) a second call is parsed, then dropped
+    and counted: the client asked for one at most."""
+    from ds4_torch.output_parser import ToolCall
+    from ds4_torch.sampling import SamplingParams
+    from serve.chat import Call, Generation
+    from serve.metrics import Metrics
+
+    state = SimpleNamespace(tokenizer=tok, metrics=Metrics())
+    schemas = {"Bash": BASH["function"]["parameters"], "Read": READ["function"]["parameters"]}
+    for parallel, kept in ((True, 2), (False, 1)):
+        gen = Generation(state, [0], 8, sampling=SamplingParams(), stop=[], logprobs=None, ignore_eos=False,
+                         parse=True, schemas=schemas, parallel_tool_calls=parallel)
+        out = []
+        gen._translate(ToolCall(0, "Bash", '{"command": "ls"}', "<raw>"), out)
+        gen._translate(ToolCall(1, "Read", '{"file_path": "a.py"}', "<raw>"), out)
+        assert [c.name for c in out if isinstance(c, Call)] == ["Bash", "Read"][:kept]
+    assert state.metrics.value("ds4_markup_dropped_total", kind="call") == 1
+
+
+def test_each_api_takes_parallel_tool_calls(model):
+    with server(model) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[BASH, READ], max_tokens=60,
+                                        temperature=0, parallel_tool_calls=False)
+        assert len(r.choices[0].message.tool_calls or []) <= 1
+        resp = oai.responses.create(model=MODEL, input="What is the weather in Paris?", max_output_tokens=60,
+                                    parallel_tool_calls=False, tools=[{"type": "function", **BASH["function"]}])
+        assert resp.parallel_tool_calls is False
+        assert sum(item.type == "function_call" for item in resp.output) <= 1
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
+        m = client.messages.create(model=MODEL, max_tokens=60, messages=WEATHER_Q, tools=[
+            {"name": "Bash", "input_schema": BASH["function"]["parameters"]}],
+            tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+        assert sum(b.type == "tool_use" for b in m.content) <= 1
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[BASH], max_tokens=4,
+                                        extra_body={"parallel_tool_calls": "no"})
+        assert e.value.response.json()["error"]["param"] == "parallel_tool_calls"
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.create(model=MODEL, max_tokens=4, messages=WEATHER_Q, tools=[
+                {"name": "Bash", "input_schema": BASH["function"]["parameters"]}],
+                tool_choice={"type": "auto", "disable_parallel_tool_use": "yes"})
