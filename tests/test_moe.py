@@ -121,29 +121,48 @@ def test_op_low_precision_within_ulps_of_fp32(case, dtype, backend):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_torch_loop_and_all_experts_paths_both_match_loop(case, monkeypatch):
-    """`moe_torch` runs every expert on every token when that is cheap (small products, most
-    experts hit) and loops over the hit experts otherwise: both must give the loop's result,
-    ids outside [0, E) included, and the choice must follow the rule."""
+def test_torch_loop_and_grouped_paths_both_match_loop(case, monkeypatch):
+    """`moe_torch` multiplies small expert groups with one grouped product per projection when
+    most experts are hit, and loops over the hit experts otherwise: both must give the loop's
+    result, ids outside [0, E) included, and the choice must follow the rule."""
     args = case_inputs(case)
     name, N, k, E, H, I, _ = case
-    assert moe_module._dense_pays(N, k, E, H, I) == (N * k >= E and E * N * 3 * H * I <= moe_module.DENSE_EXPERTS_MAX_MACS)
+    cpu = torch.device("cpu")
+    assert moe_module._grouped_pays(N, k, E, cpu) == (E <= N * k <= moe_module.GROUPED_MAX_PAIRS_PER_EXPERT * E)
     want = loop_reference(*args, LIMIT)
     for limit in (0, 1 << 40):  # never / always when most experts are hit
-        monkeypatch.setattr(moe_module, "DENSE_EXPERTS_MAX_MACS", limit)
+        monkeypatch.setattr(moe_module, "GROUPED_MAX_PAIRS_PER_EXPERT", limit)
         assert_close(moe_module.moe_torch(*args, LIMIT), want, torch.float32)
     if N * k >= E:
-        assert_close(moe_module.moe_all_experts(*case_inputs(case, torch.bfloat16), LIMIT),
+        assert_close(moe_module.moe_grouped(*case_inputs(case, torch.bfloat16), LIMIT),
                      loop_reference(*case_inputs(case, torch.bfloat16), LIMIT), torch.bfloat16)
 
 
-def test_small_decode_batches_take_the_all_experts_path():
-    """The embedded model's sizes: a 16-row decode step runs every expert (no per-expert loop, no
-    host sync), a lone row and a prefill chunk loop over the experts they hit."""
-    assert moe_module._dense_pays(16, 2, 8, 128, 128)
-    assert not moe_module._dense_pays(1, 2, 8, 128, 128)
-    assert not moe_module._dense_pays(256, 2, 8, 128, 128)
-    assert not moe_module._dense_pays(64, 6, 256, 4096, 2048)  # V4-Flash: never
+def test_grouped_path_with_every_pair_invalid_or_one_expert():
+    """Edge groups: every pair on one expert (the other groups empty), and every id outside
+    [0, E) (nothing to add: zeros)."""
+    g = torch.Generator().manual_seed(5)
+    N, k, E, H, I = 6, 2, 4, 16, 8
+    hidden = torch.randn(N, H, generator=g)
+    weights = torch.rand(N, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
+    one = torch.full((N, k), 2, dtype=torch.int64)
+    assert_close(moe_module.moe_grouped(hidden, one, weights, gate_up, down, LIMIT),
+                 loop_reference(hidden, one, weights, gate_up, down, LIMIT), torch.float32)
+    none = torch.tensor([[-1, E]] * N)
+    assert torch.equal(moe_module.moe_grouped(hidden, none, weights, gate_up, down, LIMIT), torch.zeros(N, H))
+
+
+def test_small_decode_batches_take_the_grouped_path():
+    """The embedded model's sizes: an 8- to 64-row decode step on a CPU runs one grouped product
+    per projection (no per-expert loop, no host sync); a lone row, a prefill chunk and a GPU
+    loop (or run the Triton kernels)."""
+    cpu = torch.device("cpu")
+    assert moe_module._grouped_pays(16, 2, 8, cpu) and moe_module._grouped_pays(64, 2, 8, cpu)
+    assert not moe_module._grouped_pays(1, 2, 8, cpu)
+    assert not moe_module._grouped_pays(256, 2, 8, cpu)
+    assert not moe_module._grouped_pays(16, 2, 8, torch.device("mps"))
+    assert not moe_module._grouped_pays(16, 2, 8, cpu, torch.float64)  # (the grouped product has no float64)
 
 
 def test_op_does_not_mutate_or_alias_inputs():

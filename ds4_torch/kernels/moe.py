@@ -24,8 +24,8 @@ Implementations (chosen as for the attention ops, `ops.kernel_for`; backend "aut
 "triton"):
 - every device without a kernel of its own (CPU, MPS), and "torch": `moe_torch` below, a loop
   over the experts actually selected that multiplies each expert's token group by *views* of its
-  weights (never a gathered copy of the selected set); when the products are small and most
-  experts are hit anyway, every expert on every token instead (`moe_all_experts`). Quantized experts are unpacked there, only
+  weights (never a gathered copy of the selected set); on a CPU, when most experts are hit
+  anyway by small groups, one grouped product per projection instead (`moe_grouped`). Quantized experts are unpacked there, only
   when selected, tile by tile into a reused buffer (`quantized.py`). It reads the expert counts on the host; as
   one opaque op under `make_fx` / `torch.compile` that sync is not part of any traced graph.
 - CUDA ("auto" / "triton"), or CPU under TRITON_INTERPRET=1 with "triton": the fused Triton kernels
@@ -108,32 +108,37 @@ def swiglu(gate_up: Tensor, limit: float) -> Tensor:
 
 
 
-# Below this many multiply-adds, running every expert on every token (a few batched products)
-# beats the per-expert loop, whose ~15 small ops per expert cost tens of microseconds on a CPU:
-# about 0.2 ms of fp32 products on one core. Only small models at small batches qualify.
-DENSE_EXPERTS_MAX_MACS = 1 << 23
+# At most this many (token, expert) pairs per expert on average, the grouped product beats the
+# per-expert loop (whose ~15 small ops per expert cost tens of microseconds on a CPU); above it,
+# the CPU's grouped product is slower than the loop's BLAS calls (measured: 2.4x at 256 rows an
+# expert, even at 32).
+GROUPED_MAX_PAIRS_PER_EXPERT = 16
 
 
-def _dense_pays(N: int, k: int, E: int, H: int, I: int) -> bool:
-    """Most experts are hit anyway (N*k >= E) and computing all of them is cheap."""
-    return N * k >= E and E * N * 3 * H * I <= DENSE_EXPERTS_MAX_MACS
+def _grouped_pays(N: int, k: int, E: int, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Most experts are hit anyway (N*k >= E) and their groups are small; CPU only (the grouped
+    product has no MPS implementation, and CUDA runs the Triton kernels), in the dtypes it takes."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and E <= N * k <= GROUPED_MAX_PAIRS_PER_EXPERT * E)
 
 
-def moe_all_experts(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
-                    swiglu_limit: float) -> Tensor:
-    """Every expert on every token, then each (token, slot) pair picks its expert's output: the
-    same products and the same fp32 sum over slots as the loop, with no host sync and a fixed
-    number of ops (dense weights)."""
+def moe_grouped(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
+                swiglu_limit: float) -> Tensor:
+    """The pairs sorted by expert and multiplied by `torch._grouped_mm`, one call per projection:
+    the same products and the same fp32 sum over slots as the loop, with no host sync and a fixed
+    number of ops (dense weights). A pair whose id is outside [0, E) sorts last, past every
+    group, and adds nothing."""
     N, k = expert_ids.shape
     E = gate_up.shape[0]
-    h = swiglu(torch.matmul(hidden, gate_up.transpose(1, 2)), swiglu_limit)  # [E, N, I]
-    y = torch.bmm(h, down.transpose(1, 2))  # [E, N, H]
     flat = expert_ids.reshape(-1)
     valid = (flat >= 0) & (flat < E)
-    tokens = torch.arange(N, device=hidden.device).repeat_interleave(k)
-    pairs = y[flat.clamp(0, E - 1), tokens] * routing_weights.reshape(-1, 1).to(hidden.dtype)
-    pairs = torch.where(valid[:, None], pairs, pairs.new_zeros(()))  # an id outside [0, E) adds nothing
-    return pairs.view(N, k, -1).sum(1)
+    order = torch.argsort(torch.where(valid, flat, E), stable=True)
+    group_ends = torch.bincount(flat[valid], minlength=E).cumsum(0).to(torch.int32)
+    x = hidden.index_select(0, order // k)
+    h = swiglu(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=group_ends), swiglu_limit)
+    y = torch._grouped_mm(h, down.transpose(1, 2), offs=group_ends)
+    y = torch.where(valid[order, None], y * routing_weights.reshape(-1).to(hidden.dtype)[order, None], 0.0)
+    return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1).sum(1)
 
 
 def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
@@ -143,8 +148,8 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
     N, H = hidden.shape
     k = expert_ids.shape[1]
     E = gate_up.shape[0]
-    if gate_up_scale is None and _dense_pays(N, k, E, H, gate_up.shape[1] // 2):
-        return moe_all_experts(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit)
+    if gate_up_scale is None and _grouped_pays(N, k, E, hidden.device, hidden.dtype):
+        return moe_grouped(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit)
     flat_ids = expert_ids.reshape(-1)
     pair_weights = routing_weights.reshape(-1).to(hidden.dtype)
     # Pairs sorted by expert; bins: [no expert below 0] [experts 0..E-1] [no expert at E and above].
