@@ -377,6 +377,9 @@ class Indexer(Compressor):
 
     # Tensor parallel (parallel.py): sums this rank's head scores with the others' before the top-k.
     sharded_topk = None
+    # Training (examples/train_indexer.py): a list that collects `distillation_loss` each forward.
+    # The top-k passes no gradient, so without this loss the indexer never learns what to pick.
+    distillation_losses: list | None = None
 
     def __init__(self, config: DS4Config, rate: int):
         super().__init__(config, rate, config.index_head_dim, overlap=True)
@@ -396,6 +399,31 @@ class Indexer(Compressor):
         capacity = state.rows.shape[1] - 1 if rows is None else rows
         topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
         return topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
+
+    def distillation_loss(self, state, x, q_residual, start, rope, attn_q, comp, scale: float):
+        """KL(main attention over the visible compressed rows || softmax of the indexer's scores),
+        per query, averaged over the queries that see a row (DeepSeek-V3.2's indexer objective).
+        The target (the main heads' probabilities summed and renormalised) is detached, so only
+        the indexer learns; callers pass the indexer `x` and `q_residual` detached as well."""
+        from .kernels.reference import indexer_scores, visible_rows
+
+        B, T, _ = x.shape
+        C = min(comp.shape[1], state.rows.shape[1] - 1)
+        visible = visible_rows(start, T, C, self.rate)  # [B, T, C]
+        seen = visible.any(-1)
+        if C == 0 or not bool(seen.any()):
+            return x.new_zeros(())
+        with torch.no_grad():
+            logits = torch.einsum("bthd,bcd->bthc", attn_q.float(), comp[:, :C].float()) * scale
+            probs = torch.softmax(logits.masked_fill(~visible[:, :, None], float("-inf")), dim=-1)
+            target = probs.nan_to_num(0.0).sum(2)
+            target = target / target.sum(-1, keepdim=True).clamp(min=1e-30)
+        q = rotate(self.q_b_proj(q_residual).view(B, T, -1, self.head_dim), rope)
+        head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
+        scores = indexer_scores(q, head_weights, state.rows[:, :C])
+        log_q = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        kl = torch.where(target > 0, target * (target.clamp(min=1e-30).log() - log_q), 0.0).sum(-1)
+        return kl[seen].mean()
 
 
 class CompressorModule(Compressor):
@@ -459,9 +487,15 @@ class Attention(nn.Module):
             comp = layer_cache.compressor.rows[:, :plan.row_limits[rate]]  # (the last row is scratch)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
-                indexer.update(layer_cache.indexer, x, windows, ops)
-                comp_sel = indexer.select(layer_cache.indexer, x, q_residual, plan.start, rope, ops,
+                # The top-k passes no gradient, so the indexer's inputs are detached: its own
+                # loss (distillation_loss) trains it without reaching the rest of the model.
+                x_i, q_residual_i = (x.detach(), q_residual.detach()) if torch.is_grad_enabled() else (x, q_residual)
+                indexer.update(layer_cache.indexer, x_i, windows, ops)
+                comp_sel = indexer.select(layer_cache.indexer, x_i, q_residual_i, plan.start, rope, ops,
                                           plan.row_limits[rate])
+                if indexer.distillation_losses is not None and torch.is_grad_enabled():
+                    indexer.distillation_losses.append(indexer.distillation_loss(
+                        layer_cache.indexer, x_i, q_residual_i, plan.start, rope, q, comp, self.scale))
         out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale)
         out = rotate(out, plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
         plan.write_ring(ring, kv)
