@@ -777,6 +777,16 @@ def _forced_tools(creq: ChatRequest) -> list[tuple[int, dict]]:
     return fns
 
 
+def _string_enum(sub: dict) -> str | None:
+    """Lark for a string enum's values (written as text, string="true"), or None when `sub` is
+    not one: `enum` a non-empty list of strings, `type` "string" or absent."""
+    enum = sub.get("enum")
+    if sub.get("type", "string") == "string" and isinstance(enum, list) and enum \
+            and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
+    return None
+
+
 def _arguments_rule(so, params: Any, where: str) -> str:
     """Lark for the DSML parameters of a call whose arguments follow the JSON schema `params`, as
     `chat_encoding.render_invoke` writes them: properties in the schema's order, a plain string
@@ -805,12 +815,11 @@ def _arguments_rule(so, params: Any, where: str) -> str:
         if not isinstance(sub, dict):
             raise bad(f"'{where}.properties.{name}' must be a JSON schema object", f"{where}.properties.{name}")
         keys = set(sub) - _ANNOTATIONS
-        enum = sub.get("enum")
+        enum = _string_enum(sub) if keys <= {"type", "enum"} else None
         if keys == {"type"} and sub["type"] == "string":
             flag, value = "true", _RAW_TEXT
-        elif keys <= {"type", "enum"} and sub.get("type", "string") == "string" and isinstance(enum, list) \
-                and enum and all(isinstance(v, str) for v in enum):
-            flag, value = "true", "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
+        elif enum:
+            flag, value = "true", enum
         else:
             flag, value = "false", "%json " + json.dumps({**sub, **defs}, ensure_ascii=False)
         tag = so.literal(PARAMETER_OPEN) + " " + json.dumps(f' name="{name}" string="{flag}">', ensure_ascii=False)
@@ -825,8 +834,9 @@ def _arguments_rule(so, params: Any, where: str) -> str:
 # the output parser reads them; its schema is checked after the fact (a failing call is dropped,
 # logged and counted). When the schema allows no other names (`additionalProperties: false`),
 # the properties it declares, in its order, the required ones always; a property typed "string"
-# as text, one of another JSON type as JSON of that type: what a schema check would refuse for
-# those reasons is never written (other keywords are still checked after the fact).
+# as text (one of its values when it is a string enum), one of another JSON type as JSON of that
+# type: what a schema check would refuse for those reasons is never written (other keywords are
+# still checked after the fact).
 _ANY_PARAMETER = '{open} " name=\\"" {name} "\\" string=\\"" {value} {close} "\\n"'
 _ANY_VALUE = '("true\\">" {text} | "false\\">" %json {{}})'
 _RAW_NAME = '/[^"<>\\n]+/'
@@ -849,7 +859,8 @@ def _free_arguments(so, fn: dict) -> str:
     for name, sub in props.items():
         kind = sub.get("type") if isinstance(sub, dict) else None  # a list of types: any value
         kind = kind if isinstance(kind, str) else None
-        value = ('"true\\">" ' + _RAW_TEXT if kind == "string" else
+        enum = _string_enum(sub) if isinstance(sub, dict) else None
+        value = ('"true\\">" ' + enum if enum else '"true\\">" ' + _RAW_TEXT if kind == "string" else
                  '"false\\">" %json ' + json.dumps({"type": kind}) if kind in _JSON_TYPES else any_value)
         part = _ANY_PARAMETER.format(name=json.dumps(name, ensure_ascii=False), value=value, **tags)
         parts.append(f"({part})" if name in required else f"({part})?")

@@ -106,6 +106,21 @@ def test_block_grammar_rejects_tools_not_offered_and_undeclared_parameters(state
     assert run(rendered(("Bash", {"command": "ls", "timeout": [5]}))) == "rejected"
 
 
+def test_block_grammar_keeps_a_closed_schemas_string_enums(state, tok):
+    """A property whose values are a string enum (Claude Code's ReportFindings `level`, Codex's
+    sandbox modes) takes one of them, in a non-strict tool's closed schema as in a strict one's."""
+    report = tool("ReportFindings", {"summary": "string"}, required=["summary", "level"])
+    report["function"]["parameters"]["properties"]["level"] = {
+        "type": "string", "enum": ["info", "warning", "error"], "description": "How serious."}
+    report["function"]["parameters"]["properties"]["mode"] = {"enum": ["fast", ""]}  # no type: still text
+    run = block_matcher(state, tok, [report, BASH])
+    assert run(rendered(("ReportFindings", {"summary": "ok", "level": "warning"}))) == "stopped"
+    assert run(rendered(("ReportFindings", {"summary": "ok", "level": "error", "mode": ""}))) == "stopped"
+    assert run(rendered(("ReportFindings", {"summary": "ok", "level": "severe"}))) == "rejected"
+    assert run(rendered(("ReportFindings", {"summary": "ok", "level": "warn"}))) == "rejected"  # a prefix
+    assert run(rendered(("ReportFindings", {"summary": "ok", "level": "info", "mode": "slow"}))) == "rejected"
+
+
 def test_odd_schemas_still_give_a_grammar(state, tok):
     """Whatever a client's schema holds (a list of types, a property that is not an object, no
     properties at all), the grammar is built, or calls stay free: never an error."""
