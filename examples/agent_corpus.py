@@ -309,11 +309,15 @@ REASONING_ANSWER = "The tool answered; I can reply now."
 
 def agent_conversation(rng: random.Random, split: str = "train", system_tokens: int = 0, tok=None,
                        rounds: int | tuple[int, int] = (1, 4), thinking: float = 0.4, novel: float = 0.3,
-                       filler_rounds: float = 0.2) -> dict:
+                       filler_rounds: float = 0.2, trailing: float = 0.0,
+                       trailing_tokens: tuple[int, int] = (200, 4000)) -> dict:
     """One agent chat ending in an assistant turn: {"messages", "tools", "thinking"}. Each round
     is a request, the call of the fitting offered tool, its result and an answer (or a plain
     answer when no offered tool fits). `filler_rounds`: the chance that a round's request comes
-    after a long pasted block, so later calls look far back for the tools section."""
+    after a long pasted block, so later calls look far back for the tools section. `trailing`:
+    the chance that a system message of `trailing_tokens` tokens (environment notes, rules)
+    follows the request, as Claude Code sends one after the prompt, so the model has to look
+    back past it for the request itself."""
     tools, offered = offer_tools(rng, split, novel)
     think = rng.random() < thinking and bool(tools)  # (without tools, thinking mode drops earlier reasoning)
     messages = []
@@ -330,6 +334,8 @@ def agent_conversation(rng: random.Random, split: str = "train", system_tokens: 
             text = "<system-reminder>\n" + rng.choice(ENV_NOTES).format(
                 d=rng.choice(DIRS["train"]), g="yes", m=rng.randint(1, 9)) + "\n</system-reminder>\n" + text
         messages.append({"role": "user", "content": text})
+        if trailing and rng.random() < trailing:  # (no draw when off: seeded evaluations stay as they were)
+            messages.append({"role": "system", "content": system_prompt(rng, rng.randint(*trailing_tokens), tok)})
         if name is None:
             messages.append(_assistant(answer, REASONING_NONE if think else None))
             continue

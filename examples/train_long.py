@@ -236,18 +236,20 @@ def long_range_probes(model, tok, held_out_text: str, cases: int = 20, filler_to
 
 
 def agent_eval(model, tok, cases: int = 30, system_tokens: int = 8000, seed: int = 31337,
-               split: str = "held_out") -> dict:
+               split: str = "held_out", trailing_tokens: int = 0) -> dict:
     """Agent chats (held-out tool names, files and cities; or, with split="train", the names
-    training uses): the first reply calls the fitting offered tool, with the right arguments."""
+    training uses): the first reply calls the fitting offered tool, with the right arguments.
+    `trailing_tokens`: a system message that long follows the request (Claude Code's shape)."""
     rng = random.Random(seed)
     right_tool = exact = no_tool_ok = no_tool_cases = 0
+    trailing = {"trailing": 1.0, "trailing_tokens": (trailing_tokens, trailing_tokens)} if trailing_tokens else {}
     for _ in range(cases):
         conv = agent_corpus.agent_conversation(rng, split, system_tokens=system_tokens, tok=tok, rounds=1,
-                                               thinking=0.0, filler_rounds=0.0, novel=0.0)
-        first = conv["messages"][:-1] if conv["messages"][-1]["role"] == "assistant" else conv["messages"]
-        expected = next((m for m in conv["messages"] if m["role"] == "assistant"), {})
+                                               thinking=0.0, filler_rounds=0.0, novel=0.0, **trailing)
+        n_first = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")
+        expected = conv["messages"][n_first]
         calls = expected.get("tool_calls") or []
-        user_turn = [m for m in first if m["role"] != "tool" and not (m["role"] == "assistant")][:2]
+        user_turn = conv["messages"][:n_first]
         reply = greedy_reply(model, tok, render_prompt(user_turn, tools=conv["tools"], thinking=False), max_new=64)
         names = called_names(reply)
         if not calls:
@@ -260,7 +262,8 @@ def agent_eval(model, tok, cases: int = 30, system_tokens: int = 8000, seed: int
             args = json.loads(want["arguments"])
             exact += all(f'name="{k}" string="true">{v}<' in reply for k, v in args.items())
     n_calls = cases - no_tool_cases
-    return {"split": split, "cases": cases, "system_tokens": system_tokens, "call_cases": n_calls, "right_tool": right_tool,
+    return {"split": split, "cases": cases, "system_tokens": system_tokens, "trailing_tokens": trailing_tokens,
+            "call_cases": n_calls, "right_tool": right_tool,
             "exact_arguments": exact, "no_tool_cases": no_tool_cases, "no_tool_ok": no_tool_ok}
 
 
@@ -327,6 +330,8 @@ def main(argv=None):
     p.add_argument("--rotations", type=int, default=0, help="evaluation: cyclic shifts of the held-out text")
     p.add_argument("--probes", type=int, default=20)
     p.add_argument("--eval-only", action="store_true")
+    p.add_argument("--stage", default="stage3", help="--eval-only: the training.json stage whose last run gets "
+                                                     "the evaluation (stage5: train_indexer.py's)")
     p.add_argument("--quick-eval", action="store_true", help="skip the slow evaluations")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -335,7 +340,7 @@ def main(argv=None):
     if args.eval_only:
         result = evaluate_long(args.out, args.data, args.rotations, args.probes, args.quick_eval)
         record = json.loads((args.out / "training.json").read_text())
-        record.setdefault("stage3", [{}])[-1]["evaluation"] = result
+        record.setdefault(args.stage, [{}])[-1]["evaluation"] = result
         record["held_out_loss"] = result["held_out_loss"]  # the model's headline number (windowed, as stage 1)
         (args.out / "training.json").write_text(json.dumps(record, indent=2, ensure_ascii=False))
         print(json.dumps(result, indent=1))

@@ -58,6 +58,10 @@ def filler_text(rng: random.Random, text: str, tokens: int) -> str:
 def chat(tok, rng: random.Random, kind: str, text: str, max_filler: int) -> tuple[list[int], list[int]]:
     if kind == "single":
         conv, _ = agent_corpus.single_tool_chat(rng, filler_text(rng, text, rng.choice([0, rng.randint(0, max_filler)])))
+    elif kind == "trailing":  # Claude Code's shape: a long system message after the request
+        conv = agent_corpus.agent_conversation(rng, "train", system_tokens=rng.randint(100, 2000), tok=tok, rounds=1,
+                                               novel=0.5, thinking=0.2, trailing=1.0,
+                                               trailing_tokens=(100, max(100, max_filler)))
     elif kind == "agent":
         system = rng.choice([0, rng.randint(100, max(100, max_filler))])
         conv = agent_corpus.agent_conversation(rng, "train", system_tokens=system, tok=tok, rounds=(1, 2),
@@ -116,6 +120,37 @@ def greedy_calls(model, tok, probes) -> int:
     return ok
 
 
+def load_run(args):
+    """What a run continuing the embedded model starts from (`run_arguments`' --base, --out,
+    --data, --threads, --seed): its training record, the model, the tokenizer (copied to --out),
+    Tiny Shakespeare's characters and tokens, each as (train, held-out)."""
+    from tokenizers import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if args.base.resolve() != args.out.resolve():
+            (args.out / name).write_bytes((args.base / name).read_bytes())
+    record = json.loads((args.base / "training.json").read_text())
+    model = DS4ForCausalLM.from_pretrained(args.base)
+    tok = Tokenizer.from_file(str(args.base / "tokenizer.json"))
+    full = args.data.read_text(encoding="utf-8")
+    chars = full[:int(len(full) * 0.9)], full[int(len(full) * 0.9):]
+    return record, model, tok, chars, shakespeare_splits(tok, args.data)
+
+
+def row_losses(model, x, y, piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean loss over the chat rows' labelled (assistant) tokens, and over the Shakespeare
+    rows `piece` (inputs and their next tokens; zero without any)."""
+    chat_ce = F.cross_entropy(model(x).flatten(0, 1), y.flatten().clamp(min=0), reduction="none")
+    labelled = (y.flatten() != IGNORE).float()
+    chat_loss = (chat_ce * labelled).sum() / labelled.sum().clamp(min=1)
+    text_loss = F.cross_entropy(model(piece[:, :-1]).flatten(0, 1), piece[:, 1:].flatten()) if len(piece) \
+        else torch.zeros(())
+    return chat_loss, text_loss
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run_arguments(p, minutes=40.0, steps=2000, lr=1e-3, seed=11)
@@ -126,20 +161,7 @@ def main(argv=None):
     p.add_argument("--max-filler", type=int, default=3000, help="most tokens between the tools and the request")
     p.add_argument("--eval-every", type=int, default=100)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    from tokenizers import Tokenizer
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if args.base.resolve() != args.out.resolve():
-            (args.out / name).write_bytes((args.base / name).read_bytes())
-    record = json.loads((args.base / "training.json").read_text())
-    model = DS4ForCausalLM.from_pretrained(args.base)
-    tok = Tokenizer.from_file(str(args.base / "tokenizer.json"))
-    full = args.data.read_text(encoding="utf-8")
-    train_chars, held_chars = full[:int(len(full) * 0.9)], full[int(len(full) * 0.9):]
-    train_text, held_out = shakespeare_splits(tok, args.data)
+    record, model, tok, (train_chars, held_chars), (train_text, held_out) = load_run(args)
     balance, opt, sched = start_training(model, args)
     rng = random.Random(args.seed)
     g = torch.Generator().manual_seed(args.seed)
@@ -159,14 +181,9 @@ def main(argv=None):
         step += 1
         x, y = chat_rows(tok, rng, args.chat_rows, args.length, args.mix, train_chars, args.max_filler)
         starts = torch.randint(0, len(train_text) - args.length - 1, (args.text_rows,), generator=g)
-        piece = torch.stack([train_text[s:s + args.length + 1] for s in starts])
+        piece = train_text[starts[:, None] + torch.arange(args.length + 1)]  # [text_rows, length + 1]
         opt.zero_grad(set_to_none=True)
-        chat_logits = model(x)
-        chat_ce = F.cross_entropy(chat_logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none")
-        labelled = (y.flatten() != IGNORE).float()
-        chat_loss = (chat_ce * labelled).sum() / labelled.sum().clamp(min=1)
-        text_loss = F.cross_entropy(model(piece[:, :-1]).flatten(0, 1), piece[:, 1:].flatten()) if args.text_rows \
-            else torch.zeros(())
+        chat_loss, text_loss = row_losses(model, x, y, piece)
         (chat_loss + text_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
