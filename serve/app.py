@@ -306,7 +306,9 @@ class AppState:
                     yield b": keep-alive\n\n"
                 while True:
                     now = time.monotonic()
-                    if not pending or now - last_poll >= self._poll_interval(gen):
+                    # Every poll interval, not every token: a poll (a cancelled receive) costs more
+                    # than writing a token, and it holds the GIL the engine thread needs.
+                    if now - last_poll >= self._poll_interval(gen):
                         if await request.is_disconnected():
                             gen.cancel()
                             return
