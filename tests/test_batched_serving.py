@@ -307,3 +307,13 @@ def test_metrics_split_step_time_into_model_sampling_and_host(srv):
         assert f'ds4_step_seconds_bucket{{le="0.001",part="{part}"}}' in text
         assert metric(srv, "ds4_step_seconds_count", part=part) >= before[part] + 7  # 7 decode steps
         assert metric(srv, "ds4_step_seconds_sum", part=part) > 0
+
+
+def test_a_running_engine_bounds_how_long_another_thread_keeps_the_gil(srv):
+    """The engine thread gives up the GIL around every op; Python's switch interval bounds how long
+    the event loop or the output thread keeps it meanwhile, so a running engine shortens it."""
+    import sys
+
+    from serve.engine import GIL_SWITCH_INTERVAL_S
+
+    assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S <= 0.002
