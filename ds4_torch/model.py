@@ -22,7 +22,7 @@ from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
 from .kernels.moe import moe, moe_torch
-from .kernels.reference import cast, rms_norm, rope_tables, rotate
+from .kernels.reference import cast, indexer_scores, rms_norm, rope_tables, rotate, visible_rows
 from .kernels.sinkhorn import sinkhorn
 
 # Small parameters transformers keeps in fp32 whatever the model dtype (norms, mixing weights,
@@ -405,8 +405,6 @@ class Indexer(Compressor):
         per query, averaged over the queries that see a row (DeepSeek-V3.2's indexer objective).
         The target (the main heads' probabilities summed and renormalised) is detached, so only
         the indexer learns; callers pass the indexer `x` and `q_residual` detached as well."""
-        from .kernels.reference import indexer_scores, visible_rows
-
         B, T, _ = x.shape
         C = min(comp.shape[1], state.rows.shape[1] - 1)
         visible = visible_rows(start, T, C, self.rate)  # [B, T, C]

@@ -50,7 +50,7 @@ def test_loss_is_the_kl_from_attention_to_the_indexer_scores(monkeypatch):
         captured.update(q=q.detach().double(), w=head_weights.detach().double(), rows=rows.detach().double())
         return orig(q, head_weights, rows)
 
-    monkeypatch.setattr(reference, "indexer_scores", scores_spy)  # the loss's call is the last one
+    monkeypatch.setattr(reference, "indexer_scores", scores_spy)  # the top-k's call: the loss scores the same
     model(ids)
     assert len(losses) == 1
     q, comp, _, scale = recorded[0]

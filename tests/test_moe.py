@@ -124,11 +124,9 @@ def test_op_low_precision_within_ulps_of_fp32(case, dtype, backend):
 def test_torch_loop_and_grouped_paths_both_match_loop(case, monkeypatch):
     """`moe_torch` multiplies small expert groups with one grouped product per projection when
     most experts are hit, and loops over the hit experts otherwise: both must give the loop's
-    result, ids outside [0, E) included, and the choice must follow the rule."""
+    result, ids outside [0, E) included (the rule itself: the test below)."""
     args = case_inputs(case)
     name, N, k, E, H, I, _ = case
-    cpu = torch.device("cpu")
-    assert moe_module._grouped_pays(N, k, E, cpu) == (E <= N * k <= moe_module.GROUPED_MAX_PAIRS_PER_EXPERT * E)
     want = loop_reference(*args, LIMIT)
     for limit in (0, 1 << 40):  # never / always when most experts are hit
         monkeypatch.setattr(moe_module, "GROUPED_MAX_PAIRS_PER_EXPERT", limit)
