@@ -384,6 +384,7 @@ class Generation:
         self.returned_reasoning: list[str] = []
         self.usage = Usage()
         self.done: Done | None = None
+        self.markup_logged = False           # its first dropped markup was logged as a warning
         self._ended = False
 
     # ------------------------------------------------------------------ construction
@@ -537,7 +538,12 @@ class Generation:
                 self._translate(ev, out)
 
     def _dropped(self, kind: str, raw: str, why: str = "") -> None:
-        log.warning("markup kept out of the text (%s%s): %r", kind, f": {why}" if why else "", raw[:500])
+        # One warning a request: a model that keeps emitting markup (a raw completion of random
+        # tokens, say) would otherwise log every token; the metric counts them all.
+        level = logging.DEBUG if self.markup_logged else logging.WARNING
+        self.markup_logged = True
+        log.log(level, "markup kept out of the text (%s%s): %r%s", kind, f": {why}" if why else "", raw[:500],
+                "" if level == logging.DEBUG else " (any more in this request: debug level)")
         self.state.metrics.markup_dropped.labels(kind=kind).inc()
 
     def _translate(self, ev, out: list[Event]) -> None:

@@ -242,6 +242,24 @@ def test_a_call_its_schema_rejects_is_dropped_logged_and_counted(srv, oai, model
     assert metric(srv, "ds4_markup_dropped_total", kind="call") == before + 1
 
 
+def test_markup_in_a_completion_is_logged_once_and_counted_each_time(srv, tok, caplog):
+    """A raw completion biased toward `<think>` emits it at every step: the text never holds it,
+    the metric counts every one, and the log has one warning for the request (not one a token)."""
+    think = tok.encode("<think>", add_special_tokens=False)
+    assert len(think) == 1
+    before = metric(srv, "ds4_markup_dropped_total", kind="token")
+    with caplog.at_level(logging.DEBUG, logger="ds4.serve"):
+        r = httpx.post(f"{srv.url}/v1/completions", json={
+            "model": MODEL, "prompt": "To be", "max_tokens": 5, "temperature": 0,
+            "logit_bias": {str(think[0]): 100}, "return_token_ids": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == think * 5 and "<think>" not in choice["text"]
+    assert metric(srv, "ds4_markup_dropped_total", kind="token") == before + 5
+    logged = [rec for rec in caplog.records if "markup kept out" in rec.getMessage()]
+    assert [rec.levelno for rec in logged] == [logging.WARNING] + [logging.DEBUG] * 4
+
+
 # --------------------------------------------------------------------------- tool loops, all APIs
 @pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
 @pytest.mark.parametrize("loop", ["chat_completions_loop", "responses_loop", "anthropic_loop"])
