@@ -187,6 +187,33 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
             "wall": time.perf_counter() - start}
 
 
+def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, steps: int = 32,
+                repeat: int = 3) -> dict:
+    """The model's own work for these streams, with nothing around it: every prompt prefilled in
+    one batch (faster than the engine's one prompt at a time), then decode steps of all rows
+    (best of `repeat` x `steps`, argmax fed back). No sampler, scheduler, output thread or HTTP,
+    so no server can beat it: `new_tokens` per stream over prefill + (new_tokens - 1) steps is the
+    ceiling on the streams' aggregate tokens/s, and the step time the floor on their ITL."""
+    from ..decode import make_decoder, prefill
+
+    ids = torch.tensor(prompts, device=model.device)
+    cache = model.new_cache(len(prompts), ids.shape[1] + 1 + repeat * steps)
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = prefill(model, cache, ids, chunk)
+    prefill_s = time.perf_counter() - start
+    decoder = make_decoder(model, cache)
+    tokens = logits.argmax(-1)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = decoder.step(tokens).argmax(-1)
+        best = min(best, (time.perf_counter() - start) / steps)
+    return {"clients": len(prompts), "prefill_s": prefill_s, "step_ms": 1000 * best,
+            "tok_s_total": len(prompts) * new_tokens / (prefill_s + (new_tokens - 1) * best)}
+
+
 def _gaps(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -234,6 +261,7 @@ def run(args) -> int:
     if any(args.speculative_tokens) and getattr(model, "mtp", None) is None:
         raise UserError("--speculative-tokens needs a model with an MTP layer (mtp.* weights)")
     print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
+    floor = [model_floor(model, prompts(c), args.new_tokens, args.prefill_chunk) for c in counts]
     all_rows, first = [], None
     for n in args.speculative_tokens:
         # the same prompts for every value: the tokens, and so the work, are the same
@@ -248,9 +276,22 @@ def run(args) -> int:
                 for r, f in zip(rows, first) if r["clients"] == f["clients"]))
         all_rows += rows
     rows = all_rows
+    print_floor(floor)
     if args.csv:
         write_csv(rows, args.csv)
     return 0
+
+
+def print_floor(floor: list[dict]) -> None:
+    print("the model alone (see model_floor: the prompts prefilled as one batch, then decode steps of every row; "
+          "no sampler, scheduler or HTTP): the ceiling on tok/s and the floor on ITL for the tables above")
+    print(f"{'clients':>7} {'prefill s':>10} {'step ms':>8} {'step vs 1':>10} {'tok/s total':>12} {'vs 1 client':>12}")
+    one = floor[0] if floor[0]["clients"] == 1 else {"step_ms": float("nan"), "tok_s_total": float("nan")}
+    for r in floor:
+        r["step_vs_1"] = r["step_ms"] / one["step_ms"]
+        r["vs_1_client"] = r["tok_s_total"] / one["tok_s_total"]
+        print(f"{r['clients']:>7} {r['prefill_s']:>10.3f} {r['step_ms']:>8.2f} {r['step_vs_1']:>9.2f}x "
+              f"{r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x")
 
 
 def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, stall_prompt, chunk_s) -> list[dict]:
