@@ -114,7 +114,7 @@ async def _run_clients(url: str, prompts: list[list[int]], new_tokens: int, late
 
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         tasks = [asyncio.ensure_future(_client(http, url, p, new_tokens)) for p in prompts]
         window = None
         if late is not None:
@@ -125,9 +125,9 @@ async def _run_clients(url: str, prompts: list[list[int]], new_tokens: int, late
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
             window = (sent, time.perf_counter())
         results = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"ttft": [r["ttft"] for r in results], "stamps": [r["stamps"] for r in results],
-            "tokens": sum(r["tokens"] for r in results), "wall": wall, "window": window}
+            "tokens": sum(r["tokens"] for r in results), "wall": wall, "window": window, "client_cores": cpu / wall}
 
 
 def _client_main() -> None:
@@ -339,7 +339,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                          "ttft_p99_s": _pct(r["ttft"], 99), "itl_p50_ms": 1000 * _pct(gaps, 50),
                          "itl_p99_ms": 1000 * _pct(gaps, 99),
                          "host_us_per_seq_step": 1e6 * (cpu1 - cpu0) / max(1, rows1 - rows0),
-                         "mean_batch": (rows1 - rows0) / steps,
+                         "mean_batch": (rows1 - rows0) / steps, "client_cores": r["client_cores"],
                          "acceptance_length": (spec1[1] - spec0[1]) / verify if verify else float("nan"), **split})
         if stall_prompt is not None:
             r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens, late=stall_prompt)
@@ -355,19 +355,20 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
         print(f"--speculative-tokens {n} (accept len: tokens per verify step, the bonus token included):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9} {'host us/seq/step':>17} {'step ms: model':>15} "
-          f"{'sampling':>9} {'host':>6}" + (f" {'accept len':>10}" if n else ""))
+          f"{'sampling':>9} {'host':>6} {'client cores':>12}" + (f" {'accept len':>10}" if n else ""))
     for r in rows:
         r["vs_1_client"] = r["tok_s_total"] / base
         r["itl_vs_1_client"] = r["itl_p50_ms"] / rows[0]["itl_p50_ms"] if rows[0]["clients"] == 1 else float("nan")
         print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['ttft_p50_s']:>8.3f}s "
               f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms "
               f"{r['itl_vs_1_client']:>8.2f}x {r['host_us_per_seq_step']:>17.1f} {r['step_model_ms']:>15.2f} "
-              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f}"
+              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f} {r['client_cores']:>12.2f}"
               + (f" {r['acceptance_length']:>10.2f}" if n else ""))
     print("(tok/s total: all tokens / wall time, prefill and queueing included; TTFT: request sent -> first token; "
           "ITL: gap between consecutive tokens of one stream; host us/seq/step: CPU time of the engine and output "
           "threads outside the model and the sampler, per sequence per decode step; step ms: the engine's mean decode "
-          "iteration split into the model (and any prefill chunk beside it), the sampler and the rest)")
+          "iteration split into the model (and any prefill chunk beside it), the sampler and the rest; client cores: the "
+          "client process's CPU time over the wall time, the share of this machine's cores the clients took)")
     print("the engine alone (the same streams submitted in-process: no HTTP, SSE or client process):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9}")
     for r in alone:
