@@ -8,6 +8,8 @@ import time
 
 import uvicorn
 
+from .app import HTTP_PARSER
+
 
 class BackgroundServer:
     """`with BackgroundServer(app) as srv: ... srv.url ...`: uvicorn on its own thread and event
@@ -20,7 +22,7 @@ class BackgroundServer:
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                     timeout_graceful_shutdown=2)
+                                     timeout_graceful_shutdown=2, http=HTTP_PARSER)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="ds4-uvicorn", daemon=True)

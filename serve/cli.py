@@ -239,7 +239,7 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
     server ends (status 1)."""
     import uvicorn
 
-    from .app import create_app
+    from .app import HTTP_PARSER, create_app
 
     from .replay import ReplayStore
 
@@ -253,7 +253,7 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
         logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
                                                args.host)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                          access_log=False, timeout_graceful_shutdown=5))
+                                          access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
     if peers is not None:
         from .tp import EXIT_GRACE_S, exit_soon
 

@@ -4,7 +4,9 @@ hostile request gets a 4xx naming what is too large, a stream running beside the
 exactly the tokens it gets alone, and a normal request afterwards is served."""
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 
 import httpx
@@ -21,6 +23,34 @@ HI = [{"role": "user", "content": "hi"}]
 def srv(model, tok):
     with BackgroundServer(create_app(model, tok, ServerConfig(ctx=1024))) as s:
         yield s
+
+
+def _raw_request(srv, raw: bytes) -> bytes:
+    """`raw` on a fresh connection; what the server answered before closing (or within 30 s)."""
+    with socket.create_connection((srv.host, srv.port), timeout=30) as sock:
+        try:
+            sock.sendall(raw)
+        except (BrokenPipeError, ConnectionResetError):  # it answered and closed mid-send
+            pass
+        data = b""
+        with contextlib.suppress(ConnectionResetError, socket.timeout):
+            while chunk := sock.recv(65536):
+                data += chunk
+        return data
+
+
+@pytest.mark.parametrize("headers", [b"X-Big: " + b"a" * (1 << 20) + b"\r\n",
+                                     b"".join(b"X-%d: v\r\n" % i for i in range(20_000))],
+                         ids=["one 1 MiB header", "20,000 headers"])
+def test_oversized_headers_are_refused_by_the_http_parser(srv, headers):
+    """Headers are bounded before the app sees them (uvicorn's h11 parser refuses past 16 KB);
+    the server then answers the next request."""
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n")
+    tail = b"Content-Length: %d\r\n\r\n" % len(body) + body
+    assert _raw_request(srv, head + headers + tail).startswith(b"HTTP/1.1 400 ")
+    assert _raw_request(srv, head + tail).startswith(b"HTTP/1.1 200 ")
 
 
 def _stream_ids(url: str, out: list) -> None:
