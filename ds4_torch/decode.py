@@ -342,6 +342,30 @@ class SpeculativeForwards:
         undo.apply(keep)
 
 
+class _ForwardsByKind(SpeculativeForwards):
+    """Forwards whose three kinds go through one `_run(kind, args, undo)`: captured graphs or
+    compiled functions, which return the `Rollback` tensors that `rollback_template` completes."""
+
+    def _run(self, kind, args, undo):
+        raise NotImplementedError
+
+    def rollback_template(self, kind, args) -> Rollback:
+        """The record of a `kind` forward of these `args`: the main cache's for `verify`, the MTP
+        layer's otherwise, over the forward's T positions."""
+        if kind == "verify":
+            return Rollback.template(self.cache, args[0].shape[1])
+        return Rollback.template(self.cache.mtp, args[1].shape[1])
+
+    def mtp(self, streams, ids, undo):
+        return self._run("mtp", (streams, ids), undo)
+
+    def verify(self, ids, undo):
+        return self._run("verify", (ids,), undo)
+
+    def catch_up(self, streams, ids, select, undo):
+        return self._run("catch_up", (streams, ids, select), undo)
+
+
 class _CapturedCall:
     """One captured call of a speculative step's function (shapes fixed): static input buffers,
     the cache's tensors as graph inputs (`extra`: more tensors read in place, a forward graph's
@@ -386,7 +410,7 @@ class _CapturedCall:
         return self.graph(*self.static, *extra, *self.inputs[self.n_static + len(self.extra):])
 
 
-class GraphForwards(SpeculativeForwards):
+class GraphForwards(_ForwardsByKind):
     """The forwards of a speculative step, and their rollbacks, captured once per kind and shape
     (batch, 1 + N) and replayed: `verify`, `catch_up`, and `mtp` once per draft index (each keeps
     its own static outputs until its rollback). A forward without a `Rollback` (the first draft
@@ -420,8 +444,7 @@ class GraphForwards(SpeculativeForwards):
             self.drafts = 0
         key = (kind, self.drafts if kind == "mtp" else 0, *[tuple(a.shape) for a in args])
         captured = self._current(self.graphs, key)
-        T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
-        template = Rollback.template(self.cache if kind == "verify" else self.cache.mtp, T)
+        template = self.rollback_template(kind, args)
         if captured is None:
             eager, n = self.eager, len(args)
 
@@ -436,15 +459,6 @@ class GraphForwards(SpeculativeForwards):
         undo.graph_key = key
         logits = outputs[0].clone() if self.backend == "cuda" else outputs[0]  # the caller keeps its rows
         return logits, outputs[1]
-
-    def mtp(self, streams, ids, undo):
-        return self._run("mtp", (streams, ids), undo)
-
-    def verify(self, ids, undo):
-        return self._run("verify", (ids,), undo)
-
-    def catch_up(self, streams, ids, select, undo):
-        return self._run("catch_up", (streams, ids, select), undo)
 
     def rollback(self, undo, keep):
         key = getattr(undo, "graph_key", None)
@@ -480,7 +494,7 @@ def _compiled_catch_up(model, cache, streams, ids, select):
 _COMPILED: dict = {}  # (kind, backend) -> the compiled function, shared by every CompiledForwards
 
 
-class CompiledForwards(SpeculativeForwards):
+class CompiledForwards(_ForwardsByKind):
     """The forwards of a speculative step through `torch.compile(fullgraph=True)` (inductor): one
     module-level function per kind (model and cache are arguments, so a new cache or speculator
     reuses what was compiled), compiled at its first call for each shape; they return the
@@ -497,22 +511,11 @@ class CompiledForwards(SpeculativeForwards):
             self.compiled[kind] = _COMPILED[kind, backend]
 
     def _run(self, kind, args, undo):
-        if undo is None:
-            return getattr(super(), kind)(*args, None)
+        if undo is None:  # eagerly, as the base class runs it
+            return getattr(SpeculativeForwards, kind)(self, *args, None)
         out = self.compiled[kind](self.model, self.cache, *args)
-        T = args[0].shape[1] if kind == "verify" else args[1].shape[1]
-        target = self.cache if kind == "verify" else self.cache.mtp
-        undo.__dict__.update(Rollback.template(target, T).with_tensors(out[2:]).__dict__)
+        undo.__dict__.update(self.rollback_template(kind, args).with_tensors(out[2:]).__dict__)
         return out[0], out[1]
-
-    def mtp(self, streams, ids, undo):
-        return self._run("mtp", (streams, ids), undo)
-
-    def verify(self, ids, undo):
-        return self._run("verify", (ids,), undo)
-
-    def catch_up(self, streams, ids, select, undo):
-        return self._run("catch_up", (streams, ids, select), undo)
 
 
 def make_forwards(model, cache: DS4Cache, mode: str = "eager") -> SpeculativeForwards:
