@@ -1,9 +1,20 @@
 """Helpers several test modules share."""
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
+import httpx
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def assert_close(actual, expected, dtype):
@@ -53,3 +64,46 @@ def penalised_greedy(model, ids, n, presence, frequency, repetition):
 def metric(srv, name: str, **labels) -> float:
     """A metric's current value on a test server (0 when absent)."""
     return srv.app.state.metrics.value(name, **labels)
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 90.0):
+    """`python -m serve --port 0 *args`, a real process from the repository root (no injected
+    faults unless `env_extra` sets them): yielded once /health answers 200, with `.url`, `.lines`
+    (its output, still growing) and `.drain` (the thread reading it); killed at exit if running."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("DS4_TORCH_FAULT", None)
+    env.update(env_extra or {})
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", "0", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.lines = []
+    try:
+        deadline = time.monotonic() + timeout
+        port = None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            proc.lines.append(line)
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(proc.lines)
+        proc.drain = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
+        proc.drain.start()
+        proc.url = f"http://127.0.0.1:{port}"
+        while httpx.get(proc.url + "/health").status_code != 200:  # 503 "warming up" first
+            assert time.monotonic() < deadline, "".join(proc.lines)
+            time.sleep(0.1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def interrupt(proc) -> str:
+    """Ctrl-C (SIGINT) to a `serve_process`: it must exit 0; its whole output."""
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0, "".join(proc.lines)
+    proc.drain.join(10)
+    return "".join(proc.lines)

@@ -7,12 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,55 +19,22 @@ import serve.engine
 from serve.sessions import SNAPSHOT_QUEUE
 from serve.kvstore import WRITE_DELAY_ENV, KVStore
 from serve.background import BackgroundServer
-from helpers import wait_for
+from helpers import interrupt, serve_process, wait_for
 from test_serve import MODEL, expected
 
-ROOT = Path(__file__).resolve().parent.parent
 CTX, CHUNK = 512, 32
 SYSTEM = "You are a player in a company of actors. Answer in the manner of the age, briefly."
 
 
 # --------------------------------------------------------------------------- helpers
-@contextlib.contextmanager
 def process(kv_dir, env_extra=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("DS4_TORCH_FAULT", None)
-    env.update(env_extra or {})
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", "0", "--ctx", str(CTX), "--prefill-chunk",
-                             str(CHUNK), "--kv-disk-dir", str(kv_dir), "--kv-disk-space-mb", "16",
-                             "--kv-disk-min-tokens", "8"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        deadline = time.monotonic() + 90
-        port = None
-        while port is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "".join(lines)
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-        proc.url = f"http://127.0.0.1:{port}"
-        proc.lines = lines
-        while httpx.get(proc.url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+    return serve_process("--ctx", str(CTX), "--prefill-chunk", str(CHUNK), "--kv-disk-dir", str(kv_dir),
+                         "--kv-disk-space-mb", "16", "--kv-disk-min-tokens", "8", env_extra=env_extra)
 
 
 def stop(proc) -> str:
     """Clean shutdown (SIGINT, as Ctrl-C): the engine saves the live conversation."""
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 0, "".join(proc.lines)
-    time.sleep(0.1)
-    return "".join(proc.lines)
+    return interrupt(proc)
 
 
 def chat(url, messages, n=12):

@@ -1,20 +1,13 @@
 """`ds4-torch serve` and `python -m serve`: one set of flags, a real process end to end."""
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 
 from ds4_torch.cli import build_parser, main
 from serve.cli import _api_key, build_parser as serve_parser
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import interrupt, serve_process
 
 
 def _options(parser) -> dict:
@@ -41,35 +34,12 @@ def test_serve_bad_model_dir(capsys, tmp_path):
 
 
 def test_python_m_serve_process():
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--port", "0", "--ctx", "256", "--prefill-chunk", "64"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        deadline = time.monotonic() + 60
-        port = None
-        while port is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        assert port, "".join(lines)
-        url = f"http://127.0.0.1:{port}"
-        while httpx.get(url + "/health").status_code != 200:  # 503 "warming up" first
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+    with serve_process("--ctx", "256", "--prefill-chunk", "64", timeout=60) as proc:
+        r = httpx.post(proc.url + "/v1/chat/completions", timeout=30, json={
             "model": "ds4-default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    lines.append(out)
-    log = "".join(lines)
-    assert proc.returncode == 0, log
+        log = interrupt(proc)
     # A first request reuses nothing: every prompt token is recomputed.
     assert re.search(r"ds4\.serve: .*\"POST /v1/chat/completions\" 200 .*prompt_tokens=(\d+) cached_tokens=0 "
                      r"recomputed_tokens=\1 generated_tokens=3 finish=length", log), log
