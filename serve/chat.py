@@ -538,12 +538,12 @@ class Generation:
                 self._translate(ev, out)
 
     def _dropped(self, kind: str, raw: str, why: str = "") -> None:
-        # One warning a request: a model that keeps emitting markup (a raw completion of random
+        # One warning a reply (a choice): a model that keeps emitting markup (a raw completion of random
         # tokens, say) would otherwise log every token; the metric counts them all.
         level = logging.DEBUG if self.markup_logged else logging.WARNING
         self.markup_logged = True
         log.log(level, "markup kept out of the text (%s%s): %r%s", kind, f": {why}" if why else "", raw[:500],
-                "" if level == logging.DEBUG else " (any more in this request: debug level)")
+                "" if level == logging.DEBUG else " (any more in this reply: debug level)")
         self.state.metrics.markup_dropped.labels(kind=kind).inc()
 
     def _translate(self, ev, out: list[Event]) -> None:
