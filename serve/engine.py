@@ -226,6 +226,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.served = 0
         self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
+        self._iterating = False     # the engine thread is inside an iteration (see idle)
         self.decode_rows = 0        # sequences x decode steps
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
@@ -351,8 +352,10 @@ class Engine:
         return len(self.scheduler)
 
     def idle(self) -> bool:
-        """Nothing waiting, prefilling, decoding or still to be output."""
-        return not len(self.scheduler) and self.prefilling is None and not self.running and not self.output.busy()
+        """Nothing waiting, prefilling, decoding or still to be output, and no iteration under way
+        (one that ends a request takes it off `running` before counting and handing over its end)."""
+        return (not self._iterating and not len(self.scheduler) and self.prefilling is None and not self.running
+                and not self.output.busy())
 
     def flush_snapshots(self) -> None:
         """Wait until every disk snapshot handed to the background writer is written."""
@@ -410,6 +413,7 @@ class Engine:
             else:
                 c0 = time.thread_time()
                 self.runner.clear_timers()
+                self._iterating = True
                 try:
                     with torch.no_grad():
                         self._iteration()
@@ -417,6 +421,7 @@ class Engine:
                     log.exception("engine: unexpected error; resetting the batch")
                     self._recover_from_bug()
                 self._hand_over()
+                self._iterating = False
                 self.host_cpu_s += time.thread_time() - c0 - self.runner.cpu_s
             if self.peers is not None and self.peers.broken is not None:
                 self._group_failed()

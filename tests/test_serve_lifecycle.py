@@ -82,6 +82,30 @@ def test_disconnect_during_prefill_stops_within_one_chunk(srv, engine, stream):
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == int(done) * CHUNK
 
 
+def test_engine_is_not_idle_while_an_iteration_ends_a_request(srv, engine, monkeypatch):
+    """Ending a request takes it off the running batch before its abort is counted and its end
+    handed to the output part: `idle()` (what the disconnect tests wait for) must not be true
+    in between, or a test reading the metrics then sees nothing counted."""
+    seen = []
+    abort = engine._abort
+
+    def recording_abort(req, stage):
+        engine.output.flush(5)  # the tokens before it are out: only the iteration is left
+        seen.append((stage, engine.idle()))
+        abort(req, stage)
+
+    monkeypatch.setattr(engine, "_abort", recording_abort)
+    engine.token_delay = 0.05
+    with httpx.Client(timeout=30) as c, c.stream("POST", srv.url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt_ids(20, salt=17), "max_tokens": 200, "stream": True,
+            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    wait_idle(engine, timeout=5)
+    assert seen == [("decode", False)]
+
+
 def test_disconnect_during_decode(srv, engine, model, tok):
     ids = prompt_ids(40, salt=11)
     engine.token_delay = 0.05
