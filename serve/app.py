@@ -304,24 +304,20 @@ class AppState:
         async def body():
             pending = list(first)
             last_write = time.monotonic()
-            last_poll = last_write
             outcome, error = CLIENT_CLOSED, None
             started = False  # the view's opening is written with the first event
             try:
                 if not pending:
                     yield b": keep-alive\n\n"
                 while True:
-                    now = time.monotonic()
-                    # Every poll interval, not every token: a poll (a cancelled receive) costs more
-                    # than writing a token, and it holds the GIL the engine thread needs.
-                    if now - last_poll >= self._poll_interval(gen):
-                        if await request.is_disconnected():
-                            gen.cancel()
-                            return
-                        last_poll = now
                     if not pending:
-                        pending = await gen.next_events(min(self._poll_interval(gen),
-                                                            max(0.0, interval - (now - last_write))))
+                        # Polls for a disconnect only after a poll interval without events (a
+                        # prefill, the queue): while tokens flow, the response's own disconnect
+                        # listener ends this stream, and a poll (a cancelled receive, ~100 us of
+                        # the GIL the engine thread needs) per few tokens is what it would cost.
+                        pending = await self._wait(request, gen, max(0.0, interval - (time.monotonic() - last_write)))
+                        if pending is None:  # the client left; `_wait` cancelled the generation
+                            return
                     data = b""
                     if pending and not started:
                         data, started = view.start(), True
