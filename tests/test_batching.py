@@ -266,12 +266,13 @@ def test_bench_serve_prints_every_client_count(tmp_path, capsys):
     assert "48-token prompt arriving while 2 streams decode" in out
     header = rows[0].split(",")
     for column in ("host_us_per_seq_step", "mean_batch", "step_model_ms", "step_sampling_ms", "step_host_ms",
-                   "client_cores"):
+                   "client_cores", "loop_us_per_token"):
         assert column in header, column
     for row in rows[1:]:
         values = dict(zip(header, row.split(",")))
         assert 0 < float(values["host_us_per_seq_step"]) < 1e6 and float(values["step_model_ms"]) > 0
         assert 0 < float(values["client_cores"]) <= os.cpu_count()
+        assert float(values["loop_us_per_token"]) > 0
     assert "the engine alone" in out
     floor = out.split("the model alone")[1].splitlines()[2:4]
     assert [line.split()[0] for line in floor] == ["1", "2"]

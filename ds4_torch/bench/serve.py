@@ -214,6 +214,17 @@ def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, st
             "tok_s_total": len(prompts) * new_tokens / (prefill_s + (new_tokens - 1) * best)}
 
 
+def _thread_cpu_clock(thread):
+    """A function giving `thread`'s CPU seconds so far (NaN where the platform cannot read
+    another thread's CPU clock)."""
+    try:
+        clock = time.pthread_getcpuclockid(thread.ident)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return lambda: float("nan")
+    return lambda: time.clock_gettime(clock)
+
+
 def _gaps(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -318,6 +329,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
             metrics.value("ds4_step_seconds_count", part="model"), parts, spec
 
     with BackgroundServer(app) as srv:
+        loop_cpu = _thread_cpu_clock(srv.thread)
         alone = []
         for c in counts:  # the engine alone, in-process: the same work without HTTP and the client process
             r = run_engine(engine, prompts(c), args.new_tokens)
@@ -326,9 +338,11 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                           "itl_p99_ms": 1000 * _pct(gaps, 99)})
         for c in counts:
             cpu0, rows0, steps0, parts0, spec0 = host_counters()
+            loop0 = loop_cpu()
             r = run_clients(srv.url, prompts(c), args.new_tokens)
             engine.output.flush(10)
             cpu1, rows1, steps1, parts1, spec1 = host_counters()
+            loop_s = loop_cpu() - loop0
             steps = max(1.0, steps1 - steps0)
             split = {f"step_{p}_ms": 1000 * (b - a) / steps for p, a, b in zip(("model", "sampling", "host"), parts0,
                                                                                 parts1)}
@@ -340,6 +354,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                          "itl_p99_ms": 1000 * _pct(gaps, 99),
                          "host_us_per_seq_step": 1e6 * (cpu1 - cpu0) / max(1, rows1 - rows0),
                          "mean_batch": (rows1 - rows0) / steps, "client_cores": r["client_cores"],
+                         "loop_us_per_token": 1e6 * loop_s / max(1, r["tokens"]),
                          "acceptance_length": (spec1[1] - spec0[1]) / verify if verify else float("nan"), **split})
         if stall_prompt is not None:
             r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens, late=stall_prompt)
@@ -355,19 +370,22 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
         print(f"--speculative-tokens {n} (accept len: tokens per verify step, the bonus token included):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9} {'host us/seq/step':>17} {'step ms: model':>15} "
-          f"{'sampling':>9} {'host':>6} {'client cores':>12}" + (f" {'accept len':>10}" if n else ""))
+          f"{'sampling':>9} {'host':>6} {'loop us/token':>13} {'client cores':>12}"
+          + (f" {'accept len':>10}" if n else ""))
     for r in rows:
         r["vs_1_client"] = r["tok_s_total"] / base
         r["itl_vs_1_client"] = r["itl_p50_ms"] / rows[0]["itl_p50_ms"] if rows[0]["clients"] == 1 else float("nan")
         print(f"{r['clients']:>7} {r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x {r['ttft_p50_s']:>8.3f}s "
               f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms "
               f"{r['itl_vs_1_client']:>8.2f}x {r['host_us_per_seq_step']:>17.1f} {r['step_model_ms']:>15.2f} "
-              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f} {r['client_cores']:>12.2f}"
+              f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f} {r['loop_us_per_token']:>13.1f} "
+              f"{r['client_cores']:>12.2f}"
               + (f" {r['acceptance_length']:>10.2f}" if n else ""))
     print("(tok/s total: all tokens / wall time, prefill and queueing included; TTFT: request sent -> first token; "
           "ITL: gap between consecutive tokens of one stream; host us/seq/step: CPU time of the engine and output "
           "threads outside the model and the sampler, per sequence per decode step; step ms: the engine's mean decode "
-          "iteration split into the model (and any prefill chunk beside it), the sampler and the rest; client cores: the "
+          "iteration split into the model (and any prefill chunk beside it), the sampler and the rest; loop us/token: CPU time "
+          "of the server's event loop (HTTP, SSE, the API views) per streamed token; client cores: the "
           "client process's CPU time over the wall time, the share of this machine's cores the clients took)")
     print("the engine alone (the same streams submitted in-process: no HTTP, SSE or client process):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9}")
