@@ -420,8 +420,9 @@ class Engine:
                 except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
                     log.exception("engine: unexpected error; resetting the batch")
                     self._recover_from_bug()
-                self._hand_over()
-                self._iterating = False
+                finally:
+                    self._hand_over()
+                    self._iterating = False
                 self.host_cpu_s += time.thread_time() - c0 - self.runner.cpu_s
             if self.peers is not None and self.peers.broken is not None:
                 self._group_failed()

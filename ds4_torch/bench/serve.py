@@ -203,15 +203,16 @@ def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, st
         logits = prefill(model, cache, ids, chunk)
     prefill_s = time.perf_counter() - start
     decoder = make_decoder(model, cache)
-    tokens = logits.argmax(-1)
+    tokens = [logits.argmax(-1)]
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         for _ in range(steps):
-            tokens = decoder.step(tokens).argmax(-1)
+            tokens.append(decoder.step(tokens[-1]).argmax(-1))
         best = min(best, (time.perf_counter() - start) / steps)
     return {"clients": len(prompts), "prefill_s": prefill_s, "step_ms": 1000 * best,
-            "tok_s_total": len(prompts) * new_tokens / (prefill_s + (new_tokens - 1) * best)}
+            "tok_s_total": len(prompts) * new_tokens / (prefill_s + (new_tokens - 1) * best),
+            "tokens": torch.stack(tokens, 1).tolist()}  # each row's greedy continuation
 
 
 def _thread_cpu_clock(thread):
