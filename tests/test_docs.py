@@ -133,8 +133,11 @@ def script_flags(path: Path) -> frozenset[str]:
     nodes = [arg for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "add_argument"
              for arg in n.args]
     nodes += [c for n in ast.walk(tree) if isinstance(n, ast.Compare) for c in ast.walk(n)]
-    return frozenset(n.value for n in nodes
-                     if isinstance(n, ast.Constant) and isinstance(n.value, str) and FLAG.fullmatch(n.value))
+    own = frozenset(n.value for n in nodes
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str) and FLAG.fullmatch(n.value))
+    # A sibling script it imports may add its shared arguments (train_names.py: train_long.run_arguments).
+    siblings = {path.parent / f"{n.module}.py" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return own.union(*(script_flags(s) for s in siblings if s.is_file() and s != path))
 
 
 @lru_cache(maxsize=None)
