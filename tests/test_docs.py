@@ -349,6 +349,21 @@ def test_flag_table_matches_the_parser(table):
     assert not problems, "\n".join(problems)
 
 
+def test_readme_opens_with_the_two_ci_commands():
+    """`.ci/run` runs the non-blank lines of the README's first code block and wants exactly two."""
+    _, blocks = split_fences((ROOT / "README.md").read_text())
+    commands = [line for line in blocks[0][1].splitlines() if line.strip()]
+    assert len(commands) == 2, f"README.md's first code block must hold the 2 CI commands, it holds {commands}"
+    assert all(c.startswith("python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && ") for c in commands)
+
+
+def test_every_docs_page_is_linked_from_the_index_and_the_readme():
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    for index in (ROOT / "docs" / "README.md", ROOT / "README.md"):
+        linked = {Path(target.partition("#")[0]).name for _, target in links(index)}
+        assert pages <= linked, f"{rel(index)} does not link {sorted(pages - linked)}"
+
+
 # --------------------------------------------------------------------------- the checks check
 def test_the_checks_catch_what_they_should():
     """Each check fails on the kind of mistake it is for (on text written here, not the pages)."""
