@@ -671,14 +671,34 @@ class Rollback:
             out.states.append((state, rate, new))
         return out
 
+    def move_row(self, dst: int, src: int) -> None:
+        """Sequence `src` of the record moves to row `dst` (its cache slot was moved there): what
+        the forward overwrote in `src` is now `dst`'s to put back. In place, so a captured
+        rollback that reads these tensors sees the move."""
+        B, T = self.start.shape[0], self.T
+        self.start[dst] = self.start[src]
+        for _, old in self.rings:
+            rows = old.view(B, T, old.shape[-1])
+            rows[dst] = rows[src]
+        for _, _, saved in self.states:
+            for name, t in saved.items():
+                if name != "pre":
+                    t[dst] = t[src]
+        W = self.cache.config.sliding_window
+        slots = (self.start[:, None] + torch.arange(T, device=self.start.device)) % W
+        self.ring_index = (torch.arange(B, device=self.start.device)[:, None] * W + slots).view(-1)
+
     def apply(self, keep: torch.Tensor) -> None:
-        """Keep the first keep[b] (int64 [B], 0..T) tokens of sequence b and undo the rest."""
+        """Keep the first keep[b] (int64 [B], 0..T) tokens of sequence b and undo the rest; keep[b]
+        -1 leaves sequence b as it is (its row holds another sequence since the forward)."""
         T, start = self.T, self.start
         B, device = start.shape[0], start.device
         if keep.dtype != torch.long or keep.device != device or keep.dim() != 1:
             keep = keep.to(device=device, dtype=torch.long).view(B)
+        active = keep >= 0
+        keep = keep.clamp(min=0)
         j = torch.arange(T, device=device)
-        rejected = (j[None, :] >= keep[:, None]).view(-1, 1)  # [B*T, 1]
+        rejected = ((j[None, :] >= keep[:, None]) & active[:, None]).view(-1, 1)  # [B*T, 1]
         for ring, old in self.rings:
             flat = ring.view(-1, ring.shape[-1])
             flat.index_copy_(0, self.ring_index, torch.where(rejected, old, flat.index_select(0, self.ring_index)))
@@ -686,19 +706,21 @@ class Rollback:
         cleared = {}  # rate -> flat row indices to clear (the scratch row where nothing is)
         for state, rate, saved in self.states:
             if saved.get("pre"):  # a one-token forward: keep 0 takes the frontier from before it
-                undo = (keep == 0).view(B, 1, 1)
+                undo = ((keep == 0) & active).view(B, 1, 1)
                 for name, t in saved.items():
                     if name != "pre":
                         dst = getattr(state, name)
                         dst.copy_(torch.where(undo, t, dst))
             else:
                 for name, t in saved.items():
-                    getattr(state, name).copy_(t[batch, keep])
+                    dst = getattr(state, name)
+                    dst.copy_(torch.where(active.view(B, *[1] * (dst.dim() - 1)), t[batch, keep], dst))
             if rate not in cleared:
                 C = state.rows.shape[1] - 1
                 w = start[:, None] // rate + torch.arange(T // rate + 1, device=device)  # windows it may close
                 closing = (w + 1) * rate - 1                                               # their last position
                 clear = (closing < (start + T)[:, None]) & (closing >= (start + keep)[:, None]) & (w < C)
+                clear &= active[:, None]
                 cleared[rate] = (batch[:, None] * (C + 1) + torch.where(clear, w, C)).view(-1)
             state.rows.view(-1, state.rows.shape[-1]).index_fill_(0, cleared[rate], 0)
-        self.cache.positions.copy_(start + keep)
+        self.cache.positions.copy_(torch.where(active, start + keep, self.cache.positions))

@@ -248,11 +248,29 @@ class Speculator:
             self.cache.invalidate([b])
             raise
         self.positions[b] = int(self.cache.positions[b])
+        self._forget_last(b)
 
     def move_row(self, dst: int, src: int) -> None:
-        """Row `src`'s state goes to row `dst` (its cache slot is moved by the caller)."""
+        """Row `src`'s state goes to row `dst` (its cache slot is moved by the caller), the last
+        step's rollback record with it, so a later `trim` of that sequence finds it at `dst`."""
         self.pending[dst], self.draft[dst], self.mtp_out[dst] = self.pending[src], self.draft[src], self.mtp_out[src]
         self.positions[dst] = self.positions[src]
+        if self.last is None or dst == src:
+            return
+        forwards, undo, mtp_undo, kept = self.last
+        if src < len(kept) and dst < len(kept) and kept[src] is not None:
+            with self.grad_off():
+                undo.move_row(dst, src)
+                mtp_undo.move_row(dst, src)
+            kept[dst] = kept[src]
+        else:  # the record does not describe what `dst` now holds
+            self._forget_last(dst)
+        self._forget_last(src)
+
+    def _forget_last(self, b: int) -> None:
+        """Row b holds another sequence than in the last step: a trim leaves it alone."""
+        if self.last is not None and b < len(self.last[3]):
+            self.last[3][b] = None
 
     # ------------------------------------------------------------------ one step
     def room(self, rows: int | None = None) -> int:
@@ -361,7 +379,9 @@ class Speculator:
         except BaseException:
             self.cache.invalidate(range(B))
             raise
-        self.last = (forwards, undo, mtp_undo, [row[0] + 1 for row in host])
+        # Per row, the tokens the step kept; None for a row it left as it was (idle), which no
+        # trim may touch: a request joining that row later is not the step's.
+        self.last = (forwards, undo, mtp_undo, [row[0] + 1 or None for row in host])
         out, out_rows = [], []
         for b, row in enumerate(host[:r]):
             a = row[0]
@@ -425,30 +445,32 @@ class Speculator:
         """Rows that took fewer of the last step's tokens than it emitted (`used[b]`, for the first
         len(used) rows; None: all of them) give the rest back: the cache holds what plain
         decoding would have fed (every taken token but the last), the MTP layer one position
-        behind (its pass at the last position needs the token after it)."""
+        behind (its pass at the last position needs the token after it). Only those rows are
+        written: the batch may have changed since the step (rows moved with `move_row`, joined,
+        released), and every other row is left exactly as it is."""
         if self.last is None:
             return
         forwards, undo, mtp_undo, kept = self.last
-        keep = list(kept)
-        for b, u in enumerate(used):
-            if u is not None and 0 <= u < kept[b]:
-                keep[b] = u
-        if keep == kept:
+        keep, mtp_keep = [-1] * len(kept), [-1] * len(kept)  # -1: the rollback leaves the row alone
+        for b, u in enumerate(used[:len(kept)]):
+            if u is not None and kept[b] is not None and 0 <= u < kept[b]:
+                keep[b], mtp_keep[b] = u, max(u - 1, 0)
+        if keep == [-1] * len(kept):
             return
-        mtp_keep = [k - 1 if k != kept[b] and k > 0 else k for b, k in enumerate(keep)]
         with self.grad_off():
             forwards.rollback(undo, torch.tensor(keep, device=self.device))
             forwards.rollback(mtp_undo, torch.tensor(mtp_keep, device=self.device))
         for b, k in enumerate(keep):
-            self.positions[b] -= kept[b] - k
-        self.last = (forwards, undo, mtp_undo, keep)
+            if k >= 0:
+                self.positions[b] -= kept[b] - k
+                kept[b] = k
 
     def finish(self, unused: int = 0) -> None:
         """Leave the cache as plain decoding would have (batch 1): holding every token but the last
         one taken, when the caller took all but `unused` of the last step's tokens (an EOS among
         them, or it stopped early). The MTP layer is left one position behind (its input at the
         last position needs the token after it, which the next prompt decides)."""
-        if self.last is None or self.cache.is_invalid(0):
+        if self.last is None or self.cache.is_invalid(0) or self.last[3][0] is None:
             return
         forwards, undo, mtp_undo, kept = self.last
         keep = kept[0] - unused

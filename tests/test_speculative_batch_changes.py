@@ -1,0 +1,149 @@
+"""A speculative step's rollback record belongs to the rows as they were in that step. Between the
+step and a trim (a stop string the output part found among its tokens, one iteration later), a
+server changes the batch: a request that ended is released and the last row moves into its hole,
+a new request joins a row that idled in the step (a padding row of a captured step's power-of-two
+width). The trim must give back only the stopping request's tokens, from the row it stands in
+now, and leave every other row exactly as it is.
+
+The independent expectation is plain greedy decoding of each prompt alone: every request's
+tokens and verified logits (<= 1e-5), and, for the one that stopped, a continuation from what its
+row kept (the session's next turn) that is still plain greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4_torch import DS4Config, DS4ForCausalLM
+from ds4_torch.sampling import BatchSampler, SamplingParams
+from ds4_torch.speculative import Speculator
+from oracle import randomise
+from test_speculative import SMALL, plain_decode
+
+torch.set_num_threads(1)
+
+NEW = 30
+PROMPTS = [[3, 14, 15], list(range(1, 8)), [5, 9, 11, 2, 40, 33, 7, 7, 1, 60, 22, 13], [8, 6, 4, 2, 1],
+           [31, 41, 59, 26, 53, 58, 9]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = DS4ForCausalLM(DS4Config.from_dict(SMALL))
+    randomise(m, 3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def truth(model):
+    return [plain_decode(model, p, NEW) for p in PROMPTS]
+
+
+class Batch:
+    """A speculator over a 4-row cache driven as the server drives its batch: rows join, leave
+    (the last row filling the hole) and are trimmed by the request they hold."""
+
+    def __init__(self, model, n, mode):
+        self.model, self.n = model, n
+        self.cache = model.new_cache(4, max(map(len, PROMPTS)) + NEW + 2 * n + 4)
+        self.sampler = BatchSampler(4, model.config.vocab_size, model.device)
+        self.spec = Speculator(model, self.cache, self.sampler, n, batch=4, mode=mode)
+        self.rows: list[int] = []                  # rows[b]: the prompt whose request row b holds
+        self.tokens: dict[int, list[int]] = {}     # per prompt: the tokens it took
+        self.logits: dict[int, list[torch.Tensor]] = {}
+
+    def join(self, p):
+        b = len(self.rows)
+        self.sampler.admit(b, SamplingParams())
+        first, logits = self.spec.start_row(b, PROMPTS[p], 4)
+        self.rows.append(p)
+        self.tokens[p], self.logits[p] = [first], [logits.float()[None]]
+
+    def step(self):
+        got, rows = self.spec.step_batch([self.n + 1] * len(self.rows))
+        for b, p in enumerate(self.rows):
+            self.tokens[p] += got[b]
+            self.logits[p].append(rows[b])
+        return [len(g) for g in got]
+
+    def leave(self, b):
+        """Row b's request ended: its row is taken by the last one (its cache slot copied first)."""
+        last = len(self.rows) - 1
+        if b != last:
+            self.cache.copy_sequence(b, last)
+            self.spec.move_row(b, last)
+            self.sampler.move(b, last)
+            self.rows[b] = self.rows[last]
+        self.sampler.release(last)
+        self.cache.reset(last)
+        self.rows.pop()
+
+    def run_to_end(self):
+        while min(len(self.tokens[p]) for p in self.rows) < NEW:
+            self.step()
+
+
+def check_plain(batch, truth, prompts):
+    for p in prompts:
+        want_tokens, want_rows = truth[p]
+        assert batch.tokens[p][:NEW] == want_tokens, f"prompt {p}"
+        got_rows = torch.cat(batch.logits[p])[:NEW]
+        torch.testing.assert_close(got_rows, want_rows, atol=1e-5, rtol=0, msg=f"prompt {p}")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n,mode", [(2, "eager"), (3, "eager"), (2, "graph")])
+def test_trim_after_release_move_and_join_touches_only_the_stopped_row(model, truth, n, mode):
+    batch = Batch(model, n, mode)
+    for p in (0, 1, 2):  # three rows: graph mode runs four, the fourth a padding row
+        batch.join(p)
+    # a first step whose tokens all stand, so the next one's drafts are the MTP layer's own
+    batch.step()
+    counts = []
+    while not counts or counts[2] < 2:  # a step in which prompt 2 (row 2) takes at least 2 tokens
+        counts = batch.step()
+    taken_in_step = counts[2]
+    # 1. prompt 0's request ends (by length, say): the last row (prompt 2) moves into row 0
+    batch.leave(0)
+    assert batch.rows == [2, 1]
+    # 2. two requests join: row 2 (the moved row's old place) and row 3 (a padding row in graph mode)
+    batch.join(3)
+    batch.join(4)
+    positions = [int(p) for p in batch.cache.positions]
+    # 3. the output part found a stop string after prompt 2's first token of that step: it keeps
+    # that token (the reply's last: not fed) and gives the rest back, from row 0 where it stands
+    batch.spec.trim([1, None, None, None])
+    kept = len(batch.tokens[2]) - taken_in_step + 1   # the tokens prompt 2 took, the stop's last included
+    assert int(batch.cache.positions[0]) == len(PROMPTS[2]) + kept - 1
+    assert [int(p) for p in batch.cache.positions[1:]] == positions[1:]
+    assert batch.spec.positions[1:] == positions[1:]
+    # its session's next turn: the same row goes on from the stop's last token
+    del batch.tokens[2][kept:]
+    batch.logits[2] = [torch.cat(batch.logits[2])[:kept]]
+    batch.spec.join_row(0, batch.tokens[2][-1], None)
+    batch.run_to_end()
+    check_plain(batch, truth, [2, 1, 3, 4])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_trim_of_a_row_that_ended_in_place_leaves_the_others(model, truth, mode):
+    """The last row's request ends and leaves (no move); a request joins in its place, another
+    row is trimmed: neither the joined row nor the untrimmed ones move."""
+    batch = Batch(model, 2, mode)
+    for p in (0, 1, 2):
+        batch.join(p)
+    counts = []
+    while not counts or counts[0] < 2:
+        counts = batch.step()
+    batch.leave(2)
+    batch.join(3)
+    before = [int(p) for p in batch.cache.positions]
+    batch.spec.trim([1])
+    kept = len(batch.tokens[0]) - counts[0] + 1
+    assert [int(p) for p in batch.cache.positions] == [len(PROMPTS[0]) + kept - 1, *before[1:]]
+    del batch.tokens[0][kept:]
+    batch.logits[0] = [torch.cat(batch.logits[0])[:kept]]
+    batch.spec.join_row(0, batch.tokens[0][-1], None)
+    batch.run_to_end()
+    check_plain(batch, truth, [0, 1, 3])
