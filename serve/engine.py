@@ -686,7 +686,7 @@ class Engine:
             return
         self.metrics.batch_size.observe(len(reqs))
         self.decode_rows += len(reqs)
-        done, used, taken, slots, counted, counts = [], [], [], [], [], []
+        done, used, taken, slots, counted, counts, going_on = [], [], [], [], [], [], []
         for req, result in zip(reqs, results):
             self.sessions.confirm_restored(req.session)
             before = len(req.held)
@@ -722,13 +722,7 @@ class Engine:
                 done.append(req)
                 continue
             self._last_step[req] = (generated_before, j + 1, rows, before)
-            boundary = self.sessions.wanted_between(req, before, len(req.held))
-            if boundary is not None:
-                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
-                                      pending=True)
-            if self.kv_store is not None and self.kv_store.every > 0 and \
-                    self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
-                self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
+            going_on.append((req, before))
         self._count_drafts(counted, counts)
         try:
             if any(u is not None for u in used):
@@ -742,6 +736,17 @@ class Engine:
             self.running = [r for r in self.running if r not in done]
             self._failed([r for r in reqs if r not in done], e, "decode")
             return
+        # Checkpoints and snapshots read the slot once the step's tokens past what each request
+        # took are given back (a grammar starting after its trigger): the slot then holds
+        # exactly `held`, the position they are registered at.
+        for req, before in going_on:
+            boundary = self.sessions.wanted_between(req, before, len(req.held))
+            if boundary is not None:
+                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
+                                      pending=True)
+            if self.kv_store is not None and self.kv_store.every > 0 and \
+                    self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
+                self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
         for req in sorted(done, key=lambda r: -r.decode_slot):
             self._end(req, "failed" if req.failure is not None else "done")
         if self.token_delay:

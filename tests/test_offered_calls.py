@@ -249,7 +249,9 @@ def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(mod
     """Engine level, where the trigger can be a token the MTP layer drafts well (a tool-call
     opener rarely is): the trigger is taken inside a speculative step, so the step's later tokens,
     which the grammar did not mask, must go back (`trim`) and the row's drafts start over. The
-    tokens must equal plain decoding's under the same grammar, which differ from free decoding's."""
+    tokens must equal plain decoding's under the same grammar, which differ from free decoding's.
+    A checkpoint is due after every step (interval 1): the one of the step that took the trigger
+    is taken once the rest went back, so each checkpoint's state is at its registered position."""
     from ds4_torch.structured import Triggered
     from serve.engine import Engine, GenRequest
 
@@ -260,7 +262,7 @@ def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(mod
 
     def run(n, triggers=None):
         eng = Engine(model, tok, ctx=256, prefill_chunk=32, max_batch=4, speculative_tokens=n,
-                     speculative_policy="always")
+                     speculative_policy="always", checkpoint_interval=1, max_sessions=4)
         trims = []
         real_trim = eng.runner.trim
         monkeypatch.setattr(eng.runner, "trim", lambda used: (trims.append(list(used)), real_trim(used))[1])
@@ -275,6 +277,11 @@ def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(mod
             while not all(r.finished() for r in reqs):
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
+            while not eng.idle():
+                time.sleep(0.005)
+            checkpoints = [(ck.position, int(eng.replica.checkpoints[ck.id]["position"]))
+                           for s in eng.sessions for ck in s.checkpoints.values()]
+            assert len(checkpoints) > 4 and all(at == held for at, held in checkpoints), checkpoints
             return [list(r.generated) for r in reqs], trims
         finally:
             eng.stop()

@@ -318,3 +318,62 @@ def test_the_auto_policy_serves_plain_tokens(model):
     assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
     steps, verify = metrics.value("ds4_batch_size_count"), metrics.value("ds4_spec_verify_steps_total")
     assert 0 < verify and metrics.value("ds4_batch_size_sum") > verify  # some rows decoded plainly
+
+
+def _stop_at(tok, tokens, k):
+    """A stop string whose first occurrence in the text of `tokens` ends inside token k (k >= 2),
+    and the count of tokens up to the one that completes it; None when there is none."""
+    texts = [tok.decode(tokens[:m]) for m in range(len(tokens) + 1)]
+    full = texts[-1]
+    end = len(texts[k + 1])
+    for width in (3, 4, 5, 6):
+        stop = full[max(0, end - width):end]
+        if stop.strip() and full.find(stop) == end - len(stop):
+            return stop, next(m for m in range(len(tokens) + 1) if stop in texts[m])
+    return None
+
+
+def test_twelve_chats_ending_in_different_steps_keep_their_own_state(model):
+    """Twelve greedy requests at once: six end at stop strings found among a verify step's tokens
+    (given back one iteration later), six by length in other steps, so between a step and its trim
+    requests leave (the last row moving into the hole) and new ones join (in graph mode into the
+    step's padding rows). Every request's reply and its next turn (which reuses its session) are
+    those of a server that does not speculate; three runs, since the batch's shape each time
+    depends on arrival order. Before the speculator's trim touched only the rows it was asked to,
+    other requests' rows took a stopped request's rollback."""
+    tok = default_tokenizer()
+    prompts = [f"{name}:\n" for name in ("ROMEO", "JULIET", "KING HENRY", "First Citizen", "MENENIUS", "HAMLET",
+                                         "GLOUCESTER", "LADY MACBETH", "BRUTUS", "PORTIA", "OTHELLO", "CORIOLANUS")]
+    base, _, _ = run_all(model, 0, [dict(prompt=p, max_tokens=40) for p in prompts], max_batch=12)
+    requests = []
+    for i, (p, c) in enumerate(zip(prompts, base)):
+        found = _stop_at(tok, c["token_ids"], 4 + 3 * i // 2) if i % 2 == 0 else None
+        if found is not None:
+            requests.append(dict(prompt=p, max_tokens=40, stop=[found[0]]))
+        else:
+            requests.append(dict(prompt=p, max_tokens=9 + 2 * i))
+    assert sum("stop" in r for r in requests) >= 4
+
+    def turns(n, mode="eager"):
+        with server(model, n, max_batch=12, max_sessions=32, decode_mode=mode) as srv:
+            with concurrent.futures.ThreadPoolExecutor(12) as ex:
+                first = list(ex.map(lambda kw: complete(srv, **kw), requests))
+                second = list(ex.map(lambda i: httpx.post(srv.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": prompts[i] + first[i]["text"] + "\nJULIET:", "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=TIMEOUT).json(),
+                    range(12)))
+            engine = srv.app.state.engine
+            # each session's cache is at the position of the tokens it says it holds
+            assert all(len(s.tokens) == int(engine.resident.positions[s.slot]) for s in engine.sessions)
+        # (not the cached counts: without speculation a stop string found a step late leaves the
+        # session a token past it, which the next turn does not share)
+        return ([(c["token_ids"], c["text"], c["finish_reason"]) for c in first],
+                [c["choices"][0]["token_ids"] for c in second])
+
+    want = turns(0)
+    assert {c[2] for c in want[0]} == {"stop", "length"}
+    for n, mode in ((2, "eager"), (2, "graph"), (3, "eager")):
+        got = turns(n, mode)
+        assert got[0] == want[0], (n, mode)
+        assert got[1] == want[1], (n, mode)
+
