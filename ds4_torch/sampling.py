@@ -512,11 +512,14 @@ class BatchSampler:
             top_p=self.top_p[rows] if any(p.top_p < 1 for p in sampled) else None,
             min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None, max_top_k=max_top_k)
 
-    def probabilities(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
-        """The distribution [B, V] (float32) `sample` draws each row from: after the adjustments,
-        the temperature and the filters; a greedy row is one-hot on its argmax."""
+    def probabilities(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None,
+                      allowed: torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+                      prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The distribution [B, V] (float32) `sample` draws each row from (with the same `allowed`,
+        `ahead` and `prior`): after the adjustments, the temperature and the filters; a greedy row
+        is one-hot on its argmax."""
         rows, params = self._rows(slots, logits.shape[0])
-        x = self.adjust(logits, rows, params)
+        x = self.adjust(logits, rows, params, allowed, ahead, prior)
         onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
         sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
         if not sampled:
