@@ -166,6 +166,7 @@ class Speculator:
         self.mtp_out.zero_()
         self.positions = [0] * self.B
         self.last = self.last_sample = None
+        self.draft_probs = []
 
     # ------------------------------------------------------------------ start
     def start(self, prompt_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
@@ -188,6 +189,7 @@ class Speculator:
             logits.append(row)
             streams.append(last)
         logits, streams = torch.cat(logits), torch.cat(streams)
+        self.draft_probs = []  # a new sequence: the next draft's distribution is the one picked below
         first = self.sampler.sample(logits, slots=self.slots).tokens
         self.sampler.append(first, slots=self.slots)
         self.pending.copy_(first)                              # at positions cache.positions, not in the cache

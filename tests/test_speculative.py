@@ -318,6 +318,40 @@ def test_rejection_speculation_never_emits_a_masked_token(model, monkeypatch):
     assert sum(masked_mass) / len(masked_mass) > 0.3  # the mask really cuts
 
 
+def test_rejection_speculator_reused_for_a_new_sequence_judges_drafts_by_their_own_distribution(model, monkeypatch):
+    """A Speculator started again on another prompt (or after reset()): rejection_sample is told
+    the distribution each draft was drawn from, not one left over from the previous sequence."""
+    import ds4_torch.speculative as speculative
+
+    picks, pick, sample_rejection = [], Speculator._pick, speculative.rejection_sample
+
+    def spy_pick(self, *args):
+        drafts = pick(self, *args)
+        picks.append((int(drafts[0]), self.draft_probs[-1].clone()))
+        return drafts
+
+    def spy_rejection(target, draft, drafts, generator=None):
+        token, q = picks[-1]  # one draft a step: the last pick drew it
+        assert int(drafts[0]) == token and torch.equal(draft[0], q)
+        return sample_rejection(target, draft, drafts, generator)
+
+    monkeypatch.setattr(Speculator, "_pick", spy_pick)
+    monkeypatch.setattr(speculative, "rejection_sample", spy_rejection)
+    sampler = BatchSampler(1, 64)
+    cache = model.new_cache(1, 24)
+    spec = Speculator(model, cache, sampler, 1, acceptance="rejection", generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            cache.reset()
+            if i == 2:
+                spec.reset()
+            sampler.admit(0, SamplingParams(temperature=1.0, seed=i))
+            spec.start(torch.tensor([prompt]), 8)
+            for _ in range(2):
+                spec.step(2)
+    assert len(picks) == 3 * 3
+
+
 def test_mtp_checkpoint_loads_in_both_name_styles(model, tmp_path):
     """A real-layout synthetic checkpoint with mtp.* weights: HF-style names, and DeepSeek's
     upstream names with FP8 block-quantized linears (the MTP layer's too); both load exactly
