@@ -278,24 +278,52 @@ def seed_words(seed: int) -> tuple[int, int]:
     return seed & _WORD, seed >> 32
 
 
+# The noise's resolution: u in (0, 1) takes 2**53 values, so a token up to ~37 nats below the best
+# can still be drawn (23 bits, a float32's, cut everything past ~19.5 nats and under-sampled near it).
+NOISE_BITS = 53
+
+
 @functools.lru_cache(maxsize=8)
-def _token_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Each token id's own hash (the same every step: computed once per vocabulary and device)."""
-    return _mix32(torch.arange(vocab_size, device=device, dtype=torch.int64) + 0x9E3779B9)
+def _token_keys(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token id's own two hash words (the same every step: computed once per vocabulary and device)."""
+    ids = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    return _mix32(ids + 0x9E3779B9), _mix32(ids + 0x7F4A7C15)
+
+
+def gumbel_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The Gumbel value -log(-log(u)) (float32) of `NOISE_BITS`-bit integers k (int64), with
+    u = (2k + 1) / 2**(NOISE_BITS + 1) in (0, 1), increasing in k. -log(u) is taken as -log(v) in
+    the lower half (u = v) and -log1p(-v) in the upper half (u = 1 - v), with v in (0, 1/2) exact in
+    float32: 1 - v itself would round to 1 there, and the top end is what decides how far below
+    the best a token can still be drawn."""
+    half = (1 << (NOISE_BITS - 1)) - 1
+    upper = bits > half
+    v = ((torch.where(upper, bits ^ half, bits) & half) * 2 + 1).float() * 2.0 ** -(NOISE_BITS + 1)
+    return -torch.log(torch.where(upper, -torch.log1p(-v), -torch.log(v)))
+
+
+def noise_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The `NOISE_BITS`-bit integers [B, V] (int64) behind `gumbel_noise`, a pure function of
+    (seed, position, token id): row b from `seeds[b]` (two 32-bit words, int64 [B, 2]) and
+    `positions[b]` (int64 [B]). Integer ops only, the same bits on every device: three Feistel
+    rounds turn (seed, position) into a 64-bit row state (x, y), and token t's words mix(x ^ a_t),
+    mix(y ^ b_t) give its bits (for a given token, a bijection of the row state, so every value is
+    reachable with its own probability)."""
+    keys_x, keys_y = _token_keys(vocab_size, seeds.device)
+    x, y = seeds[:, 0] & _WORD, seeds[:, 1] & _WORD
+    y = y ^ _mix32(x ^ 0x2545F491)
+    x = x ^ _mix32(y ^ (positions.to(torch.int64) & _WORD))
+    y = y ^ _mix32(x ^ 0x68E31DA4)
+    hi = _mix32(x.unsqueeze(-1) ^ keys_x)
+    lo = _mix32(y.unsqueeze(-1) ^ keys_y)
+    return (hi << (NOISE_BITS - 32)) | (lo >> (64 - NOISE_BITS))
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel noise [B, V] (float32) that is a pure function of (seed, position, token id): row b
-    from `seeds[b]` (two 32-bit words, int64 [B, 2]) and `positions[b]` (int64 [B]). The hash is
-    integer ops only, the same bits on every device; each value is -log(-log(u)) of a u in (0, 1)
-    taken from 23 of its bits (exact in float32, never 0 or 1). argmax(logits + noise) is a draw
-    from softmax(logits) (Gumbel-max): one call samples a whole batch, and a row's draw depends on
-    nothing but its own seed and position."""
-    tokens = _token_keys(vocab_size, seeds.device)
-    row = _mix32(_mix32(_mix32(seeds[:, 0]) ^ seeds[:, 1]) ^ (positions.to(torch.int64) & _WORD))
-    bits = _mix32(row.unsqueeze(-1) ^ tokens) >> 9
-    u = (bits.float() + 0.5) * 2.0 ** -23
-    return -torch.log(-torch.log(u))
+    """Gumbel noise [B, V] (float32): `gumbel_of_bits` of `noise_bits`. argmax(logits + noise) is a
+    draw from softmax(logits) (Gumbel-max): one call samples a whole batch, and a row's draw
+    depends on nothing but its own seed and position."""
+    return gumbel_of_bits(noise_bits(seeds, positions, vocab_size))
 
 
 def _anything_left(logits: torch.Tensor) -> torch.Tensor:
@@ -484,11 +512,14 @@ class BatchSampler:
             top_p=self.top_p[rows] if any(p.top_p < 1 for p in sampled) else None,
             min_p=self.min_p[rows] if any(p.min_p > 0 for p in sampled) else None, max_top_k=max_top_k)
 
-    def probabilities(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
-        """The distribution [B, V] (float32) `sample` draws each row from: after the adjustments,
-        the temperature and the filters; a greedy row is one-hot on its argmax."""
+    def probabilities(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None,
+                      allowed: torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+                      prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The distribution [B, V] (float32) `sample` draws each row from (with the same `allowed`,
+        `ahead` and `prior`): after the adjustments, the temperature and the filters; a greedy row
+        is one-hot on its argmax."""
         rows, params = self._rows(slots, logits.shape[0])
-        x = self.adjust(logits, rows, params)
+        x = self.adjust(logits, rows, params, allowed, ahead, prior)
         onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
         sampled = [p for p in params if p.temperature >= TEMPERATURE_FLOOR]
         if not sampled:

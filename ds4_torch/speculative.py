@@ -166,6 +166,7 @@ class Speculator:
         self.mtp_out.zero_()
         self.positions = [0] * self.B
         self.last = self.last_sample = None
+        self.draft_probs = []
 
     # ------------------------------------------------------------------ start
     def start(self, prompt_ids: torch.Tensor, chunk: int) -> tuple[int, torch.Tensor]:
@@ -188,6 +189,7 @@ class Speculator:
             logits.append(row)
             streams.append(last)
         logits, streams = torch.cat(logits), torch.cat(streams)
+        self.draft_probs = []  # a new sequence: the next draft's distribution is the one picked below
         first = self.sampler.sample(logits, slots=self.slots).tokens
         self.sampler.append(first, slots=self.slots)
         self.pending.copy_(first)                              # at positions cache.positions, not in the cache
@@ -282,7 +284,7 @@ class Speculator:
         """Drafts [width] from the MTP layer's logits [width, V], for the tokens `ahead` [width]
         places past each slot's next one."""
         if self.acceptance == "rejection":
-            q = self.sampler.probabilities(logits, slots=self.slots)
+            q = self.sampler.probabilities(logits, slots=self.slots[:width], ahead=ahead)
             self.draft_probs.append(q[0])
             return torch.multinomial(q, 1, generator=self.generator)[:, 0]
         return self.sampler.sample(logits, slots=self.slots[:width], ahead=ahead, tokens_only=True).tokens
@@ -411,15 +413,10 @@ class Speculator:
         first accepted + 1 of them are emitted, the leading positions whose logits are usable [B]
         or None when not `detailed`) from the verified logits [B, T, V]."""
         B, T, V = rows.shape
-        if self.acceptance == "rejection":
-            p = self.sampler.probabilities(rows[0], slots=[0] * T)
-            q = torch.stack(self.draft_probs) if n else p[:0]
-            emitted = rejection_sample(p, q, drafts[0], self.generator)
-            tokens = torch.cat([emitted, emitted.new_zeros(T - emitted.shape[0])])
-            return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T), None
         slots = self.slot_index[:B].repeat_interleave(T)
         ahead = torch.arange(T, device=self.device).repeat(B)
-        # Row j's history holds the drafts before it (penalties see them, as plain decoding's would)
+        # Row j's history holds the drafts before it (penalties and min_tokens see them, as plain
+        # decoding's would)
         prior = None
         if n:
             before = torch.arange(n, device=self.device) < torch.arange(T, device=self.device)[:, None]  # [T, n]
@@ -429,6 +426,12 @@ class Speculator:
             mask = torch.ones(B, T, V, dtype=torch.bool, device=self.device)
             mask[:allowed.shape[0], 0] = allowed.to(self.device)
             mask = mask.view(B * T, V)
+        if self.acceptance == "rejection":  # batch 1: the target of position j is plain sampling's after d0..d(j-1)
+            p = self.sampler.probabilities(rows.reshape(B * T, V), slots=slots, allowed=mask, ahead=ahead, prior=prior)
+            q = torch.stack(self.draft_probs) if n else p[:0]
+            emitted = rejection_sample(p, q, drafts[0], self.generator)
+            tokens = torch.cat([emitted, emitted.new_zeros(T - emitted.shape[0])])
+            return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T), None
         out = self.sampler.sample(rows.reshape(B * T, V), mask, logprobs, slots=slots, ahead=ahead,
                                   tokens_only=not detailed, prior=prior)
         target = out.tokens.view(B, T)

@@ -109,6 +109,12 @@ def v4_flash_launches():
         comp_sel = meta(1, T, K, dtype=torch.int64) if sel else None
         tk.attention(meta(1, T, H, D, dtype=dtype), meta(1, W, D, dtype=dtype), meta(1, T, D, dtype=dtype), start,
                      meta(1, C, D, dtype=dtype), comp_sel, rate, sinks, D ** -0.5)
+    # key rows whose offsets pass 2^31 (a compressed cache viewed with a 2^20-element row stride):
+    # the int64 key-offset variant
+    case = "csa_prefill_bf16_wide_keys"
+    wide_comp = torch.empty_strided((1, c_csa, D), (c_csa << 20, 1 << 20, 1), dtype=torch.bfloat16, device="meta")
+    tk.attention(meta(1, 512, H, D), meta(1, W, D), meta(1, 512, D), start, wide_comp,
+                 meta(1, 512, K, dtype=torch.int64), 4, sinks, D ** -0.5)
     for case, S, width in (("csa_compressor_bf16", 8, D), ("hca_compressor_bf16", 128, D),
                            ("indexer_compressor_bf16", 8, DI)):
         tk.compress_rows(meta(1, 1, S, width), meta(1, 1, S, width), meta(width), 1e-6,

@@ -8,6 +8,8 @@ is the right target (the low-precision reference itself rounds at every step).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -180,6 +182,71 @@ def test_indexer_boundary_tie_lower_index_wins():
     for k, expected in ((3, [1, 5, 4]), (4, [1, 5, 4, 7]), (6, [1, 5, 4, 7, 8, 0]), (8, [1, 5, 4, 7, 8, 0, 2, 3])):
         for fn in (reference.indexer_topk, tk.indexer_topk):
             assert fn(q, weights, rows, start, 2, k)[0, 0].tolist() == expected, (fn, k)
+
+
+# --------------------------------------------------------------------------- offsets past 2^31
+WIDE = 2 ** 30 + 16  # a row stride: row 2 starts 2^31 + 32 elements in, past what int32 holds
+
+
+def spread(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` as a view whose dimension `dim` has the stride WIDE (the others packed inside a row),
+    without allocating gigabytes: the storage is an anonymous MAP_NORESERVE mapping of which only
+    the written pages ever take memory. The view starts 2^31 elements into it, so an offset that
+    wraps in int32 (2^32 too low) still lands in mapped (zero) memory: a kernel that overflows reads
+    wrong values (a clean mismatch) instead of crashing."""
+    mmap = pytest.importorskip("mmap")
+    if not hasattr(mmap, "MAP_ANONYMOUS") or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux's anonymous MAP_NORESERVE mappings")
+    inner = x[(0,) * (dim + 1)].numel() if dim + 1 < x.dim() else 1
+    assert inner <= WIDE
+    strides, step = [0] * x.dim(), 1
+    for d in reversed(range(x.dim())):
+        strides[d] = WIDE if d == dim else step
+        step = strides[d] * x.shape[d]
+    offset = 2 ** 31
+    numel = offset + sum((n - 1) * st for n, st in zip(x.shape, strides)) + 1
+    try:
+        buffer = mmap.mmap(-1, numel * x.element_size(),
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000))
+    except OSError as e:  # e.g. vm.overcommit_memory = 2 refuses it
+        pytest.skip(f"cannot map {numel * x.element_size() >> 30} GiB of address space: {e}")
+    view = torch.frombuffer(buffer, dtype=x.dtype).as_strided(x.shape, strides, offset)
+    return view.copy_(x)
+
+
+@pytest.mark.parametrize("wide", ["q", "ring", "chunk", "comp", "sel"])
+def test_attention_rows_past_int32_offsets(wide):
+    """One input's rows (queries, window ring, chunk, compressed cache, CSA selection) at offsets
+    past 2^31 elements (a V4-Flash forward of >= 65,536 query rows, 32,768 elements each; a
+    1M-token cache): the reference's output on the compact inputs. Start 4: the ring's row 2 is read."""
+    names = ["q", "ring", "chunk", "start", "comp", "sel", "rate", "sinks", "scale"]
+    args = list(attention_inputs(1, 3, 2, 16, 3, 3, 1, [4], 2 if wide == "sel" else None, torch.float32))
+    want = reference.attention(*args)
+    args[names.index(wide)] = spread(args[names.index(wide)], 1)
+    assert args[names.index(wide)].stride(1) == WIDE
+    assert_close(tk.attention(*args), want, torch.float32)
+
+
+@pytest.mark.parametrize("wide", ["kv", "gate"])
+def test_compress_rows_past_int32_offsets(wide):
+    """The compressor's window rows (kv, gate) at offsets past 2^31 elements."""
+    kv, gate = randn(1, 3, 4, 16, seed=1), randn(1, 3, 4, 16, seed=2)
+    angles = randn(1, 3, 4, seed=3)
+    args = [kv, gate, 1 + 0.2 * randn(16, seed=4), 1e-6, angles.cos(), angles.sin()]
+    want = reference.compress_rows(*args)
+    args[["kv", "gate"].index(wide)] = spread(args[["kv", "gate"].index(wide)], 1)
+    assert_close(tk.compress_rows(*args), want, torch.float32)
+
+
+@pytest.mark.parametrize("wide", ["q", "weights", "rows"])
+def test_indexer_rows_past_int32_offsets(wide):
+    """The indexer's query, head-weight and cache rows at offsets past 2^31 elements."""
+    names = ["q", "weights", "rows", "start", "rate", "k"]
+    args = list(indexer_inputs(1, 3, 8, 16, 3, 1, [2], 3, torch.float32))
+    want = reference.indexer_topk(*args)
+    assert (want >= 0).all()  # every row visible and ranked
+    args[names.index(wide)] = spread(args[names.index(wide)], 1)
+    assert tk.indexer_topk(*args).tolist() == want.tolist()
 
 
 # --------------------------------------------------------------------------- custom ops

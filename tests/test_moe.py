@@ -410,6 +410,28 @@ def test_op_on_quantized_experts_matches_loop(case, fmt, backend, monkeypatch):
         assert sorted(e for _, e in unpacked) == sorted(selected * 2)  # gate_up and down of each
 
 
+@pytest.mark.parametrize("fmt, float32_scale", [("fp8", "down"), ("fp8", "gate_up"), ("fp4", "down"),
+                                                 ("fp4", "gate_up")])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@torch.no_grad()
+def test_quantized_experts_whose_matrices_store_scales_differently(fmt, float32_scale, backend):
+    """gate_up and down with different scale formats (e8m0 bytes for one, float32 for the other,
+    the same values): each matrix is read in its own format, and the op matches the loop on the
+    dequantized weights. (Triton used to read both in gate_up's format: e8m0 bytes as floats, or
+    float32 scales as bytes.)"""
+    N, k, E, H, I = 5, 2, 4, 160, 128
+    hidden, ids, weights, gate_up, down = make_inputs(N, k, E, H, I, seed=7)
+    (gu, dn, gus, dns), (gate_up_d, down_d) = quantized_experts(gate_up, down, fmt)
+    assert gus.dtype == dns.dtype == torch.float8_e8m0fnu
+    as_float32 = lambda s: torch.exp2(s.view(torch.uint8).float() - 127)  # e8m0: 2^(byte - 127)
+    if float32_scale == "down":
+        dns = as_float32(dns)
+    else:
+        gus = as_float32(gus)
+    got = moe_module.moe(hidden, ids, weights, gu, dn, LIMIT, backend, gus, dns)
+    assert_close(got, loop_reference(hidden, ids, weights, gate_up_d, down_d, LIMIT), torch.float32)
+
+
 def test_quantized_op_errors_name_the_problem():
     hidden, ids, weights, gate_up, down = make_inputs(2, 2, 4, 64, 32, seed=0)
     (gu, dn, gus, dns), _ = quantized_experts(gate_up, down, "fp4")

@@ -14,7 +14,7 @@ from ckpt_utils import fp8_checkpoint, save_single
 from ds4_torch import DS4Config, DS4ForCausalLM, generate
 from ds4_torch.config import CSA, SLIDING
 from ds4_torch.decode import make_decoder, prefill
-from ds4_torch.sampling import BatchSampler, SamplingParams
+from ds4_torch.sampling import BatchSampler, SamplingParams, adjust_logits, filter_logits
 from ds4_torch.speculative import SpeculationStats, Speculator, rejection_sample
 from oracle import randomise
 
@@ -236,6 +236,120 @@ def test_rejection_speculator_samples_the_model(model):
     assert drafted == 1000 and 0 < accepted < drafted  # both paths taken
     # 16 cells (top-k 4 twice): chi-square, 15 degrees of freedom, p = 0.001: 37.70
     assert _chi2(counts[support], joint[support]) < 37.70
+
+
+def plain_probabilities(logits, params, output, prompt, eos, allowed=None):
+    """The distribution plain sampling (`sample()`) draws from after `output`, step by step from
+    its definition: `adjust_logits` (mask, min_tokens bans, penalties), the temperature, the filters."""
+    x = adjust_logits(logits, params, output, prompt, eos, allowed) / params.temperature
+    kept = filter_logits(x[None], top_k=torch.tensor([params.top_k]) if params.top_k else None,
+                         top_p=torch.tensor([params.top_p]) if params.top_p < 1 else None)[0]
+    return torch.softmax(kept, -1)
+
+
+def test_rejection_targets_are_plain_sampling_after_the_drafts(model, monkeypatch):
+    """acceptance="rejection": the target at verified position j is the distribution plain
+    sampling uses after the tokens so far and drafts d0..d(j-1): the penalties count those drafts,
+    and min_tokens counts them as generated (the stop tokens' ban ends inside the step)."""
+    import ds4_torch.speculative as speculative
+
+    prompt, eos = [5, 9, 11, 2, 40, 33, 7], [7, 9, 33]
+    params = SamplingParams(temperature=1.3, top_k=20, top_p=0.95, presence_penalty=1.5, frequency_penalty=0.8,
+                            repetition_penalty=1.6, min_tokens=3, stop_token_ids=[11, 40])
+    seen = []
+    accept, sample_rejection = Speculator._accept, speculative.rejection_sample
+
+    def spy_accept(self, rows, drafts, n, *args, **kwargs):
+        seen.append({"rows": rows[0].clone(), "drafts": drafts[0].tolist()})
+        return accept(self, rows, drafts, n, *args, **kwargs)
+
+    def spy_rejection(target, draft, drafts, generator=None):
+        seen[-1]["target"] = target.clone()
+        return sample_rejection(target, draft, drafts, generator)
+
+    monkeypatch.setattr(Speculator, "_accept", spy_accept)
+    monkeypatch.setattr(speculative, "rejection_sample", spy_rejection)
+    sampler = BatchSampler(1, 64)
+    sampler.admit(0, params, prompt_ids=prompt, eos_ids=eos)
+    cache = model.new_cache(1, len(prompt) + 16)
+    spec = Speculator(model, cache, sampler, 3, acceptance="rejection", generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        output = [spec.start(torch.tensor([prompt]), 8)[0]]
+        for _ in range(3):
+            before = list(output)
+            output += spec.step(4)[0]
+            step = seen[-1]
+            assert len(step["drafts"]) == 3
+            for j in range(4):
+                want = plain_probabilities(step["rows"][j], params, before + step["drafts"][:j], prompt, eos)
+                torch.testing.assert_close(step["target"][j], want, rtol=1e-5, atol=1e-6)
+    # the min_tokens ban ended inside the first step: its first rows ban the stop tokens, later ones not
+    first = seen[0]["target"]
+    assert first[0, [7, 9, 33, 11, 40]].sum() == 0 and first[2, [7, 9, 33, 11, 40]].sum() > 0
+
+
+def test_rejection_speculation_never_emits_a_masked_token(model, monkeypatch):
+    """A grammar mask handed to a rejection-sampling step (`allowed`, limit 1) allowing the odd
+    token ids only: the target is plain sampling's masked distribution, and 100 seeded steps emit
+    only allowed tokens (unmasked, about half of the model's mass is on even ids)."""
+    import ds4_torch.speculative as speculative
+
+    prompt = [5, 9, 11, 2, 40, 33, 7]
+    allowed = torch.arange(64) % 2 == 1
+    targets, sample_rejection = [], speculative.rejection_sample
+    monkeypatch.setattr(speculative, "rejection_sample",
+                        lambda target, *args: targets.append(target.clone()) or sample_rejection(target, *args))
+    sampler = BatchSampler(1, 64)
+    cache = model.new_cache(1, len(prompt) + 2)
+    generator = torch.Generator().manual_seed(3)
+    masked_mass = []
+    with torch.no_grad():
+        for run in range(100):
+            cache.reset()
+            params = SamplingParams(temperature=1.0, seed=run)
+            sampler.admit(0, params)
+            spec = Speculator(model, cache, sampler, 2, acceptance="rejection", generator=generator)
+            first, _ = spec.start(torch.tensor([prompt]), 8)
+            tokens, rows = spec.step_batch([1], allowed=allowed[None])
+            assert len(tokens[0]) == 1 and allowed[tokens[0][0]], (run, tokens)
+            want = plain_probabilities(rows[0][0], params, [first], prompt, [], allowed)
+            torch.testing.assert_close(targets[-1][0], want, rtol=1e-5, atol=1e-6)
+            masked_mass.append(float(torch.softmax(rows[0][0], -1)[~allowed].sum()))
+    assert sum(masked_mass) / len(masked_mass) > 0.3  # the mask really cuts
+
+
+def test_rejection_speculator_reused_for_a_new_sequence_judges_drafts_by_their_own_distribution(model, monkeypatch):
+    """A Speculator started again on another prompt (or after reset()): rejection_sample is told
+    the distribution each draft was drawn from, not one left over from the previous sequence."""
+    import ds4_torch.speculative as speculative
+
+    picks, pick, sample_rejection = [], Speculator._pick, speculative.rejection_sample
+
+    def spy_pick(self, *args):
+        drafts = pick(self, *args)
+        picks.append((int(drafts[0]), self.draft_probs[-1].clone()))
+        return drafts
+
+    def spy_rejection(target, draft, drafts, generator=None):
+        token, q = picks[-1]  # one draft a step: the last pick drew it
+        assert int(drafts[0]) == token and torch.equal(draft[0], q)
+        return sample_rejection(target, draft, drafts, generator)
+
+    monkeypatch.setattr(Speculator, "_pick", spy_pick)
+    monkeypatch.setattr(speculative, "rejection_sample", spy_rejection)
+    sampler = BatchSampler(1, 64)
+    cache = model.new_cache(1, 24)
+    spec = Speculator(model, cache, sampler, 1, acceptance="rejection", generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            cache.reset()
+            if i == 2:
+                spec.reset()
+            sampler.admit(0, SamplingParams(temperature=1.0, seed=i))
+            spec.start(torch.tensor([prompt]), 8)
+            for _ in range(2):
+                spec.step(2)
+    assert len(picks) == 3 * 3
 
 
 def test_mtp_checkpoint_loads_in_both_name_styles(model, tmp_path):

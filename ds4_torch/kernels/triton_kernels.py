@@ -59,20 +59,23 @@ def _attention_partial_kernel(
     s_kb, s_kc,  # comp [B, C, D]
     s_sb, s_st, s_sk,  # comp_sel [B, T, K]
     s_os, s_oh,  # partial o [B*T, S, H, D] (query stride = S * s_os)
-    HAS_SEL: tl.constexpr, COMPUTE: tl.constexpr,
+    HAS_SEL: tl.constexpr, COMPUTE: tl.constexpr, KEY_OFFSET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_q, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_splits = tl.num_programs(2)
     b, i = pid_q // T, pid_q % T
-    b64 = b.to(tl.int64)
+    # Row offsets in int64: query row i times its stride passes 2^31 at V4-Flash sizes (64 heads x
+    # 512 = 32768 per row: from row 65,536 of one forward). The key rows' offsets are vectors: int64
+    # (KEY_OFFSET) only when the launcher sees one pass 2^31, as int64 costs registers (fp32 spills).
+    b64, i64 = b.to(tl.int64), i.to(tl.int64)
     start = tl.load(start_ptr + b).to(tl.int32)
     t = start + i  # this query's position
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     hmask, dmask = heads < H, dims < D
-    q = tl.load(q_ptr + b64 * s_qb + i * s_qt + heads[:, None] * s_qh + dims[None, :],
+    q = tl.load(q_ptr + b64 * s_qb + i64 * s_qt + heads[:, None] * s_qh + dims[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
 
     n_visible = (t + 1) // rate  # compressed rows complete before t
@@ -94,17 +97,18 @@ def _attention_partial_kernel(
         p = t - W + 1 + n
         from_ring = p < start
         slot = tl.where(p >= 0, p, 0) % W
-        row_ring = ring_ptr + b64 * s_rb + slot * s_rw
-        row_chunk = chunk_ptr + b64 * s_cb + (p - start) * s_ct
+        row_ring = ring_ptr + b64 * s_rb + slot.to(KEY_OFFSET) * s_rw
+        row_chunk = chunk_ptr + b64 * s_cb + (p - start).to(KEY_OFFSET) * s_ct
         # Compressed keys: entry e of this query's list.
         e = n - W
         in_comp = (n >= W) & (n < hi)
         if HAS_SEL:
-            row = tl.load(sel_ptr + b64 * s_sb + i * s_st + e * s_sk, mask=in_comp, other=-1).to(tl.int32)
+            row = tl.load(sel_ptr + b64 * s_sb + i64 * s_st + e.to(KEY_OFFSET) * s_sk, mask=in_comp,
+                          other=-1).to(tl.int32)
         else:
             row = e
         comp_ok = in_comp & (row >= 0) & (row < n_visible) & (row < C)
-        row_comp = comp_ptr + b64 * s_kb + tl.where(comp_ok, row, 0) * s_kc
+        row_comp = comp_ptr + b64 * s_kb + tl.where(comp_ok, row, 0).to(KEY_OFFSET) * s_kc
         valid = (in_window & (p >= 0)) | comp_ok
         rows = tl.where(in_window, tl.where(from_ring, row_ring, row_chunk), row_comp)
         k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
@@ -165,7 +169,7 @@ def _compress_rows_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    b, j = (pid // J).to(tl.int64), pid % J
+    b, j = (pid // J).to(tl.int64), (pid % J).to(tl.int64)  # int64: j * s_kj passes 2^31 on long inputs
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < D
 
@@ -215,19 +219,19 @@ def _indexer_keys_kernel(
 ):
     pid_q, pid_c = tl.program_id(0), tl.program_id(1)
     b, i = pid_q // T, pid_q % T
-    b64 = b.to(tl.int64)
+    b64, i64 = b.to(tl.int64), i.to(tl.int64)  # int64 row offsets: i * s_qt passes 2^31 (see the attention)
     n_visible = (tl.load(start_ptr + b).to(tl.int32) + i + 1) // rate
 
     heads = tl.arange(0, BLOCK_HI)
     dims = tl.arange(0, BLOCK_DI)
     hmask, dmask = heads < HI, dims < DI
-    q = tl.load(q_ptr + b64 * s_qb + i * s_qt + heads[:, None] * s_qh + dims[None, :],
+    q = tl.load(q_ptr + b64 * s_qb + i64 * s_qt + heads[:, None] * s_qh + dims[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
-    hw = tl.load(hw_ptr + b64 * s_wb + i * s_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+    hw = tl.load(hw_ptr + b64 * s_wb + i64 * s_wt + heads, mask=hmask, other=0.0).to(tl.float32)
 
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    rows = tl.load(rows_ptr + b64 * s_rb + cols[:, None] * s_rc + dims[None, :],
+    rows = tl.load(rows_ptr + b64 * s_rb + cols.to(tl.int64)[:, None] * s_rc + dims[None, :],
                    mask=cmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
     dots = tl.dot(q, tl.trans(rows), input_precision="ieee")  # [BLOCK_HI, BLOCK_C], fp32
     score = tl.sum(tl.maximum(dots, 0.0) * scale * hw[:, None], axis=0)
@@ -312,6 +316,9 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     splits = num_splits or attention_num_splits(B * T * head_blocks, key_blocks, q.device)
     blocks_per_split = triton.cdiv(key_blocks, splits)
 
+    # int64 key-row offsets only where one can pass 2^31 (a [1M, 512] cache row stride does not)
+    furthest = max((W - 1) * ring.stride(1), (T - 1) * chunk_kv.stride(1), (C - 1) * comp.stride(1),
+                   (L - 1) * sel_strides[2]) + D
     o = torch.empty(B * T, splits, H, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
@@ -326,7 +333,8 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
         comp.stride(0), comp.stride(1),
         *sel_strides,
         o.stride(1), o.stride(2),
-        HAS_SEL=has_sel, COMPUTE=_compute_dtype(q.dtype), **config,
+        HAS_SEL=has_sel, COMPUTE=_compute_dtype(q.dtype), KEY_OFFSET=tl.int64 if furthest >= 2 ** 31 else tl.int32,
+        **config,
     )
     _attention_merge_kernel[(B * T, H)](
         o, lse, sinks, out,
@@ -398,7 +406,7 @@ def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
 def _sinkhorn_kernel(x_ptr, out_ptr, N, n, iters, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     i = tl.arange(0, BLOCK_N)
-    offs = m[:, None, None] * (n * n) + i[None, :, None] * n + i[None, None, :]
+    offs = m.to(tl.int64)[:, None, None] * (n * n) + i[None, :, None] * n + i[None, None, :]
     mask = (m[:, None, None] < N) & (i[None, :, None] < n) & (i[None, None, :] < n)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # padding is 0: it adds nothing to a sum
     x = x / (tl.sum(x, axis=1)[:, None, :] + eps)  # columns (sums over i)

@@ -192,7 +192,8 @@ def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float,
         gate_up_block = expert_block(gate_up[0], gate_up_scale[0], I)
         down_block = expert_block(down[0], down_scale[0], H)
         gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
-    e8m0 = is_e8m0_scale(gate_up_scale)
+    # each matrix's scale format on its own (a checkpoint may store them differently)
+    gate_up_e8m0, down_e8m0 = is_e8m0_scale(gate_up_scale), is_e8m0_scale(down_scale)
     gate_up_scale, down_scale = scale_argument(gate_up_scale), scale_argument(down_scale)
     P = N * k
     if P == 0 or E == 0:
@@ -214,12 +215,12 @@ def moe(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit: float,
         P, k, H, I, float(swiglu_limit), *gate_up_block, gate_up_scale.shape[1] // 2,
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
         h.stride(0),
-        COMPUTE=compute, QUANT=quant, SCALE_E8M0=e8m0, **config,
+        COMPUTE=compute, QUANT=quant, SCALE_E8M0=gate_up_e8m0, **config,
     )
     _moe_down_kernel[(blocks, triton.cdiv(H, config["BLOCK_N"]))](
         h, down, down_scale, pairs, block_expert, pair_weights, pair_out,
         P, H, I, *down_block, h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
         down_scale.stride(1), pair_out.stride(0),
-        COMPUTE=compute, QUANT=quant, SCALE_E8M0=e8m0, **config,
+        COMPUTE=compute, QUANT=quant, SCALE_E8M0=down_e8m0, **config,
     )
     return pair_out.view(N, k, H).sum(1).to(hidden.dtype)
