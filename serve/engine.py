@@ -934,7 +934,9 @@ class Engine:
         requeue = []
         for req in reqs:
             session = req.session
-            blame_snapshot = session is not None and session.restored is not None
+            # The snapshot its session was restored from: named now, as clearing the session forgets it.
+            suspect = session.restored if session is not None else None
+            blame_snapshot = suspect is not None
             if session is not None:
                 if stage != "decode" or blame_snapshot:
                     self._clear(session)  # half-written, or restored from a snapshot now suspect
@@ -949,7 +951,7 @@ class Engine:
             if blame_snapshot:
                 log.warning("engine: %s: the first step after a disk restore failed; snapshot quarantined, "
                             "prefilling from scratch", req.id)
-                self.sessions.kv("restore_failed", error, session.restored)
+                self.sessions.kv("restore_failed", error, suspect)
                 req.no_restore = True
             if req.cancel.is_set():
                 self._abort(req, stage)

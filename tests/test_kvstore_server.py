@@ -184,6 +184,31 @@ def test_injected_post_restore_failure(tmp_path, model, tok, monkeypatch):
     faults.reset_fault_counts()
 
 
+def test_a_failed_first_step_quarantines_its_own_snapshot(tmp_path, model, tok, monkeypatch):
+    """Two snapshots restored and neither confirmed by a step yet (each request ended at its first
+    token, sampled from the stored logits): the first step of the conversation restored from `a`
+    fails (injected), and exactly `a`'s snapshot is quarantined, not the one restored last (`c`)."""
+    a, c = prompt(5), prompt(6)
+    want, _ = expected(model, tok, a + [5], 8)
+    faults.reset_fault_counts()
+    with server(model, tok, tmp_path / "kv") as srv:
+        complete(srv, a)
+        complete(srv, c)
+        wait_idle(srv)
+        name_a, name_c = srv.store._name(a), srv.store._name(c)
+        assert set(srv.store.entries) == {name_a, name_c}
+        assert complete(srv, a, n=1)[1] == len(a)   # restored whole: no step before the reply ends
+        assert complete(srv, c, n=1)[1] == len(c)
+        monkeypatch.setenv("DS4_TORCH_FAULT", "restore:1")
+        assert complete(srv, a + [5]) == (want, 0)  # resumes a's restored session: its first step fails
+        monkeypatch.delenv("DS4_TORCH_FAULT")
+        quarantined = srv.store.quarantined()
+        assert len(quarantined) == 1 and quarantined[0].startswith(name_a + "."), quarantined
+        assert name_c in srv.store.entries and os.path.exists(os.path.join(srv.store.dir, name_c))
+        assert srv.store.counts.rejected == {"restore_failed": 1}
+    faults.reset_fault_counts()
+
+
 def test_budget_holds_through_the_server(tmp_path, model, tok):
     with server(model, tok, tmp_path / "kv", space_mb=0.3) as srv:
         for i in range(14):
