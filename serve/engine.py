@@ -146,16 +146,17 @@ class KVStore(Protocol):
 
     every: int
 
-    def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
-        """Load the longest stored state of `prompt_ids` into sequence 0 of `cache` (a batch-1
-        view of a clean slot); return (tokens restored, logits of the next token: None when fewer
-        than the prompt's), or None. Optional: `stored_prefix(prompt_ids)`, that count, asked first;
-        `restored_checkpoints`, {position: checkpoint} that came with it; `load(prompt_ids)` and
-        `apply(cache, loaded)`, the same split in two (read and checked on a reader thread, then
-        copied in here), used when the store has them."""
+    def restore(self, cache, prompt_ids: list[int], tenant=None) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest state of `prompt_ids` stored for `tenant` (a request's: never another's)
+        into sequence 0 of `cache` (a batch-1 view of a clean slot); return (tokens restored,
+        logits of the next token: None when fewer than the prompt's), or None. Optional:
+        `stored_prefix(prompt_ids, tenant=)`, that count, asked first; `restored_checkpoints`,
+        {position: checkpoint} that came with it; `load(prompt_ids, tenant=)` and `apply(cache,
+        loaded)`, the same split in two (read and checked on a reader thread, then copied in
+        here), used when the store has them."""
 
-    def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str):
-        """Read sequence 0 of `cache` (holding `token_ids`) out for a snapshot; None if not worth one."""
+    def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str, tenant=None):
+        """Read sequence 0 of `cache` (holding `token_ids`, `tenant`'s) out for a snapshot; None if not worth one."""
 
     def write(self, pending) -> bool:
         """Write what `prepare` returned (called on the writer thread)."""
@@ -210,7 +211,7 @@ class Engine:
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
                                  kv_store=kv_store, peers=peers)
         self.scheduler = Scheduler(max_queue=max_queue, max_batch=max_batch, metrics=self.metrics,
-                                   wants_disk=self.sessions.wants_disk, load=lambda ids: self.kv_store.load(ids),
+                                   wants_disk=self.sessions.wants_disk, load=self.sessions.load,
                                    abandoned=lambda req: self._abort(req, "queued"))
         self.output = Output(tokenizer, self.metrics, wake=self.scheduler.wake)
         self._handed: list = []     # this iteration's records for the output part, handed over at its end

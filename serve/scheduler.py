@@ -34,7 +34,7 @@ class EngineStopped(Exception):
 class Scheduler:
     def __init__(self, *, max_queue: int, max_batch: int, metrics,
                  wants_disk: Callable[[GenRequest], bool] = lambda req: False,
-                 load: Callable[[list[int]], Any] | None = None,
+                 load: Callable[[GenRequest], Any] | None = None,
                  abandoned: Callable[[GenRequest], None] = lambda req: None):
         self.max_queue, self.max_batch, self.metrics = max_queue, max_batch, metrics
         self.wants_disk = wants_disk   # does `req` want its state read from disk first?
@@ -163,7 +163,7 @@ class Scheduler:
     def _read_aside(self, req: GenRequest) -> None:
         if self._reader is None:
             self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4-kv-reader")
-        future = self._reader.submit(self.load, req.sequence())
+        future = self._reader.submit(self.load, req)
         self.loading[req] = future
         future.add_done_callback(lambda _: self.wake())
 

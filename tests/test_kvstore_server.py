@@ -101,9 +101,9 @@ def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
 
 # --------------------------------------------------------------------------- in-process servers
 @contextlib.contextmanager
-def server(model, tok, kv_dir, space_mb=8.0, **kw):
+def server(model, tok, kv_dir, space_mb=8.0, serving=None, **kw):
     # Checkpoints off: a prompt sent again is not resumed from the live cache, so these tests reach the disk.
-    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK, checkpoint_interval=0))
+    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK, checkpoint_interval=0, **(serving or {})))
     store = KVStore(kv_dir, space_mb, model, ctx=CTX, min_tokens=8, registry=app.state.metrics.registry, **kw)
     app.state.engine.kv_store = store
     with BackgroundServer(app) as srv:
@@ -111,8 +111,9 @@ def server(model, tok, kv_dir, space_mb=8.0, **kw):
         yield srv
 
 
-def complete(srv, prompt_ids, n=8):
-    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+def complete(srv, prompt_ids, n=8, key=None):
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, headers=headers, json={
         "model": MODEL, "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert r.status_code == 200, r.text
@@ -207,6 +208,33 @@ def test_a_failed_first_step_quarantines_its_own_snapshot(tmp_path, model, tok, 
         assert name_c in srv.store.entries and os.path.exists(os.path.join(srv.store.dir, name_c))
         assert srv.store.counts.rejected == {"restore_failed": 1}
     faults.reset_fault_counts()
+
+
+def test_a_conversation_on_disk_is_only_restored_for_its_own_key(tmp_path, model, tok):
+    """Several API keys: a conversation pushed out of memory to disk, or saved before a restart,
+    comes back for the key that had it and never for another (cached tokens 0 and a clean
+    prefill, so neither usage nor latency tells another key what was said). Snapshots written
+    without keys are not served to a key either."""
+    d, p = tmp_path / "kv", prompt(51)
+    want, _ = expected(model, tok, p, 8)
+    keyed = {"api_key": ("key-a", "key-b", "key-c"), "max_batch": 1, "max_sessions": 1}
+    with server(model, tok, d) as srv:                   # no keys: a snapshot of no tenant
+        assert complete(srv, p) == (want, 0)
+        wait_idle(srv)
+    with server(model, tok, d, serving=keyed) as srv:
+        assert complete(srv, p, key="key-a") == (want, 0)   # the keyless snapshot is not a's
+        wait_idle(srv)
+        assert complete(srv, p, key="key-b") == (want, 0)   # a's session goes to disk; b gets nothing of it
+        wait_idle(srv)
+        assert complete(srv, p, key="key-a") == (want, len(p))  # a's own, from disk (b's went there)
+        wait_idle(srv)
+        assert not any("key-" in name for name in os.listdir(d))
+    with server(model, tok, d, serving=keyed) as srv:   # a restart: the directory is indexed again
+        assert complete(srv, p, key="key-c") == (want, 0)
+        assert complete(srv, p, key="key-a") == (want, len(p))
+        assert srv.store.counts.hits == 1
+    with server(model, tok, d) as srv:
+        assert complete(srv, p) == (want, len(p))       # the keyless snapshot is still the keyless server's
 
 
 def test_budget_holds_through_the_server(tmp_path, model, tok):
