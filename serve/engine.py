@@ -212,6 +212,7 @@ class Engine:
                                  kv_store=kv_store, peers=peers)
         self.scheduler = Scheduler(max_queue=max_queue, max_batch=max_batch, metrics=self.metrics,
                                    wants_disk=self.sessions.wants_disk, load=self.sessions.load,
+                                   read_key=self.sessions.read_key, share=self.sessions.share,
                                    abandoned=lambda req: self._abort(req, "queued"))
         self.output = Output(tokenizer, self.metrics, wake=self.scheduler.wake)
         self._handed: list = []     # this iteration's records for the output part, handed over at its end

@@ -20,6 +20,11 @@ everything before writing). The engine reports a failure of the first step after
 A snapshot may carry checkpoints of its sequence (`save(..., checkpoints=)`); a restore leaves
 them, checked like the rest, in `restored_checkpoints` for branching.
 
+Host memory: what `load` read is held only until it is copied into the cache. Requests waiting for
+the same snapshot share one read (`share`: the same tensors, each request its own token count;
+the engine's scheduler reads once per snapshot). `loaded_bytes` (`ds4_kv_disk_loaded_bytes`)
+counts the bytes of snapshots read and still referenced, `ds4_kv_disk_reads_total` the reads.
+
 Budget: every byte this store owns under DIR (snapshots, temporary files, quarantine, the stats
 file, and the exact-replay records of `serve.replay`, which the server keeps there) stays within
 `space_mb`. To make room it deletes quarantined files first (oldest first),
@@ -41,6 +46,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +111,7 @@ class _Counts:
     hits: int = 0
     misses: int = 0
     saves: int = 0
+    reads: int = 0
     evictions: int = 0
     restored_tokens: int = 0
     rejected: dict = field(default_factory=dict)
@@ -118,6 +125,9 @@ class _PromMetrics:
         self.hits = Counter("ds4_kv_disk_hits", "Live-cache misses served from a disk KV snapshot", registry=r)
         self.misses = Counter("ds4_kv_disk_misses", "Live-cache misses with no usable disk KV snapshot", registry=r)
         self.saves = Counter("ds4_kv_disk_saves", "Disk KV snapshots written", registry=r)
+        self.reads = Counter("ds4_kv_disk_reads", "Disk KV snapshots read in full for a restore", registry=r)
+        self.loaded_bytes = Gauge("ds4_kv_disk_loaded_bytes", "Bytes of disk KV snapshots read for restores and "
+                                                              "still in host memory", registry=r)
         self.rejected = Counter("ds4_kv_disk_rejected",
                                 "Disk KV snapshots rejected and quarantined, by reason", ["reason"], registry=r)
         self.evictions = Counter("ds4_kv_disk_evictions", "Disk KV snapshots deleted to stay in budget", registry=r)
@@ -176,6 +186,8 @@ class KVStore:
         self.last_rejection: tuple[str, str, str] | None = None   # (file, reason, detail)
         self._restored: str | None = None       # file of the last restore, until its first step passes
         self.restored_checkpoints: dict = {}     # the last restore's checkpoints (position -> CPU tensors)
+        self.loaded_bytes = 0                    # snapshots `load` read, until no reference is left (`_hold`)
+        self._held_lock = threading.RLock()      # RLock: a release runs in whatever thread drops the last reference
         self._lock = threading.RLock()         # the index (`entries`): held briefly, never across a write
         self._write_lock = threading.Lock()    # the background writer's: encoding, writing, evicting
         self._lockfile = None
@@ -257,6 +269,10 @@ class KVStore:
         tag = tenant_tag(tenant)
         return [e for e in self.entries.values() if e.tenant == tag]
 
+    def _ranked(self, prompt_ids: list[int], tenant) -> list[tuple[int, Entry]]:
+        """`tenant`'s snapshots by how much of `prompt_ids` each brings back, best first (the index lock held)."""
+        return sorted(((e.reuse(prompt_ids), e) for e in self._own(tenant)), key=lambda s: s[0], reverse=True)
+
     def stored_prefix(self, prompt_ids: list[int], tenant=None) -> int:
         """Tokens of `prompt_ids` the best of `tenant`'s snapshots would bring back (`restore`
         tries it first)."""
@@ -287,13 +303,14 @@ class KVStore:
         (a miss). Any thread: the file is read without holding the index lock the engine takes.
         Snapshots that fail validation are quarantined and the next best is tried."""
         with self._lock:
-            scored = sorted(((e.reuse(prompt_ids), e) for e in self._own(tenant)), key=lambda s: s[0],
-                            reverse=True)
+            scored = self._ranked(prompt_ids, tenant)
         for count, entry in scored:
             if count == 0:
                 break
             try:
+                self._count("reads")
                 snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
+                self._hold(snap)
                 if snap.tokens != entry.tokens:
                     raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
                 if count < entry.n and count not in snap.checkpoints:
@@ -309,6 +326,25 @@ class KVStore:
                     self._quarantine(entry.name, error)
         self._count("misses")
         return None
+
+    def first_choice(self, prompt_ids: list[int], tenant=None) -> str | None:
+        """The snapshot `load(prompt_ids, tenant)` would read first (requests that would read the same
+        one share that read: `share`), or None (a miss)."""
+        with self._lock:
+            ranked = self._ranked(prompt_ids, tenant)
+        return ranked[0][1].name if ranked and ranked[0][0] > 0 else None
+
+    def share(self, loaded: "LoadedSnapshot", prompt_ids: list[int], tenant=None) -> "LoadedSnapshot | None":
+        """What another request's `load` read, for `prompt_ids` of `tenant`: the same tensors (no
+        copy) with this prompt's own count, or None when that snapshot cannot serve it (another
+        tenant's, no common prefix, or no checkpoint at the divergence)."""
+        entry, snap = loaded.entry, loaded.snapshot
+        if entry.tenant != tenant_tag(tenant):
+            return None
+        count = entry.reuse(prompt_ids)
+        if count == 0 or (count < entry.n and count not in snap.checkpoints):
+            return None
+        return LoadedSnapshot(entry, snap, count)
 
     def apply(self, cache: DS4Cache, loaded: "LoadedSnapshot") -> tuple[int, torch.Tensor | None] | None:
         """Copy a loaded state into sequence 0 of `cache` (all the engine thread does of a restore):
@@ -456,7 +492,8 @@ class KVStore:
     def stats(self) -> dict:
         c = self.counts
         return {"dir": self.dir, "snapshots": len(self.entries), "bytes": self.usage(), "budget": self.budget,
-                "hits": c.hits, "misses": c.misses, "saves": c.saves, "evictions": c.evictions,
+                "hits": c.hits, "misses": c.misses, "saves": c.saves, "reads": c.reads, "evictions": c.evictions,
+                "loaded_bytes": self.loaded_bytes,
                 "restored_tokens": c.restored_tokens, "rejected": dict(c.rejected)}
 
     # ---------------------------------------------------------------- internals
@@ -550,6 +587,20 @@ class KVStore:
         setattr(self.counts, what, getattr(self.counts, what) + k)
         if self.prom is not None:
             getattr(self.prom, what).inc(k)
+
+    def _hold(self, snap) -> None:
+        """Count `snap`'s bytes in `loaded_bytes` until the last reference to it is gone (every
+        request that shared it applied or dropped it)."""
+        tensors = [snap.logits, *snap.state.values(), *(t for c in snap.checkpoints.values() for t in c.values())]
+        nbytes = sum(t.nbytes for t in tensors if t is not None)
+        self._add_loaded(nbytes)
+        weakref.finalize(snap, self._add_loaded, -nbytes)
+
+    def _add_loaded(self, nbytes: int) -> None:
+        with self._held_lock:
+            self.loaded_bytes += nbytes
+            if self.prom is not None:
+                self.prom.loaded_bytes.set(self.loaded_bytes)
 
     def _update_gauges(self) -> None:
         if self.prom is not None:

@@ -166,6 +166,7 @@ class Sessions:
     def claim(self, req: "GenRequest") -> int:
         """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
         seq = req.sequence()
+        loaded, req.disk = req.disk, None  # what was read for it: applied below or not at all, then released
         if req.wants_prompt_logprobs():
             # Cached tokens have no logits: prefill the whole prompt in a fresh session.
             session = self.free_session()
@@ -176,7 +177,7 @@ class Sessions:
         if source is None or disk > reuse:
             session = self.free_session()
             if disk:
-                self.restore(session, seq, req.tenant, req.disk)
+                self.restore(session, seq, req.tenant, loaded)
             return self._attach(session, req)
         session, kind = source
         if kind == END and session.request is None:
@@ -385,6 +386,15 @@ class Sessions:
         """Read and check the stored state `req` would take (on the scheduler's reader thread)."""
         return self.kv_store.load(req.sequence(), tenant=req.tenant)
 
+    def read_key(self, req: "GenRequest"):
+        """What `load(req)` would read first (requests with the same key share one read), or None."""
+        name = self.kv("first_choice", req.sequence(), tenant=req.tenant)
+        return None if name is None else (req.tenant, name)
+
+    def share(self, loaded, req: "GenRequest"):
+        """Another request's read (`load`), for `req`: the same host copy, or None when it cannot serve `req`."""
+        return self.kv("share", loaded, req.sequence(), tenant=req.tenant)
+
     def restore(self, session: Session, seq: list[int], tenant, loaded=None) -> None:
         """Bring `tenant`'s stored state of `seq` into `session`'s clean slot: `loaded` (what the
         reader thread read: `KVStore.load`, False for a miss) is only copied in; without it the
@@ -409,7 +419,10 @@ class Sessions:
         session.tokens, session.last_logits = list(seq[:count]), logits
         session.saved_at = count
         session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
-        for position, checkpoint in sorted((getattr(self.kv_store, "restored_checkpoints", None) or {}).items()):
+        checkpoints = getattr(self.kv_store, "restored_checkpoints", None) or {}
+        if checkpoints:  # imported below (copied): the store keeps no host copy
+            self.kv_store.restored_checkpoints = {}
+        for position, checkpoint in sorted(checkpoints.items()):
             if not 0 < position <= count or not self.enabled:
                 continue
             ck = Checkpoint(next(self._ids), position, None, True, time.monotonic())

@@ -400,6 +400,29 @@ def test_snapshots_belong_to_their_tenant(tmp_path, model):
         assert s3.stored_prefix(tokens, tenant="tenant-b") == 0 and s3.stored_prefix(tokens, tenant="tenant-a") == 0
 
 
+def test_a_read_is_shared_and_counted_until_released(tmp_path, model):
+    """`load` holds one host copy, counted in `loaded_bytes` (the tensors' bytes) until the last
+    reference goes; `share` gives another prompt of the same tenant the same tensors with its
+    own count, and nothing to another tenant or to a prompt it cannot serve."""
+    tokens = ids_for(13, 40)
+    cache, logits = run(model, tokens)
+    with other_store(tmp_path, model, "kv") as s:
+        assert s.save(cache, tokens, logits, tenant="a")
+        assert s.first_choice(tokens + [9], tenant="a") == s._name(tokens, snapshot.tenant_tag("a"))
+        assert s.first_choice(tokens + [9], tenant="b") is None and s.loaded_bytes == 0
+        loaded = s.load(tokens + [9], tenant="a")
+        snap = loaded.snapshot
+        size = snap.logits.nbytes + sum(t.nbytes for t in snap.state.values())
+        assert s.loaded_bytes == size and s.counts.reads == 1
+        other = s.share(loaded, tokens + [3, 4], tenant="a")
+        assert other.snapshot is snap and other.count == 40
+        assert s.share(loaded, tokens + [3], tenant="b") is None
+        assert s.share(loaded, tokens[:20] + [1], tenant="a") is None   # diverges, no checkpoint there
+        assert s.apply(model.new_cache(1, CTX), other)[0] == 40
+        del loaded, other, snap
+        assert s.loaded_bytes == 0 and s.counts.reads == 1
+
+
 # --------------------------------------------------------------------------- post-restore failure
 def test_restore_failed_quarantines_once_and_across_restarts(tmp_path, model):
     tokens = ids_for(11, 50)

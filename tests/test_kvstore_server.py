@@ -237,6 +237,61 @@ def test_a_conversation_on_disk_is_only_restored_for_its_own_key(tmp_path, model
         assert complete(srv, p) == (want, len(p))       # the keyless snapshot is still the keyless server's
 
 
+def test_requests_waiting_for_one_snapshot_share_one_read(tmp_path, model, tok, monkeypatch):
+    """Four requests queued behind a long one (max_batch 1), each continuing the same stored
+    conversation: the snapshot is read from disk once and held once while they wait; each copy
+    in host memory is gone once it is in the cache, while a request still decodes."""
+    import gc
+    import weakref
+
+    import serve.kvstore as kvstore
+
+    a, long = prompt(61), prompt(62)
+    with server(model, tok, tmp_path / "kv", serving={"max_batch": 1}) as srv:
+        first, _ = complete(srv, a, n=2)
+        wait_idle(srv)
+        suffixes = [k for k in range(5, 30) if k != first[0]][:4]  # a's session (a + first[0]) is no prefix
+        wants = {k: expected(model, tok, a + [k], 12)[0] for k in suffixes}
+        read, copies = kvstore.read_snapshot, []
+
+        def counted_read(*args, tokens_only=False, **kw):
+            snap = read(*args, tokens_only=tokens_only, **kw)
+            if not tokens_only:
+                copies.append(weakref.ref(snap))
+            return snap
+
+        monkeypatch.setattr(kvstore, "read_snapshot", counted_read)
+        engine = srv.app.state.engine
+        engine.token_delay = 0.03
+        results, threads = {}, []
+
+        def send(k):
+            results[k] = complete(srv, a + [k], n=12)
+
+        threads.append(threading.Thread(target=lambda: complete(srv, long, n=16)))
+        threads[0].start()
+        wait_for(lambda: engine.running, what="the long request decoding")
+        for k in suffixes:
+            threads.append(threading.Thread(target=send, args=(k,)))
+            threads[-1].start()
+        wait_for(lambda: len(engine.scheduler) == len(suffixes), what="four requests queued")
+        # All admitted, the last one decoding: every restore is done, no copy may be left.
+        wait_for(lambda: not engine.scheduler.queue and not engine.scheduler.loading and engine.running
+                 and engine.running[0].prompt_ids[:len(a)] == a, timeout=30, what="the last request decoding")
+        gc.collect()
+        alive = [ref for ref in copies if ref() is not None]
+        still_decoding = bool(engine.running)
+        for t in threads:
+            t.join(60)
+        engine.token_delay = 0.0
+        assert len(copies) == 1, f"{len(copies)} reads of one snapshot"
+        assert still_decoding and not alive, "a snapshot copy outlived its restore"
+        assert srv.store.loaded_bytes == 0
+        assert srv.app.state.metrics.value("ds4_kv_disk_loaded_bytes") == 0
+        assert srv.app.state.metrics.value("ds4_kv_disk_reads_total") == 1
+        assert {k: r for k, r in results.items()} == {k: (wants[k], len(a)) for k in suffixes}
+
+
 def test_budget_holds_through_the_server(tmp_path, model, tok):
     with server(model, tok, tmp_path / "kv", space_mb=0.3) as srv:
         for i in range(14):
