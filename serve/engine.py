@@ -153,7 +153,8 @@ class KVStore(Protocol):
         `stored_prefix(prompt_ids, tenant=)`, that count, asked first; `restored_checkpoints`,
         {position: checkpoint} that came with it; `load(prompt_ids, tenant=)` and `apply(cache,
         loaded)`, the same split in two (read and checked on a reader thread, then copied in
-        here), used when the store has them."""
+        here), used when the store has them, with `first_choice(prompt_ids, tenant=)` and
+        `share(loaded, prompt_ids, tenant=)` to read a snapshot once for every request waiting for it."""
 
     def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str, tenant=None):
         """Read sequence 0 of `cache` (holding `token_ids`, `tenant`'s) out for a snapshot; None if not worth one."""
