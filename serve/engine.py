@@ -146,16 +146,18 @@ class KVStore(Protocol):
 
     every: int
 
-    def restore(self, cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
-        """Load the longest stored state of `prompt_ids` into sequence 0 of `cache` (a batch-1
-        view of a clean slot); return (tokens restored, logits of the next token: None when fewer
-        than the prompt's), or None. Optional: `stored_prefix(prompt_ids)`, that count, asked first;
-        `restored_checkpoints`, {position: checkpoint} that came with it; `load(prompt_ids)` and
-        `apply(cache, loaded)`, the same split in two (read and checked on a reader thread, then
-        copied in here), used when the store has them."""
+    def restore(self, cache, prompt_ids: list[int], tenant=None) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest state of `prompt_ids` stored for `tenant` (a request's: never another's)
+        into sequence 0 of `cache` (a batch-1 view of a clean slot); return (tokens restored,
+        logits of the next token: None when fewer than the prompt's), or None. Optional:
+        `stored_prefix(prompt_ids, tenant=)`, that count, asked first; `restored_checkpoints`,
+        {position: checkpoint} that came with it; `load(prompt_ids, tenant=)` and `apply(cache,
+        loaded)`, the same split in two (read and checked on a reader thread, then copied in
+        here), used when the store has them, with `first_choice(prompt_ids, tenant=)` and
+        `share(loaded, prompt_ids, tenant=)` to read a snapshot once for every request waiting for it."""
 
-    def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str):
-        """Read sequence 0 of `cache` (holding `token_ids`) out for a snapshot; None if not worth one."""
+    def prepare(self, cache, token_ids: list[int], last_logits: torch.Tensor, why: str, tenant=None):
+        """Read sequence 0 of `cache` (holding `token_ids`, `tenant`'s) out for a snapshot; None if not worth one."""
 
     def write(self, pending) -> bool:
         """Write what `prepare` returned (called on the writer thread)."""
@@ -210,7 +212,8 @@ class Engine:
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
                                  kv_store=kv_store, peers=peers)
         self.scheduler = Scheduler(max_queue=max_queue, max_batch=max_batch, metrics=self.metrics,
-                                   wants_disk=self.sessions.wants_disk, load=lambda ids: self.kv_store.load(ids),
+                                   wants_disk=self.sessions.wants_disk, load=self.sessions.load,
+                                   read_key=self.sessions.read_key, share=self.sessions.share,
                                    abandoned=lambda req: self._abort(req, "queued"))
         self.output = Output(tokenizer, self.metrics, wake=self.scheduler.wake)
         self._handed: list = []     # this iteration's records for the output part, handed over at its end
@@ -939,7 +942,9 @@ class Engine:
         requeue = []
         for req in reqs:
             session = req.session
-            blame_snapshot = session is not None and session.restored is not None
+            # The snapshot its session was restored from: named now, as clearing the session forgets it.
+            suspect = session.restored if session is not None else None
+            blame_snapshot = suspect is not None
             if session is not None:
                 if stage != "decode" or blame_snapshot:
                     self._clear(session)  # half-written, or restored from a snapshot now suspect
@@ -954,7 +959,7 @@ class Engine:
             if blame_snapshot:
                 log.warning("engine: %s: the first step after a disk restore failed; snapshot quarantined, "
                             "prefilling from scratch", req.id)
-                self.sessions.kv("restore_failed", error, session.restored)
+                self.sessions.kv("restore_failed", error, suspect)
                 req.no_restore = True
             if req.cancel.is_set():
                 self._abort(req, stage)

@@ -5,6 +5,13 @@ A snapshot (`serve.snapshot`: the file format and its validation) holds one sequ
 of the prompt, and `save` / `checkpoint` write new ones. One process per directory (an flock on
 `DIR/.lock`); stale temporary files are removed at start.
 
+Tenants: a snapshot belongs to the tenant (API key) whose conversation it holds, named by a tag
+derived from it (`serve.snapshot.tenant_tag`, in its file name and header; never the key). Every
+lookup (`stored_prefix`, `load`, `restore`) sees only the asking tenant's snapshots, so one key's
+conversation is never restored for another, nor does its presence show in another's cached
+tokens or latency, across restarts too. Files without a tag (written before tenants, or by a
+server with at most one key) belong to no tenant: only requests without one reuse them.
+
 A snapshot that fails validation is quarantined: moved to `DIR/quarantine/` with a `.why` note,
 counted in `ds4_kv_disk_rejected_total{reason}`, and never tried again. The state is imported
 into the live cache only once the whole file passed (`DS4Cache.import_sequence` itself checks
@@ -12,6 +19,11 @@ everything before writing). The engine reports a failure of the first step after
 (`restore_failed`): that file is quarantined too and the request is prefilled from scratch.
 A snapshot may carry checkpoints of its sequence (`save(..., checkpoints=)`); a restore leaves
 them, checked like the rest, in `restored_checkpoints` for branching.
+
+Host memory: what `load` read is held only until it is copied into the cache. Requests waiting for
+the same snapshot share one read (`share`: the same tensors, each request its own token count;
+the engine's scheduler reads once per snapshot). `loaded_bytes` (`ds4_kv_disk_loaded_bytes`)
+counts the bytes of snapshots read and still referenced, `ds4_kv_disk_reads_total` the reads.
 
 Budget: every byte this store owns under DIR (snapshots, temporary files, quarantine, the stats
 file, and the exact-replay records of `serve.replay`, which the server keeps there) stays within
@@ -34,6 +46,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +55,7 @@ from ds4_torch.cache import DS4Cache
 
 from .replay import FILE_NAME as REPLAY_FILE
 from .snapshot import (REASONS, SUFFIX, TMP_PREFIX, Layout, SnapshotError, encode_snapshot, file_name, fsync_dir,
-                       model_fingerprint, name_prefix, read_snapshot, write_atomically)
+                       model_fingerprint, name_prefix, read_snapshot, tenant_tag, write_atomically)
 
 log = logging.getLogger("ds4.serve.kvstore")
 
@@ -73,6 +86,7 @@ class Entry:
     last_used: float
     hits: int = 0
     checkpoints: tuple[int, ...] = ()   # positions of the checkpoints it carries
+    tenant: str | None = None           # the tag of the tenant whose conversation it is (None: no tenant)
 
     @property
     def n(self) -> int:
@@ -97,6 +111,7 @@ class _Counts:
     hits: int = 0
     misses: int = 0
     saves: int = 0
+    reads: int = 0
     evictions: int = 0
     restored_tokens: int = 0
     rejected: dict = field(default_factory=dict)
@@ -110,6 +125,9 @@ class _PromMetrics:
         self.hits = Counter("ds4_kv_disk_hits", "Live-cache misses served from a disk KV snapshot", registry=r)
         self.misses = Counter("ds4_kv_disk_misses", "Live-cache misses with no usable disk KV snapshot", registry=r)
         self.saves = Counter("ds4_kv_disk_saves", "Disk KV snapshots written", registry=r)
+        self.reads = Counter("ds4_kv_disk_reads", "Disk KV snapshots read in full for a restore", registry=r)
+        self.loaded_bytes = Gauge("ds4_kv_disk_loaded_bytes", "Bytes of disk KV snapshots read for restores and "
+                                                              "still in host memory", registry=r)
         self.rejected = Counter("ds4_kv_disk_rejected",
                                 "Disk KV snapshots rejected and quarantined, by reason", ["reason"], registry=r)
         self.evictions = Counter("ds4_kv_disk_evictions", "Disk KV snapshots deleted to stay in budget", registry=r)
@@ -140,6 +158,7 @@ class PendingSnapshot:
     state: dict
     why: str
     checkpoints: dict = field(default_factory=dict)  # position -> host copy of a `take_checkpoint`
+    tenant: str | None = None                         # its tenant's tag
 
 
 class KVStore:
@@ -167,6 +186,8 @@ class KVStore:
         self.last_rejection: tuple[str, str, str] | None = None   # (file, reason, detail)
         self._restored: str | None = None       # file of the last restore, until its first step passes
         self.restored_checkpoints: dict = {}     # the last restore's checkpoints (position -> CPU tensors)
+        self.loaded_bytes = 0                    # snapshots `load` read, until no reference is left (`_hold`)
+        self._held_lock = threading.RLock()      # RLock: a release runs in whatever thread drops the last reference
         self._lock = threading.RLock()         # the index (`entries`): held briefly, never across a write
         self._write_lock = threading.Lock()    # the background writer's: encoding, writing, evicting
         self._lockfile = None
@@ -205,7 +226,7 @@ class KVStore:
                 continue  # another model's or layout's snapshots: kept, counted, evicted first
             try:
                 snap = read_snapshot(path, self.model_fp, self.layout, tokens_only=True)
-                if name != self._name(snap.tokens):
+                if name != self._name(snap.tokens, snap.header.get("tenant")):
                     raise SnapshotError("header", "file name does not match its tokens")
             except SnapshotError as e:
                 self._quarantine(name, e)
@@ -214,7 +235,8 @@ class KVStore:
             s = stats.get(name) if isinstance(stats.get(name), dict) else {}
             self.entries[name] = Entry(name, snap.tokens, st.st_size, snap.header.get("created", st.st_mtime),
                                        st.st_mtime, hits=int(s.get("hits", 0)),
-                                       checkpoints=tuple(snap.header.get("checkpoints") or ()))
+                                       checkpoints=tuple(snap.header.get("checkpoints") or ()),
+                                       tenant=snap.header.get("tenant"))
         self._trim_quarantine()
         self._make_room()  # a crash between a write and its eviction, or a smaller budget
         self._update_gauges()
@@ -242,13 +264,23 @@ class KVStore:
         self.close()
 
     # ---------------------------------------------------------------- the engine's hooks
-    def stored_prefix(self, prompt_ids: list[int]) -> int:
-        """Tokens of `prompt_ids` the best snapshot would bring back (`restore` tries it first)."""
-        with self._lock:
-            return max((e.reuse(prompt_ids) for e in self.entries.values()), default=0)
+    def _own(self, tenant) -> list[Entry]:
+        """`tenant`'s snapshots (the index lock held): the only ones its requests may reuse."""
+        tag = tenant_tag(tenant)
+        return [e for e in self.entries.values() if e.tenant == tag]
 
-    def restore(self, cache: DS4Cache, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None] | None:
-        """Load the longest state of `prompt_ids` stored into sequence 0 of `cache`: a snapshot
+    def _ranked(self, prompt_ids: list[int], tenant) -> list[tuple[int, Entry]]:
+        """`tenant`'s snapshots by how much of `prompt_ids` each brings back, best first (the index lock held)."""
+        return sorted(((e.reuse(prompt_ids), e) for e in self._own(tenant)), key=lambda s: s[0], reverse=True)
+
+    def stored_prefix(self, prompt_ids: list[int], tenant=None) -> int:
+        """Tokens of `prompt_ids` the best of `tenant`'s snapshots would bring back (`restore`
+        tries it first)."""
+        with self._lock:
+            return max((e.reuse(prompt_ids) for e in self._own(tenant)), default=0)
+
+    def restore(self, cache: DS4Cache, prompt_ids: list[int], tenant=None) -> tuple[int, torch.Tensor | None] | None:
+        """Load the longest state of `prompt_ids` stored for `tenant` into sequence 0 of `cache`: a snapshot
         that is a prefix of it, or one diverging from it, rewound to its checkpoint at or below the
         divergence (`Entry.reuse`). Return (tokens restored, logits of the next token: None from a
         checkpoint) or None. Snapshots that fail validation are quarantined and the next best is
@@ -259,25 +291,26 @@ class KVStore:
         if not self._check_cache(cache):
             return None
         while True:
-            loaded = self.load(prompt_ids)
+            loaded = self.load(prompt_ids, tenant)
             if loaded is None:
                 return None
             restored = self.apply(cache, loaded)
             if restored is not None or loaded.entry.name in self.entries:
                 return restored  # else `apply` quarantined it: the next best
 
-    def load(self, prompt_ids: list[int]) -> "LoadedSnapshot | None":
-        """The best stored state of `prompt_ids`, read and fully checked into host memory, or None
+    def load(self, prompt_ids: list[int], tenant=None) -> "LoadedSnapshot | None":
+        """The best state of `prompt_ids` stored for `tenant`, read and fully checked into host memory, or None
         (a miss). Any thread: the file is read without holding the index lock the engine takes.
         Snapshots that fail validation are quarantined and the next best is tried."""
         with self._lock:
-            scored = sorted(((e.reuse(prompt_ids), e) for e in self.entries.values()), key=lambda s: s[0],
-                            reverse=True)
+            scored = self._ranked(prompt_ids, tenant)
         for count, entry in scored:
             if count == 0:
                 break
             try:
+                self._count("reads")
                 snap = read_snapshot(os.path.join(self.dir, entry.name), self.model_fp, self.layout)
+                self._hold(snap)
                 if snap.tokens != entry.tokens:
                     raise SnapshotError("token_hash", "token ids differ from the ones indexed at start")
                 if count < entry.n and count not in snap.checkpoints:
@@ -293,6 +326,25 @@ class KVStore:
                     self._quarantine(entry.name, error)
         self._count("misses")
         return None
+
+    def first_choice(self, prompt_ids: list[int], tenant=None) -> str | None:
+        """The snapshot `load(prompt_ids, tenant)` would read first (requests that would read the same
+        one share that read: `share`), or None (a miss)."""
+        with self._lock:
+            ranked = self._ranked(prompt_ids, tenant)
+        return ranked[0][1].name if ranked and ranked[0][0] > 0 else None
+
+    def share(self, loaded: "LoadedSnapshot", prompt_ids: list[int], tenant=None) -> "LoadedSnapshot | None":
+        """What another request's `load` read, for `prompt_ids` of `tenant`: the same tensors (no
+        copy) with this prompt's own count, or None when that snapshot cannot serve it (another
+        tenant's, no common prefix, or no checkpoint at the divergence)."""
+        entry, snap = loaded.entry, loaded.snapshot
+        if entry.tenant != tenant_tag(tenant):
+            return None
+        count = entry.reuse(prompt_ids)
+        if count == 0 or (count < entry.n and count not in snap.checkpoints):
+            return None
+        return LoadedSnapshot(entry, snap, count)
 
     def apply(self, cache: DS4Cache, loaded: "LoadedSnapshot") -> tuple[int, torch.Tensor | None] | None:
         """Copy a loaded state into sequence 0 of `cache` (all the engine thread does of a restore):
@@ -343,24 +395,25 @@ class KVStore:
             self._restored = None
 
     def save(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor, why: str = "prefill",
-             checkpoints: dict | None = None) -> bool:
+             checkpoints: dict | None = None, tenant=None) -> bool:
         """Write a snapshot of sequence 0 of `cache` (holding `token_ids`, `last_logits` the logits
-        of the next token, with `checkpoints` as `prepare` takes them) unless it is too short,
-        already stored, or larger than the budget."""
-        pending = self.prepare(cache, token_ids, last_logits, why, checkpoints)
+        of the next token, with `checkpoints` as `prepare` takes them) for `tenant` unless it is
+        too short, already stored, or larger than the budget."""
+        pending = self.prepare(cache, token_ids, last_logits, why, checkpoints, tenant)
         return pending is not None and self.write(pending)
 
     def prepare(self, cache: DS4Cache, token_ids: list[int], last_logits: torch.Tensor,
-                why: str = "prefill", checkpoints: dict | None = None) -> "PendingSnapshot | None":
+                why: str = "prefill", checkpoints: dict | None = None, tenant=None) -> "PendingSnapshot | None":
         """The part of a save that reads the cache: checks, then a host copy of sequence 0's live
-        state and of `checkpoints` ({position: its `take_checkpoint`}, positions below the token
-        count) (it costs what the snapshot holds). None when not worth a file. `write` does the
-        rest, on any thread: the engine hands it to a background writer."""
+        state (`tenant`'s conversation) and of `checkpoints` ({position: its `take_checkpoint`},
+        positions below the token count) (it costs what the snapshot holds). None when not worth
+        a file. `write` does the rest, on any thread: the engine hands it to a background writer."""
         with self._lock:
             n = len(token_ids)
             if n < max(1, self.min_tokens) or last_logits is None or n > self.layout.max_context:
                 return None
-            name = self._name(token_ids)
+            tag = tenant_tag(tenant)
+            name = self._name(token_ids, tag)
             if name in self.entries:
                 self.entries[name].last_used = time.time()
                 return None
@@ -372,7 +425,7 @@ class KVStore:
             return PendingSnapshot(name, list(token_ids), last_logits.detach().to("cpu", copy=True),
                                    cache.export_sequence(0, device="cpu"), why,
                                    {c: {k: t.to("cpu", copy=True) for k, t in checkpoint.items()}
-                                    for c, checkpoint in (checkpoints or {}).items()})
+                                    for c, checkpoint in (checkpoints or {}).items()}, tag)
 
     def write(self, pending: "PendingSnapshot") -> bool:
         """Encode and write a prepared snapshot; evict only once it is safely on disk. The lock the
@@ -386,7 +439,7 @@ class KVStore:
         with self._write_lock:  # one write (and its eviction) at a time
             try:
                 head, payloads = encode_snapshot(self.model_fp, self.layout, pending.tokens, pending.logits,
-                                                 pending.state, pending.checkpoints)
+                                                 pending.state, pending.checkpoints, pending.tenant)
             except SnapshotError as e:
                 log.warning("kvstore: not saving %d tokens: %s", n, e)
                 return False
@@ -407,7 +460,7 @@ class KVStore:
             now = time.time()
             with self._lock:
                 self.entries[name] = Entry(name, pending.tokens, size, now, now,
-                                           checkpoints=tuple(sorted(pending.checkpoints)))
+                                           checkpoints=tuple(sorted(pending.checkpoints)), tenant=pending.tenant)
                 self._count("saves")
             self._update_gauges()
             log.info("kvstore: saved %d tokens (%s, %.1f KiB, %.0f ms)", n, pending.why, size / 1024,
@@ -439,12 +492,13 @@ class KVStore:
     def stats(self) -> dict:
         c = self.counts
         return {"dir": self.dir, "snapshots": len(self.entries), "bytes": self.usage(), "budget": self.budget,
-                "hits": c.hits, "misses": c.misses, "saves": c.saves, "evictions": c.evictions,
+                "hits": c.hits, "misses": c.misses, "saves": c.saves, "reads": c.reads, "evictions": c.evictions,
+                "loaded_bytes": self.loaded_bytes,
                 "restored_tokens": c.restored_tokens, "rejected": dict(c.rejected)}
 
     # ---------------------------------------------------------------- internals
-    def _name(self, tokens) -> str:
-        return file_name(self.model_fp, self.layout, tokens)
+    def _name(self, tokens, tag: str | None = None) -> str:
+        return file_name(self.model_fp, self.layout, tokens, tag)
 
     def _check_cache(self, cache: DS4Cache) -> bool:
         got = Layout.of_cache(cache)
@@ -533,6 +587,20 @@ class KVStore:
         setattr(self.counts, what, getattr(self.counts, what) + k)
         if self.prom is not None:
             getattr(self.prom, what).inc(k)
+
+    def _hold(self, snap) -> None:
+        """Count `snap`'s bytes in `loaded_bytes` until the last reference to it is gone (every
+        request that shared it applied or dropped it)."""
+        tensors = [snap.logits, *snap.state.values(), *(t for c in snap.checkpoints.values() for t in c.values())]
+        nbytes = sum(t.nbytes for t in tensors if t is not None)
+        self._add_loaded(nbytes)
+        weakref.finalize(snap, self._add_loaded, -nbytes)
+
+    def _add_loaded(self, nbytes: int) -> None:
+        with self._held_lock:
+            self.loaded_bytes += nbytes
+            if self.prom is not None:
+                self.prom.loaded_bytes.set(self.loaded_bytes)
 
     def _update_gauges(self) -> None:
         if self.prom is not None:

@@ -31,41 +31,29 @@ from ds4_torch.tokenizer import StreamDecoder
 from .metrics import Metrics
 from .protocol import APIError
 from .sequence import GenRequest, TokenOut
+from .stops import StopMatcher
 
 log = logging.getLogger("ds4.serve")
 
 
 class TextState:
-    """Detokenizes the stream and cuts it at stop strings, holding back any tail that could
-    still become a stop string."""
+    """Detokenizes the stream and cuts it at stop strings (`serve.stops.StopMatcher`), holding
+    back any tail that could still become a stop string."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.decoder = StreamDecoder(tokenizer)
         self.stops = stops
-        self.pending = ""
-        self.stopped = False
+        self.matcher = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
 
     def push(self, token_id: int | None, final: bool = False) -> str:
         piece = self.decoder.push(token_id) if token_id is not None else ""
         if final:
             piece += self.decoder.flush()
-        buf = self.pending + piece
-        if self.stops:
-            hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                self.pending, self.stopped = "", True
-                return buf[:min(hits)]
-        if final or not self.stops:
-            self.pending = ""
-            return buf
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
+        return self.matcher.push(piece, final)
 
 
 @dataclass

@@ -3,7 +3,10 @@
 Requests wait in one FIFO queue (`max_queue` of them; a continuation of admitted work, such as
 thinking's second phase, and a retried request go to the front). A request that will take its
 state from disk is first sent to a reader thread (`load`, the store's read and check) and waits
-aside while the others go on; once read it is admitted first. The choices of one request (the same
+aside while the others go on; once read it is admitted first. Requests that would read the same
+snapshot (`read_key`) wait for one read and share it (`share`): one host copy, whatever the number
+waiting, dropped once the last of them has taken it (the session part then releases it once
+copied into the cache). The choices of one request (the same
 sequence, queued back to back) are admitted together, so their prompt is prefilled once.
 
 The engine's loop waits here for work (`wait_for_work`), and asks, once per iteration, for the
@@ -16,6 +19,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Hashable
 from typing import Any, Callable
 
 from .sequence import GenRequest
@@ -34,14 +38,19 @@ class EngineStopped(Exception):
 class Scheduler:
     def __init__(self, *, max_queue: int, max_batch: int, metrics,
                  wants_disk: Callable[[GenRequest], bool] = lambda req: False,
-                 load: Callable[[list[int]], Any] | None = None,
+                 load: Callable[[GenRequest], Any] | None = None,
+                 read_key: Callable[[GenRequest], Hashable | None] = lambda req: None,
+                 share: Callable[[Any, GenRequest], Any] = lambda loaded, req: None,
                  abandoned: Callable[[GenRequest], None] = lambda req: None):
         self.max_queue, self.max_batch, self.metrics = max_queue, max_batch, metrics
         self.wants_disk = wants_disk   # does `req` want its state read from disk first?
         self.load = load               # that read (on the reader thread)
+        self.read_key = read_key       # what it would read: requests with one key share one read
+        self.share = share             # another request's read, for `req` (None: it cannot use it)
         self.abandoned = abandoned     # a request whose client left while it waited: answer it
         self.queue: collections.deque[GenRequest] = collections.deque()
         self.loading: dict[GenRequest, concurrent.futures.Future] = {}
+        self._reads: dict[Hashable, tuple[concurrent.futures.Future, GenRequest]] = {}  # key -> (read, its reader)
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self.cv = threading.Condition()
         self.stopping = False
@@ -109,6 +118,7 @@ class Scheduler:
         if aside:
             reqs += list(self.loading)
             self.loading.clear()
+            self._reads.clear()
         return reqs
 
     def close(self) -> None:
@@ -161,10 +171,17 @@ class Scheduler:
             self.abandoned(req)
 
     def _read_aside(self, req: GenRequest) -> None:
+        key = self.read_key(req)
+        shared = self._reads.get(key) if key is not None else None
+        if shared is not None:  # the same snapshot is being read (or was, for a request still aside)
+            self.loading[req] = shared[0]
+            return
         if self._reader is None:
             self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ds4-kv-reader")
-        future = self._reader.submit(self.load, req.sequence())
+        future = self._reader.submit(self.load, req)
         self.loading[req] = future
+        if key is not None:
+            self._reads[key] = (future, req)
         future.add_done_callback(lambda _: self.wake())
 
     def _loaded(self) -> GenRequest | None:
@@ -173,13 +190,26 @@ class Scheduler:
             if not future.done():
                 continue
             del self.loading[req]
-            try:
-                req.disk = future.result() or False
-            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
-                log.warning("engine: kv store read failed: %s: %s", type(e).__name__, e)
-                req.disk = False
+            reader = self._forget(future)
             if req.cancel.is_set():
                 self.abandoned(req)
                 continue
+            try:
+                loaded = future.result()
+                if loaded and reader is not None and req is not reader:
+                    loaded = self.share(loaded, req)
+            except Exception as e:  # noqa: BLE001 - a store bug: serve without it
+                log.warning("engine: kv store read failed: %s: %s", type(e).__name__, e)
+                loaded = None
+            req.disk = loaded or False
             return req
+        return None
+
+    def _forget(self, future: concurrent.futures.Future) -> GenRequest | None:
+        """The request `future` was read for; the read is dropped once no other request waits for it."""
+        for key, (f, reader) in list(self._reads.items()):
+            if f is future:
+                if future not in self.loading.values():
+                    del self._reads[key]
+                return reader
         return None

@@ -166,17 +166,18 @@ class Sessions:
     def claim(self, req: "GenRequest") -> int:
         """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
         seq = req.sequence()
+        loaded, req.disk = req.disk, None  # what was read for it: applied below or not at all, then released
         if req.wants_prompt_logprobs():
             # Cached tokens have no logits: prefill the whole prompt in a fresh session.
             session = self.free_session()
             req.plp = []
             return self._attach(session, req)
         reuse, source = self._best(req.tenant, seq)
-        disk = self._stored_prefix(seq) if self.kv_store is not None and not req.no_restore else 0
+        disk = self._stored_prefix(seq, req.tenant) if self.kv_store is not None and not req.no_restore else 0
         if source is None or disk > reuse:
             session = self.free_session()
             if disk:
-                self.restore(session, seq, req.disk)
+                self.restore(session, seq, req.tenant, loaded)
             return self._attach(session, req)
         session, kind = source
         if kind == END and session.request is None:
@@ -364,12 +365,12 @@ class Sessions:
         self.metrics.checkpoint_bytes.set(len(self._held) * self.checkpoint_nbytes)
 
     # ------------------------------------------------------------------ disk
-    def _stored_prefix(self, seq: list[int]) -> int:
+    def _stored_prefix(self, seq: list[int], tenant) -> int:
         fn = getattr(self.kv_store, "stored_prefix", None)
         if fn is None:  # a store without it: asked on every miss, as before
             return 1
         try:
-            return fn(seq)
+            return fn(seq, tenant=tenant)
         except Exception as e:  # noqa: BLE001 - a store bug: serve without it
             log.warning("engine: kv store stored_prefix failed: %s: %s", type(e).__name__, e)
             return 0
@@ -379,15 +380,29 @@ class Sessions:
         if self.kv_store is None or req.no_restore or req.wants_prompt_logprobs() or \
                 not hasattr(self.kv_store, "load"):
             return False
-        return self._stored_prefix(req.sequence()) > self._best(req.tenant, req.sequence())[0]
+        return self._stored_prefix(req.sequence(), req.tenant) > self._best(req.tenant, req.sequence())[0]
 
-    def restore(self, session: Session, seq: list[int], loaded=None) -> None:
-        """Bring `seq`'s stored state into `session`'s clean slot: `loaded` (what the reader thread
-        read: `KVStore.load`, False for a miss) is only copied in; without it the store reads here."""
+    def load(self, req: "GenRequest"):
+        """Read and check the stored state `req` would take (on the scheduler's reader thread)."""
+        return self.kv_store.load(req.sequence(), tenant=req.tenant)
+
+    def read_key(self, req: "GenRequest"):
+        """What `load(req)` would read first (requests with the same key share one read), or None."""
+        name = self.kv("first_choice", req.sequence(), tenant=req.tenant)
+        return None if name is None else (req.tenant, name)
+
+    def share(self, loaded, req: "GenRequest"):
+        """Another request's read (`load`), for `req`: the same host copy, or None when it cannot serve `req`."""
+        return self.kv("share", loaded, req.sequence(), tenant=req.tenant)
+
+    def restore(self, session: Session, seq: list[int], tenant, loaded=None) -> None:
+        """Bring `tenant`'s stored state of `seq` into `session`'s clean slot: `loaded` (what the
+        reader thread read: `KVStore.load`, False for a miss) is only copied in; without it the
+        store reads here."""
         try:
             slot = self.replica.resident.slot(session.slot)
             if loaded is None:
-                restored = self.kv_store.restore(slot, seq)
+                restored = self.kv_store.restore(slot, seq, tenant=tenant)
             else:
                 restored = self.kv_store.apply(slot, loaded) if loaded else None
         except Exception as e:  # noqa: BLE001 - a store bug: serve without it
@@ -404,7 +419,10 @@ class Sessions:
         session.tokens, session.last_logits = list(seq[:count]), logits
         session.saved_at = count
         session.restored = getattr(self.kv_store, "last_restored", None) or "restored"
-        for position, checkpoint in sorted((getattr(self.kv_store, "restored_checkpoints", None) or {}).items()):
+        checkpoints = getattr(self.kv_store, "restored_checkpoints", None) or {}
+        if checkpoints:  # imported below (copied): the store keeps no host copy
+            self.kv_store.restored_checkpoints = {}
+        for position, checkpoint in sorted(checkpoints.items()):
             if not 0 < position <= count or not self.enabled:
                 continue
             ck = Checkpoint(next(self._ids), position, None, True, time.monotonic())
@@ -429,7 +447,7 @@ class Sessions:
             state = self.replica.checkpoints.get(ck.id)
             if state is not None and p < len(tokens):  # the snapshot format keeps no checkpoint logits
                 checkpoints[p] = state
-        pending = self.kv("prepare", view, list(tokens), logits, why, checkpoints=checkpoints)
+        pending = self.kv("prepare", view, list(tokens), logits, why, checkpoints=checkpoints, tenant=session.tenant)
         if pending is None:
             return True
         if self.writer is None:

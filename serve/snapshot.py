@@ -5,11 +5,11 @@ A snapshot holds what a decode step needs to continue a sequence of N tokens: th
 the compressor frontier, the position; its size follows N, not `--ctx`), the token ids and the
 logits of the next token. The store (`serve.kvstore`) decides when to write, keep and delete.
 
-File format (`<model>-<layout>-<N>-<tokens hash>.ds4kv`, version 3, little endian)::
+File format (`<model>-<layout>-[<tenant>-]<N>-<tokens hash>.ds4kv`, version 3, little endian)::
 
     magic  b"DS4KVSNP"  | version u32 | header length u32 | xxh3_64 of the header u64
     header: UTF-8 JSON  {model, layout, n_tokens, tokens_hash, created, checksum: "xxh3_64",
-                         checkpoints: [c, ...], sections: [{name, dtype, shape, nbytes, xxh3}, ...]}
+                         [tenant,] checkpoints: [c, ...], sections: [{name, dtype, shape, nbytes, xxh3}, ...]}
     sections, back to back, in the header's order: `tokens` int32 [N], `logits` [vocab], then
     the cache state under the cache's own names, in `ds4_torch.cache.sequence_spec` order, then
     for each checkpoint position c (strictly increasing, 1 <= c < N) the checkpoint of the
@@ -19,6 +19,9 @@ File format (`<model>-<layout>-<N>-<tokens hash>.ds4kv`, version 3, little endia
 Version 3 adds the checkpoints (a file may hold none); version 2 (no checkpoints) and version 1
 (`counters`, `L{i}.comp.rows`, ...) files are rejected as `version`.
 
+- `tenant` (absent: no tenant, as in files written before it) is the tag of the API key whose
+  conversation it holds (`tenant_tag`, a hash, never the key): a snapshot is only restored for
+  the same tenant, and its name carries the tag so two tenants' equal conversations are two files.
 - `model` fingerprints the model (`model_fingerprint`); `layout` fingerprints the cache layout
   (window, layer kinds and rates, dims, vocabulary, dtype, capacities, max_context).
 - `write_atomically` writes to a temporary file (`.tmp-*`) that is fsynced, renamed into place,
@@ -183,8 +186,18 @@ def name_prefix(model_fp: str, layout: Layout) -> str:
     return f"{model_fp[:12]}-{layout.fingerprint[:8]}-"
 
 
-def file_name(model_fp: str, layout: Layout, tokens) -> str:
-    return f"{name_prefix(model_fp, layout)}{len(tokens):08d}-{tokens_hash(tokens)}{SUFFIX}"
+def tenant_tag(tenant) -> str | None:
+    """What names `tenant` (a request's tenant: an id derived from its API key, or None) on disk:
+    a hash of it, so neither the key nor the server's tenant id is written."""
+    if tenant is None:
+        return None
+    return hashlib.sha256(f"ds4kv-tenant\0{tenant}".encode()).hexdigest()[:16]
+
+
+def file_name(model_fp: str, layout: Layout, tokens, tag: str | None = None) -> str:
+    """The file of a snapshot of `tokens` for the tenant tagged `tag` (`tenant_tag`; None: no tenant)."""
+    tenant = "" if tag is None else f"{tag}-"
+    return f"{name_prefix(model_fp, layout)}{tenant}{len(tokens):08d}-{tokens_hash(tokens)}{SUFFIX}"
 
 
 # ------------------------------------------------------------------------------ validation
@@ -261,11 +274,12 @@ def check_checkpoint_positions(positions, n: int) -> str | None:
 
 # ------------------------------------------------------------------------------ encode
 def encode_snapshot(model_fp: str, layout: Layout, tokens: list[int], logits: torch.Tensor,
-                    state: dict[str, torch.Tensor], checkpoints: dict | None = None
+                    state: dict[str, torch.Tensor], checkpoints: dict | None = None, tag: str | None = None
                     ) -> tuple[bytes, list[memoryview]]:
     """(fixed part + header, section payloads) of a snapshot of `state` (a cache's
     `export_sequence`) holding `tokens`, `logits` the next token's, and `checkpoints` ({position:
-    `take_checkpoint` of the sequence there}; their logits are not written). Raises
+    `take_checkpoint` of the sequence there}; their logits are not written), for the tenant
+    tagged `tag` (None: no tenant). Raises
     SnapshotError("state") for a state that would be rejected on read: nothing unusable is ever
     persisted."""
     n = len(tokens)
@@ -292,9 +306,10 @@ def encode_snapshot(model_fp: str, layout: Layout, tokens: list[int], logits: to
         buf = tensor_bytes(tensors[name])
         payloads.append(buf)
         table.append({"name": name, "dtype": dtype, "shape": list(shape), "nbytes": buf.nbytes, "xxh3": _xxh(buf)})
-    header = json.dumps({"model": model_fp, "layout": layout.fingerprint, "n_tokens": n,
-                         "tokens_hash": tokens_hash(tokens), "created": time.time(), "checksum": "xxh3_64",
-                         "checkpoints": list(checkpoints), "sections": table}, separators=(",", ":")).encode()
+    fields = {"model": model_fp, "layout": layout.fingerprint, "n_tokens": n, "tokens_hash": tokens_hash(tokens),
+              "created": time.time(), "checksum": "xxh3_64", **({} if tag is None else {"tenant": tag}),
+              "checkpoints": list(checkpoints), "sections": table}
+    header = json.dumps(fields, separators=(",", ":")).encode()
     return FIXED.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(header)) + header, payloads
 
 
@@ -322,6 +337,7 @@ def read_header(f, file_size: int) -> tuple[dict, int]:
         sections = header["sections"]
         assert isinstance(n, int) and isinstance(sections, list) and header["checksum"] == "xxh3_64"
         assert isinstance(header["tokens_hash"], str) and isinstance(header["checkpoints"], list)
+        assert isinstance(header.get("tenant"), (str, type(None)))
         assert all(isinstance(s["name"], str) and isinstance(s["nbytes"], int) and isinstance(s["dtype"], str)
                    and isinstance(s["xxh3"], str) and isinstance(s["shape"], list)
                    and all(isinstance(d, int) for d in s["shape"]) for s in sections)

@@ -157,7 +157,7 @@ class _StopsTheServer:
     def __init__(self):
         self.engine = None
 
-    def restore(self, cache, prompt_ids):
+    def restore(self, cache, prompt_ids, tenant=None):
         stopper = threading.Thread(target=self.engine.stop)
         stopper.start()
         deadline = time.monotonic() + TIMEOUT
@@ -173,7 +173,7 @@ class _StopsTheServer:
             return True
         return False
 
-    def prepare(self, cache, token_ids, last_logits, why):
+    def prepare(self, cache, token_ids, last_logits, why, tenant=None):
         return None
 
 

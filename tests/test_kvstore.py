@@ -371,6 +371,58 @@ def test_files_of_the_previous_format_version_are_quarantined_at_start(tmp_path,
         assert s2.restore(model.new_cache(1, CTX), tokens) is None
 
 
+def test_snapshots_belong_to_their_tenant(tmp_path, model):
+    """Each tenant's lookups see only its own snapshots (and untagged files are no tenant's),
+    across a restart; the file names a hash of the tenant, and a file renamed to another
+    tenant's name is rejected at start."""
+    tokens = ids_for(12, 40)
+    cache, logits = run(model, tokens)
+    with other_store(tmp_path, model, "kv") as s:
+        assert s.save(cache, tokens, logits, tenant="tenant-a")
+        short, short_logits = run(model, tokens[:30])
+        assert s.save(short, tokens[:30], short_logits)  # no tenant
+        assert s.stored_prefix(tokens, tenant="tenant-a") == 40 and s.stored_prefix(tokens) == 30
+        assert s.stored_prefix(tokens, tenant="tenant-b") == 0
+        assert s.load(tokens, tenant="tenant-b") is None
+        assert s.restore(model.new_cache(1, CTX), tokens, tenant="tenant-b") is None
+    names = sorted(os.listdir(tmp_path / "kv"))
+    assert not any("tenant-a" in n for n in names)
+    tagged = s._name(tokens, snapshot.tenant_tag("tenant-a"))
+    assert tagged in names and s._name(tokens) not in names
+    with other_store(tmp_path, model, "kv") as s2:
+        assert s2.restore(model.new_cache(1, CTX), tokens, tenant="tenant-b") is None
+        assert s2.restore(model.new_cache(1, CTX), tokens)[0] == 30
+        assert s2.restore(model.new_cache(1, CTX), tokens, tenant="tenant-a")[0] == 40
+    d = tmp_path / "kv"
+    os.replace(d / tagged, d / s._name(tokens, snapshot.tenant_tag("tenant-b")))  # moved to b's name
+    with other_store(tmp_path, model, "kv") as s3:
+        assert s3.counts.rejected == {"header": 1}
+        assert s3.stored_prefix(tokens, tenant="tenant-b") == 0 and s3.stored_prefix(tokens, tenant="tenant-a") == 0
+
+
+def test_a_read_is_shared_and_counted_until_released(tmp_path, model):
+    """`load` holds one host copy, counted in `loaded_bytes` (the tensors' bytes) until the last
+    reference goes; `share` gives another prompt of the same tenant the same tensors with its
+    own count, and nothing to another tenant or to a prompt it cannot serve."""
+    tokens = ids_for(13, 40)
+    cache, logits = run(model, tokens)
+    with other_store(tmp_path, model, "kv") as s:
+        assert s.save(cache, tokens, logits, tenant="a")
+        assert s.first_choice(tokens + [9], tenant="a") == s._name(tokens, snapshot.tenant_tag("a"))
+        assert s.first_choice(tokens + [9], tenant="b") is None and s.loaded_bytes == 0
+        loaded = s.load(tokens + [9], tenant="a")
+        snap = loaded.snapshot
+        size = snap.logits.nbytes + sum(t.nbytes for t in snap.state.values())
+        assert s.loaded_bytes == size and s.counts.reads == 1
+        other = s.share(loaded, tokens + [3, 4], tenant="a")
+        assert other.snapshot is snap and other.count == 40
+        assert s.share(loaded, tokens + [3], tenant="b") is None
+        assert s.share(loaded, tokens[:20] + [1], tenant="a") is None   # diverges, no checkpoint there
+        assert s.apply(model.new_cache(1, CTX), other)[0] == 40
+        del loaded, other, snap
+        assert s.loaded_bytes == 0 and s.counts.reads == 1
+
+
 # --------------------------------------------------------------------------- post-restore failure
 def test_restore_failed_quarantines_once_and_across_restarts(tmp_path, model):
     tokens = ids_for(11, 50)

@@ -101,9 +101,9 @@ def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
 
 # --------------------------------------------------------------------------- in-process servers
 @contextlib.contextmanager
-def server(model, tok, kv_dir, space_mb=8.0, **kw):
+def server(model, tok, kv_dir, space_mb=8.0, serving=None, **kw):
     # Checkpoints off: a prompt sent again is not resumed from the live cache, so these tests reach the disk.
-    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK, checkpoint_interval=0))
+    app = create_app(model, tok, ServerConfig(ctx=CTX, prefill_chunk=CHUNK, checkpoint_interval=0, **(serving or {})))
     store = KVStore(kv_dir, space_mb, model, ctx=CTX, min_tokens=8, registry=app.state.metrics.registry, **kw)
     app.state.engine.kv_store = store
     with BackgroundServer(app) as srv:
@@ -111,8 +111,9 @@ def server(model, tok, kv_dir, space_mb=8.0, **kw):
         yield srv
 
 
-def complete(srv, prompt_ids, n=8):
-    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+def complete(srv, prompt_ids, n=8, key=None):
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, headers=headers, json={
         "model": MODEL, "prompt": prompt_ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert r.status_code == 200, r.text
@@ -182,6 +183,113 @@ def test_injected_post_restore_failure(tmp_path, model, tok, monkeypatch):
         assert len(srv.store.quarantined()) == 2
     monkeypatch.delenv("DS4_TORCH_FAULT")
     faults.reset_fault_counts()
+
+
+def test_a_failed_first_step_quarantines_its_own_snapshot(tmp_path, model, tok, monkeypatch):
+    """Two snapshots restored and neither confirmed by a step yet (each request ended at its first
+    token, sampled from the stored logits): the first step of the conversation restored from `a`
+    fails (injected), and exactly `a`'s snapshot is quarantined, not the one restored last (`c`)."""
+    a, c = prompt(5), prompt(6)
+    want, _ = expected(model, tok, a + [5], 8)
+    faults.reset_fault_counts()
+    with server(model, tok, tmp_path / "kv") as srv:
+        complete(srv, a)
+        complete(srv, c)
+        wait_idle(srv)
+        name_a, name_c = srv.store._name(a), srv.store._name(c)
+        assert set(srv.store.entries) == {name_a, name_c}
+        assert complete(srv, a, n=1)[1] == len(a)   # restored whole: no step before the reply ends
+        assert complete(srv, c, n=1)[1] == len(c)
+        monkeypatch.setenv("DS4_TORCH_FAULT", "restore:1")
+        assert complete(srv, a + [5]) == (want, 0)  # resumes a's restored session: its first step fails
+        monkeypatch.delenv("DS4_TORCH_FAULT")
+        quarantined = srv.store.quarantined()
+        assert len(quarantined) == 1 and quarantined[0].startswith(name_a + "."), quarantined
+        assert name_c in srv.store.entries and os.path.exists(os.path.join(srv.store.dir, name_c))
+        assert srv.store.counts.rejected == {"restore_failed": 1}
+    faults.reset_fault_counts()
+
+
+def test_a_conversation_on_disk_is_only_restored_for_its_own_key(tmp_path, model, tok):
+    """Several API keys: a conversation pushed out of memory to disk, or saved before a restart,
+    comes back for the key that had it and never for another (cached tokens 0 and a clean
+    prefill, so neither usage nor latency tells another key what was said). Snapshots written
+    without keys are not served to a key either."""
+    d, p = tmp_path / "kv", prompt(51)
+    want, _ = expected(model, tok, p, 8)
+    keyed = {"api_key": ("key-a", "key-b", "key-c"), "max_batch": 1, "max_sessions": 1}
+    with server(model, tok, d) as srv:                   # no keys: a snapshot of no tenant
+        assert complete(srv, p) == (want, 0)
+        wait_idle(srv)
+    with server(model, tok, d, serving=keyed) as srv:
+        assert complete(srv, p, key="key-a") == (want, 0)   # the keyless snapshot is not a's
+        wait_idle(srv)
+        assert complete(srv, p, key="key-b") == (want, 0)   # a's session goes to disk; b gets nothing of it
+        wait_idle(srv)
+        assert complete(srv, p, key="key-a") == (want, len(p))  # a's own, from disk (b's went there)
+        wait_idle(srv)
+        assert not any("key-" in name for name in os.listdir(d))
+    with server(model, tok, d, serving=keyed) as srv:   # a restart: the directory is indexed again
+        assert complete(srv, p, key="key-c") == (want, 0)
+        assert complete(srv, p, key="key-a") == (want, len(p))
+        assert srv.store.counts.hits == 1
+    with server(model, tok, d) as srv:
+        assert complete(srv, p) == (want, len(p))       # the keyless snapshot is still the keyless server's
+
+
+def test_requests_waiting_for_one_snapshot_share_one_read(tmp_path, model, tok, monkeypatch):
+    """Four requests queued behind a long one (max_batch 1), each continuing the same stored
+    conversation: the snapshot is read from disk once and held once while they wait; each copy
+    in host memory is gone once it is in the cache, while a request still decodes."""
+    import gc
+    import weakref
+
+    import serve.kvstore as kvstore
+
+    a, long = prompt(61), prompt(62)
+    with server(model, tok, tmp_path / "kv", serving={"max_batch": 1}) as srv:
+        first, _ = complete(srv, a, n=2)
+        wait_idle(srv)
+        suffixes = [k for k in range(5, 30) if k != first[0]][:4]  # a's session (a + first[0]) is no prefix
+        wants = {k: expected(model, tok, a + [k], 12)[0] for k in suffixes}
+        read, copies = kvstore.read_snapshot, []
+
+        def counted_read(*args, tokens_only=False, **kw):
+            snap = read(*args, tokens_only=tokens_only, **kw)
+            if not tokens_only:
+                copies.append(weakref.ref(snap))
+            return snap
+
+        monkeypatch.setattr(kvstore, "read_snapshot", counted_read)
+        engine = srv.app.state.engine
+        engine.token_delay = 0.03
+        results, threads = {}, []
+
+        def send(k):
+            results[k] = complete(srv, a + [k], n=12)
+
+        threads.append(threading.Thread(target=lambda: complete(srv, long, n=16)))
+        threads[0].start()
+        wait_for(lambda: engine.running, what="the long request decoding")
+        for k in suffixes:
+            threads.append(threading.Thread(target=send, args=(k,)))
+            threads[-1].start()
+        wait_for(lambda: len(engine.scheduler) == len(suffixes), what="four requests queued")
+        # All admitted, the last one decoding: every restore is done, no copy may be left.
+        wait_for(lambda: not engine.scheduler.queue and not engine.scheduler.loading and engine.running
+                 and engine.running[0].prompt_ids[:len(a)] == a, timeout=30, what="the last request decoding")
+        gc.collect()
+        alive = [ref for ref in copies if ref() is not None]
+        still_decoding = bool(engine.running)
+        for t in threads:
+            t.join(60)
+        engine.token_delay = 0.0
+        assert len(copies) == 1, f"{len(copies)} reads of one snapshot"
+        assert still_decoding and not alive, "a snapshot copy outlived its restore"
+        assert srv.store.loaded_bytes == 0
+        assert srv.app.state.metrics.value("ds4_kv_disk_loaded_bytes") == 0
+        assert srv.app.state.metrics.value("ds4_kv_disk_reads_total") == 1
+        assert {k: r for k, r in results.items()} == {k: (wants[k], len(a)) for k in suffixes}
 
 
 def test_budget_holds_through_the_server(tmp_path, model, tok):

@@ -15,12 +15,14 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
   layout vs copying the whole sequence.
 - `quant`      (`quant.py`): a real-size FP8/FP4 checkpoint kept quantized vs dequantized to bf16.
 - `speculative` (`speculative.py`): decode with MTP speculation vs without, acceptance and costs.
+- `stops`      (`stops.py`): the server's stop-string matcher vs the plain scan it replaced, alone
+  and (`--gap`) through the server beside a stream.
 """
 from __future__ import annotations
 
 import importlib
 
-TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint", "quant", "speculative")
+TARGETS = ("model", "attention", "layer", "decode", "kernels", "serve", "moe", "checkpoint", "quant", "speculative", "stops")
 
 
 def _threads(args) -> None:
@@ -97,6 +99,10 @@ def _run_quant(args) -> int:
 def _run_speculative(args) -> int:
     _threads(args)
     return importlib.import_module(".speculative", __name__).run(args)
+
+
+def _run_stops(args) -> int:
+    return importlib.import_module(".stops", __name__).run(args)
 
 
 def add_parser(sub) -> None:
@@ -182,6 +188,12 @@ def add_parser(sub) -> None:
     from .serve import add_arguments as add_serve_arguments  # argparse only; the server loads on run
 
     add_serve_arguments(s)
+
+    st = target("stops", "the server's stop-string matcher vs the plain scan (us/token by stop length and count)",
+                _run_stops)
+    from .stops import add_arguments as add_stops_arguments  # argparse only; serve loads on run
+
+    add_stops_arguments(st)
 
     moe = target("moe", "one routed-experts layer (ds4::moe) at V4-Flash sizes vs transformers", _run_moe)
     from .moe import add_arguments as add_moe_arguments  # argparse only
