@@ -1,0 +1,270 @@
+"""The paged KV bookkeeping (`ds4_torch.paged`) against a naive reference of the same rules.
+
+The reference keys a cached block by its tenant and the whole token prefix it ends (no digests,
+no heaps, linear scans), so the pool's hash chain, free heap and LRU order are checked against
+an independent statement of the semantics. Every random step compares the block ids and copies
+both hand out; a shadow of each physical block's content (the copies applied, then the writes)
+checks that no sequence ever sees another's tokens, and the invariants (reference counts equal
+the tables' holdings, never negative; free, cached and held blocks disjoint and covering the
+pool) are checked after every step."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from ds4_torch.paged import BlockPool, BlockTable, PoolExhausted, chain_digest
+
+
+class RefPool:
+    def __init__(self, n, bt):
+        self.n, self.bt = n, bt
+        self.ref = [0] * n
+        self.key = [None] * n        # (tenant, prefix tuple) of a registered block
+        self.released = [None] * n   # clock when its count last fell to 0 (registered blocks)
+        self.clock = 0
+        self.evictions = 0
+
+    def available(self):
+        return sum(1 for b in range(self.n) if self.ref[b] == 0)
+
+    def allocate(self):
+        free = [b for b in range(self.n) if self.ref[b] == 0 and self.key[b] is None]
+        cached = [b for b in range(self.n) if self.ref[b] == 0 and self.key[b] is not None]
+        if free:
+            b = min(free)
+        elif cached:
+            b = min(cached, key=lambda c: self.released[c])
+            self.key[b] = None
+            self.evictions += 1
+        else:
+            raise PoolExhausted
+        self.ref[b] = 1
+        return b
+
+    def decref(self, b):
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.clock += 1
+            self.released[b] = self.clock
+
+    def find(self, key):
+        return next((b for b in range(self.n) if self.key[b] == key), None)
+
+    def lookup(self, tenant, tokens):
+        out = []
+        for k in range(len(tokens) // self.bt):
+            b = self.find((tenant, tuple(tokens[:(k + 1) * self.bt])))
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+
+class RefTable:
+    def __init__(self, pool, tenant):
+        self.pool, self.tenant, self.blocks, self.tokens = pool, tenant, [], []
+
+    def from_prefix(self, tokens):
+        self.blocks = self.pool.lookup(self.tenant, tokens)
+        for b in self.blocks:
+            self.pool.ref[b] += 1
+        self.tokens = list(tokens[:len(self.blocks) * self.pool.bt])
+
+    def append(self, tokens):
+        p, bt, n = self.pool, self.pool.bt, len(self.tokens)
+        k = n // bt
+        shared = n < len(self.blocks) * bt and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None)
+        need = math.ceil((n + len(tokens)) / bt) - len(self.blocks) + (1 if tokens and shared else 0)
+        if need > p.available():
+            raise PoolExhausted
+        copies = []
+        if tokens and shared:
+            new = p.allocate()
+            copies.append((self.blocks[k], new))
+            p.decref(self.blocks[k])
+            self.blocks[k] = new
+        self.tokens += tokens
+        while len(self.blocks) * bt < len(self.tokens):
+            self.blocks.append(p.allocate())
+        for k in range(n // bt, len(self.tokens) // bt):  # the blocks this append filled
+            key = (self.tenant, tuple(self.tokens[:(k + 1) * bt]))
+            b = self.blocks[k]
+            if p.key[b] is None and p.find(key) is None:
+                p.key[b] = key
+        return copies
+
+    def fork(self):
+        other = RefTable(self.pool, self.tenant)
+        other.blocks, other.tokens = list(self.blocks), list(self.tokens)
+        for b in self.blocks:
+            self.pool.ref[b] += 1
+        return other
+
+    def truncate(self, n):
+        keep = math.ceil(n / self.pool.bt)
+        for b in reversed(self.blocks[keep:]):
+            self.pool.decref(b)
+        del self.blocks[keep:], self.tokens[n:]
+
+
+def check_invariants(pool: BlockPool, tables, content):
+    held = [0] * pool.num_blocks
+    for t in tables:
+        for b in t.blocks:
+            held[b] += 1
+    assert [pool.refcount(b) for b in range(pool.num_blocks)] == held
+    free, cached = set(pool.free_blocks()), set(pool.cached_blocks())
+    referenced = {b for b in range(pool.num_blocks) if held[b]}
+    assert not free & cached and not free & referenced and not cached & referenced
+    assert free | cached | referenced == set(range(pool.num_blocks))
+    assert pool.num_available == len(free) + len(cached)
+    assert all(pool.digest(b) is not None for b in cached) and all(pool.digest(b) is None for b in free)
+    bt = pool.block_tokens
+    for t in tables:  # what each sequence reads is its own tokens
+        assert len(t.blocks) == math.ceil(len(t.tokens) / bt)
+        seen = [content[b][i] for k, b in enumerate(t.blocks) for i in range(bt) if k * bt + i < len(t.tokens)]
+        assert seen == t.tokens
+        for k, d in enumerate(t.digests):
+            assert d == chain_digest(t.digests[k - 1] if k else None, t.tenant, t.tokens[k * bt:(k + 1) * bt])
+    for b in range(pool.num_blocks):  # a registered block holds the tokens it is registered under
+        if pool.digest(b) is not None:
+            assert None not in content[b]
+
+
+def write(content, table: BlockTable, start, copies):
+    for src, dst in copies:
+        content[dst] = list(content[src])
+    bt = table.pool.block_tokens
+    for j in range(start, len(table.tokens)):
+        content[table.blocks[j // bt]][j % bt] = table.tokens[j]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_match_the_reference(seed):
+    rng = random.Random(seed)
+    bt, n = rng.choice([(2, 12), (4, 10), (3, 16)])
+    pool, ref = BlockPool(n, bt), RefPool(n, bt)
+    content = [[None] * bt for _ in range(n)]
+    live: list[tuple[BlockTable, RefTable]] = []
+    stems = [[rng.randrange(3) for _ in range(20)] for _ in range(3)]  # shared prefixes, divergent tails
+    tenants = [None, None, "a", "b"]
+    hits = evicted = cows = 0
+    for step in range(400):
+        op = rng.random()
+        if op < 0.25 and len(live) < 6:  # a new sequence, from the cache's longest prefix
+            tenant = rng.choice(tenants)
+            prompt = rng.choice(stems)[:rng.randrange(21)] + [rng.randrange(3) for _ in range(rng.randrange(6))]
+            assert pool.lookup(prompt, tenant) == ref.lookup(tenant, prompt)
+            t, r = BlockTable.from_prefix(pool, prompt, tenant), RefTable(ref, tenant)
+            r.from_prefix(prompt)
+            hits += len(t.blocks)
+            live.append((t, r))
+        elif op < 0.6 and live:  # extend
+            t, r = rng.choice(live)
+            extra = [rng.randrange(3) for _ in range(rng.randrange(1, 2 * bt + 2))]
+            start = len(t.tokens)
+            try:
+                copies = t.append(extra)
+            except PoolExhausted:
+                with pytest.raises(PoolExhausted):
+                    r.append(extra)
+                continue
+            assert copies == r.append(extra)
+            cows += len(copies)
+            write(content, t, start, copies)
+        elif op < 0.7 and live:  # fork
+            t, r = rng.choice(live)
+            live.append((t.fork(), r.fork()))
+        elif op < 0.8 and live:  # rewind
+            t, r = rng.choice(live)
+            k = rng.randrange(len(t.tokens) + 1)
+            t.truncate(k)
+            r.truncate(k)
+        elif live:  # finish
+            i = rng.randrange(len(live))
+            t, r = live.pop(i)
+            t.free()
+            r.truncate(0)
+        for t, r in live:
+            assert (t.blocks, t.tokens) == (r.blocks, r.tokens)
+        assert pool.evictions == ref.evictions
+        for b in range(n):
+            assert (pool.digest(b) is not None) == (ref.key[b] is not None)
+        check_invariants(pool, [t for t, _ in live], content)
+    evicted = pool.evictions
+    assert hits and evicted and cows  # the run exercised sharing, reclaiming and copy on write
+
+
+def test_shared_prefix_is_stored_once_and_copied_only_where_written():
+    pool = BlockPool(8, 4)
+    a = BlockTable(pool)
+    assert a.append(list(range(10))) == []  # blocks 0, 1 full (registered), 2 partial
+    assert a.blocks == [0, 1, 2] and pool.num_cached == 0
+    b = BlockTable.from_prefix(pool, list(range(9)) + [99, 98])  # same first 9 tokens: 2 full blocks
+    assert b.blocks == [0, 1] and b.num_tokens == 8 and pool.refcount(0) == 2
+    assert b.append([8, 99, 98]) == []  # a new block of its own, nothing copied
+    assert b.blocks == [0, 1, 3]
+    c = a.fork()  # shares the partial block 2 too
+    assert c.append([7]) == [(2, 4)] and c.blocks == [0, 1, 4]  # the first writer copies
+    assert a.append([5]) == [] and a.blocks == [0, 1, 2]         # the last holder writes in place
+
+
+def test_tenants_never_share_blocks():
+    pool = BlockPool(8, 4)
+    a = BlockTable(pool, tenant="alice")
+    a.append(list(range(8)))
+    assert pool.lookup(list(range(8)), "alice") == a.blocks
+    assert pool.lookup(list(range(8)), "bob") == [] and pool.lookup(list(range(8))) == []
+    b = BlockTable(pool, tenant="bob")
+    b.append(list(range(8)))
+    assert set(b.blocks).isdisjoint(a.blocks)
+
+
+def test_unreferenced_blocks_stay_cached_and_are_reclaimed_least_recent_first_tail_first():
+    pool = BlockPool(4, 2)
+    a = BlockTable(pool)
+    a.append([1, 2, 3, 4])       # blocks 0, 1
+    a.free()                      # released tail first: 1 then 0
+    assert pool.cached_blocks() == [1, 0] and pool.num_free == 2
+    b = BlockTable(pool)
+    b.append([9, 9, 9, 9])        # the two free blocks first: the cache survives
+    assert b.blocks == [2, 3] and pool.lookup([1, 2, 3, 4]) == [0, 1]
+    c = BlockTable(pool)
+    c.append([7, 7])              # nothing free: reclaims block 1, the tail of the cached chain
+    assert c.blocks == [1] and pool.evictions == 1
+    assert pool.lookup([1, 2, 3, 4]) == [0]  # the head of the chain still serves
+    again = BlockTable.from_prefix(pool, [1, 2, 3, 4])
+    assert again.blocks == [0] and pool.num_cached == 0  # taken back: no longer a reclaim candidate
+    with pytest.raises(PoolExhausted):
+        c.append([7, 7, 7])
+    assert c.tokens == [7, 7] and c.blocks == [1] and pool.num_available == 0  # nothing changed
+
+
+def test_rewind_into_a_registered_block_copies_it_before_writing():
+    pool = BlockPool(4, 4)
+    a = BlockTable(pool)
+    a.append([1, 2, 3, 4, 5])
+    a.truncate(2)                 # keeps block 0 (registered, full of 1 2 3 4), drops block 1
+    assert a.blocks == [0] and pool.num_free == 3
+    copies = a.append([8])        # writing position 2 would change a cached block: copy first
+    assert copies == [(0, 1)] and a.blocks == [1]
+    assert pool.lookup([1, 2, 3, 4]) == [0]  # the cached block still holds 1 2 3 4
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+    with pytest.raises(ValueError, match="block_tokens"):
+        BlockPool(4, 0)
+    pool = BlockPool(2, 2)
+    t = BlockTable(pool)
+    t.append([1])
+    with pytest.raises(ValueError, match="truncate"):
+        t.truncate(2)
+    with pytest.raises(ValueError, match="free"):
+        pool.incref(1)
+    t.free()
+    with pytest.raises(ValueError, match="not held"):
+        pool.decref(0)
