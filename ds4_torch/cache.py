@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CSA, HCA, SLIDING, DS4Config
+from .kv_format import round_trip_rows, row_format
 
 
 @dataclass
@@ -71,6 +72,16 @@ class CompressorState:
     open_gate: torch.Tensor
     prev_kv: torch.Tensor | None = None
     prev_gate: torch.Tensor | None = None
+    # FP8 rows (`kv_format`): None keeps rows as computed; n: they are stored as an fp8 store
+    # gives them back, the last n (RoPE) channels untouched.
+    fp8_rope_kept: int | None = None
+
+    def stored_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` as this state stores them: through fp8 when it is an fp8 state (from the
+        computed values, as a real fp8 store would quantize them), in the rows' dtype."""
+        if self.fp8_rope_kept is not None:
+            rows = round_trip_rows(rows, self.fp8_rope_kept)
+        return rows if rows.dtype == self.rows.dtype else rows.to(self.rows.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv, self.prev_gate) if t is not None]
@@ -100,12 +111,13 @@ class LayerCache:
         return [self.window] + [t for s in self.states for t in s.tensors()]
 
 
-def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device) -> CompressorState:
+def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device, fp8_rope_kept=None) -> CompressorState:
     width = 2 * dim if overlap else dim
     state = CompressorState(
         rows=torch.zeros(batch, capacity + 1, dim, dtype=dtype, device=device),
         open_kv=torch.zeros(batch, rate, width, dtype=dtype, device=device),
         open_gate=torch.zeros(batch, rate, width, dtype=dtype, device=device),
+        fp8_rope_kept=fp8_rope_kept,
     )
     if overlap:
         state.prev_kv = torch.zeros(batch, rate, dim, dtype=dtype, device=device)
@@ -282,7 +294,7 @@ class DS4Cache:
     """Preallocated decode state for `batch_size` sequences of up to `max_context` tokens."""
 
     def __init__(self, config: DS4Config, batch_size: int = 1, max_context: int = 4096,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, kv_rows: str = "full"):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(max_context, int) or max_context < 1:
@@ -291,6 +303,10 @@ class DS4Cache:
         self.batch_size = batch_size
         self.max_context = max_context
         self.dtype = dtype
+        # How compressed and indexer rows are stored (`kv_format`): "full" in `dtype`; "fp8" /
+        # "fp8-rope" (RoPE channels kept) as an fp8 store gives them back. For now the values
+        # are those of fp8 storage, the memory still that of `dtype`.
+        self.kv_rows = row_format(kv_rows)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.layer_rates = layer_rates(config, self.device)  # once: taking a checkpoint copies nothing from the host
@@ -304,15 +320,16 @@ class DS4Cache:
             compressor = indexer = None
             if kind != SLIDING:
                 capacity = self.capacity(rate)
+                fp8 = self.kv_rows.fp8
                 compressor = _compressor_state(batch_size, capacity, rate, config.head_dim, kind == CSA, dtype,
-                                               self.device)
+                                               self.device, self.kv_rows.rope_kept(config) if fp8 else None)
                 if kind == CSA:
                     indexer = _compressor_state(batch_size, capacity, rate, config.index_head_dim, True, dtype,
-                                                self.device)
+                                                self.device, 0 if fp8 else None)
             self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
         # The MTP layers' attention state: a cache of their own (positions of their own: while
         # speculating they run ahead of the main layers), in this one's tensors, resets and views.
-        self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device)
+        self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device, self.kv_rows)
                     if config.num_nextn_predict_layers else None)
 
     def capacity(self, rate: int) -> int:
@@ -417,8 +434,8 @@ class DS4Cache:
         to share a batch. The MTP layers' state comes along when both caches have one. Other
         slots are untouched."""
         source = self if source is None else source
-        if source.config != self.config or source.dtype != self.dtype:
-            raise ValueError("copy_sequence needs a source cache with the same config and dtype")
+        if source.config != self.config or source.dtype != self.dtype or source.kv_rows != self.kv_rows:
+            raise ValueError("copy_sequence needs a source cache with the same config, dtype and kv_rows")
         source._check_index(src_index)
         source.check_usable_index(src_index)
         n = int(source.positions[src_index])
@@ -511,8 +528,8 @@ class DS4Cache:
         if source is self and dst_index == src_index:
             self.restore_checkpoint(dst_index, checkpoint)
             return
-        if source.config != self.config or source.dtype != self.dtype:
-            raise ValueError("branch_from_checkpoint needs a source cache with the same config and dtype")
+        if source.config != self.config or source.dtype != self.dtype or source.kv_rows != self.kv_rows:
+            raise ValueError("branch_from_checkpoint needs a source cache with the same config, dtype and kv_rows")
         self._check_index(dst_index)
         source._check_index(src_index)
         source.check_usable_index(src_index)
@@ -544,7 +561,8 @@ class DS4Cache:
         view.layers = [
             LayerCache(layer.kind, layer.rate, layer.window[start:start + n],
                        *[CompressorState(*[t[start:start + n] if t is not None else None for t in (
-                           s.rows, s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)]) if s is not None else None
+                           s.rows, s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)], s.fp8_rope_kept)
+                         if s is not None else None
                          for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]

@@ -324,7 +324,7 @@ class Compressor(nn.Module):
         else:
             pool_kv, pool_gate = open_kv, open_gate
         row = self._pool(pool_kv[:, None], pool_gate[:, None], plan, ops)  # [B, 1, D]
-        state.rows.view(-1, row.shape[-1]).index_copy_(0, plan.row_index, cast(row.view(B, -1), state.rows.dtype))
+        state.rows.view(-1, row.shape[-1]).index_copy_(0, plan.row_index, state.stored_rows(row.view(B, -1)))
         if self.overlap:  # a window that closed hands its Ca half to the next one
             state.prev_kv.copy_(torch.where(plan.closes, open_kv[..., :d], state.prev_kv))
             state.prev_gate.copy_(torch.where(plan.closes, open_gate[..., :d], state.prev_gate))
@@ -349,7 +349,7 @@ class Compressor(nn.Module):
         rows = self._pool(pool_kv, pool_gate, plan, ops)  # [B, J, D]
         # Windows that did not close (or would not fit) go to the scratch row: no branch, no overflow.
         D = rows.shape[-1]
-        state.rows.view(-1, D).index_copy_(0, plan.row_index, cast(rows.reshape(-1, D), state.rows.dtype))
+        state.rows.view(-1, D).index_copy_(0, plan.row_index, state.stored_rows(rows.reshape(-1, D)))
 
         if plan.undo is not None:  # the frontier at every candidate end (Rollback.apply); the last is this one's
             saved = {"open_kv": torch.where(plan.cand_keep_new, gather(own_kv, plan.cand_open_source),
@@ -871,8 +871,12 @@ class DS4ForCausalLM(nn.Module):
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
     # ----------------------------------------------------------------- cache
-    def new_cache(self, batch_size: int = 1, max_context: int = 4096, dtype: torch.dtype | None = None) -> DS4Cache:
-        return DS4Cache(self.config, batch_size, max_context, dtype=dtype or self.dtype, device=self.device)
+    def new_cache(self, batch_size: int = 1, max_context: int = 4096, dtype: torch.dtype | None = None,
+                  kv_rows: str = "full") -> DS4Cache:
+        """A `DS4Cache` on the model's device (`kv_rows`: how compressed rows are stored, see
+        `ds4_torch.kv_format`)."""
+        return DS4Cache(self.config, batch_size, max_context, dtype=dtype or self.dtype, device=self.device,
+                        kv_rows=kv_rows)
 
     def kv_bytes_per_token(self, context: int = 4096) -> float:
         """Cache bytes per token of context for one sequence (the cache's exact size / context)."""
