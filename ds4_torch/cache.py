@@ -75,6 +75,24 @@ class CompressorState:
     # FP8 rows (`kv_format`): None keeps rows as computed; n: they are stored as an fp8 store
     # gives them back, the last n (RoPE) channels untouched.
     fp8_rope_kept: int | None = None
+    # Paged rows (`paged.PagedDS4Cache`): `rows` is then a pool [blocks * rows_per_block + 1, D]
+    # shared by every sequence (its last row a scratch row) and `slots` [B, C+1] int64 the pool
+    # row of each sequence's row w (C: the scratch row; rows past a sequence's blocks point there
+    # too). None: `rows` is [B, C+1, D], the sequence's own.
+    slots: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Rows a sequence can hold (C)."""
+        return (self.rows if self.slots is None else self.slots).shape[1] - 1
+
+    def visible(self, n: int) -> torch.Tensor:
+        """Every sequence's rows [0, n), [B, n, D] (paged: gathered from the pool)."""
+        return self.rows[:, :n] if self.slots is None else self.rows[self.slots[:, :n]]
+
+    def row_index(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of `rows.view(-1, D)` of the flat indices b * (C+1) + w (`WindowPlan.row_index`)."""
+        return index if self.slots is None else self.slots.view(-1)[index]
 
     def stored_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` as this state stores them: through fp8 when it is an fp8 state (from the
@@ -88,7 +106,8 @@ class CompressorState:
 
     def reset(self, batch_index=None) -> None:
         sel = slice(None) if batch_index is None else batch_index
-        for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv):
+        rows = self.rows if self.slots is None else None  # a pool's rows are its blocks' (paged.py)
+        for t in (rows, self.open_kv, self.open_gate, self.prev_kv):
             if t is not None:
                 t[sel] = 0
         if self.prev_gate is not None:
@@ -321,16 +340,19 @@ class DS4Cache:
             if kind != SLIDING:
                 capacity = self.capacity(rate)
                 fp8 = self.kv_rows.fp8
-                compressor = _compressor_state(batch_size, capacity, rate, config.head_dim, kind == CSA, dtype,
-                                               self.device, self.kv_rows.rope_kept(config) if fp8 else None)
+                compressor = self._compressor_state(capacity, rate, config.head_dim, kind == CSA,
+                                                    self.kv_rows.rope_kept(config) if fp8 else None)
                 if kind == CSA:
-                    indexer = _compressor_state(batch_size, capacity, rate, config.index_head_dim, True, dtype,
-                                                self.device, 0 if fp8 else None)
+                    indexer = self._compressor_state(capacity, rate, config.index_head_dim, True, 0 if fp8 else None)
             self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
         # The MTP layers' attention state: a cache of their own (positions of their own: while
         # speculating they run ahead of the main layers), in this one's tensors, resets and views.
         self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device, self.kv_rows)
                     if config.num_nextn_predict_layers else None)
+
+    def _compressor_state(self, capacity: int, rate: int, dim: int, overlap: bool, fp8_rope_kept) -> CompressorState:
+        """A compressor's (or indexer's) state for every sequence (`paged.PagedDS4Cache`: in a pool)."""
+        return _compressor_state(self.batch_size, capacity, rate, dim, overlap, self.dtype, self.device, fp8_rope_kept)
 
     def capacity(self, rate: int) -> int:
         """Compressed rows a layer of rate `rate` can hold: ceil(max_context / rate)."""
@@ -378,7 +400,7 @@ class DS4Cache:
                     continue
                 for name in _STATE_FIELDS:
                     t = getattr(state, name)
-                    if t is not None:
+                    if t is not None and not (name == "rows" and state.slots is not None):  # paged: no view
                         out[f"layers.{i}.{part}.{name}"] = t[index, :n // layer.rate] if name == "rows" else t[index]
         return out
 
@@ -419,7 +441,7 @@ class DS4Cache:
             if name != "position" and name in state:
                 dst.copy_(state[name])
         for layer in self.layers:
-            for s in layer.states:
+            for s in (s for s in layer.states if s.slots is None):  # (paged rows follow the block table)
                 # the previous sequence's rows past the new count (all of them when unknown), and
                 # the scratch row, so no stale row survives
                 stop = None if old is None else max(n, old) // layer.rate
@@ -558,12 +580,17 @@ class DS4Cache:
         view._offset = self._offset + start
         view.positions = self.positions[start:start + n]
         # `invalid` is shared: a failure in the view invalidates the parent's rows (by their index there).
+        def part(t):
+            return t[start:start + n] if t is not None else None
+
+        def state_view(s):  # a paged state's pool is every sequence's: only its slots are sliced
+            rows = part(s.rows) if s.slots is None else s.rows
+            return CompressorState(rows, *map(part, (s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)),
+                                   s.fp8_rope_kept, part(s.slots))
+
         view.layers = [
             LayerCache(layer.kind, layer.rate, layer.window[start:start + n],
-                       *[CompressorState(*[t[start:start + n] if t is not None else None for t in (
-                           s.rows, s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)], s.fp8_rope_kept)
-                         if s is not None else None
-                         for s in (layer.compressor, layer.indexer)])
+                       *[state_view(s) if s is not None else None for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]
         view.mtp = self.mtp._view(start, n) if self.mtp is not None else None
@@ -631,6 +658,9 @@ class Rollback:
         W = cache.config.sliding_window
         if T > W:
             raise ValueError(f"a forward with undo takes at most the window ({W}) tokens, got {T}")
+        if any(s.slots is not None for layer in cache.layers for s in layer.states):
+            raise NotImplementedError("a forward with undo (speculative verification) over a paged cache is not "
+                                      "supported yet")
         self.cache, self.T = cache, T
         self.start = cache.positions.clone()
         B, device = self.start.shape[0], self.start.device

@@ -259,3 +259,170 @@ class BlockTable:
 
     def __repr__(self) -> str:
         return f"BlockTable(tenant={self.tenant!r}, tokens={len(self.tokens)}, blocks={self.blocks})"
+
+
+# --------------------------------------------------------------------------- the paged cache
+import torch  # noqa: E402  (the bookkeeping above needs none)
+
+from .cache import CompressorState, DS4Cache, _compressor_state  # noqa: E402
+from .config import DS4Config  # noqa: E402
+
+
+class PagedDS4Cache(DS4Cache):
+    """A `DS4Cache` whose compressed and indexer rows live in blocks of one `BlockPool` shared by
+    its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, `rows`
+    is the pool [num_blocks * bt / m + 1, D] (the last row a scratch row) and `slots` [B, C+1]
+    int64 the pool row of each sequence's row w, rebuilt from the tables; the model's reference
+    path writes and gathers through it (`CompressorState.row_index` / `visible`), so its logits
+    are the static cache's, bit for bit. The window ring, open windows and positions stay per
+    sequence, as in `DS4Cache` (checkpoints take them as usual).
+
+    Before each forward, `append_tokens(ids)` gives every sequence the blocks its new tokens
+    reach (a forward without it is refused). Sharing: `fork` (continue another sequence's state,
+    no copy), `branch_from_checkpoint` (another sequence's blocks up to a checkpoint's position),
+    `start_from_cache` (the pool's cached blocks of a prefix, plus a checkpoint at their end).
+    `num_blocks` defaults to a pool for `batch_size` sequences of `max_context` tokens.
+
+    Not yet: export/import/copy of a sequence's rows, forwards with undo (speculation), the
+    Triton kernels, compile and CUDA graphs (the gathers are plain torch ops, but untested there)."""
+
+    def __init__(self, config: DS4Config, batch_size: int = 1, max_context: int = 4096,
+                 dtype: torch.dtype = torch.float32, device=None, kv_rows: str = "full",
+                 num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS):
+        rates = sorted({config.compress_rate(i) for i in range(config.num_hidden_layers)} - {0})
+        bad = [m for m in rates if block_tokens % m]
+        if bad:
+            raise ValueError(f"block_tokens {block_tokens} is not a multiple of the compression rates {bad}")
+        if num_blocks is None:
+            num_blocks = batch_size * math.ceil(max_context / block_tokens)
+        self.pool = BlockPool(num_blocks, block_tokens)
+        self.tables = [BlockTable(self.pool) for _ in range(batch_size)]
+        self._slots: dict[int, torch.Tensor] = {}  # rate -> [B, C+1], shared by that rate's states
+        super().__init__(config, batch_size, max_context, dtype, device, kv_rows)
+
+    def _compressor_state(self, capacity, rate, dim, overlap, fp8_rope_kept) -> CompressorState:
+        per_block = self.pool.block_tokens // rate
+        scratch = self.pool.num_blocks * per_block
+        state = _compressor_state(self.batch_size, 0, rate, dim, overlap, self.dtype, self.device, fp8_rope_kept)
+        state.rows = torch.zeros(scratch + 1, dim, dtype=self.dtype, device=self.device)
+        if rate not in self._slots:
+            self._slots[rate] = torch.full((self.batch_size, capacity + 1), scratch, dtype=torch.long,
+                                           device=self.device)
+        state.slots = self._slots[rate]
+        return state
+
+    # ------------------------------------------------------------------ tables -> slots
+    def _refresh(self, indices) -> None:
+        """Rebuild the slots of sequences `indices` from their tables."""
+        for rate, slots in self._slots.items():
+            per_block = self.pool.block_tokens // rate
+            scratch, C = self.pool.num_blocks * per_block, slots.shape[1] - 1
+            w = torch.arange(C, dtype=torch.long)
+            for b in indices:
+                blocks = torch.tensor(self.tables[b].blocks + [0], dtype=torch.long)  # (+1: never empty)
+                k = w // per_block
+                held = k < len(self.tables[b].blocks)
+                row = torch.where(held, blocks[k.clamp(max=len(blocks) - 1)] * per_block + w % per_block, scratch)
+                slots[b, :C] = row.to(slots.device)
+
+    def _copy_blocks(self, copies) -> None:
+        """Copy whole blocks (source, destination) in every pool: a copy on write."""
+        for layer in self.layers:
+            for state in layer.states:
+                per_block = self.pool.block_tokens // layer.rate
+                for src, dst in copies:
+                    state.rows[dst * per_block:(dst + 1) * per_block] = state.rows[src * per_block:(src + 1) * per_block]
+
+    def append_tokens(self, input_ids: torch.Tensor) -> None:
+        """Before a forward of `input_ids` [B, T]: every sequence's table takes its T tokens
+        (blocks allocated, shared blocks it writes copied). PoolExhausted when the pool cannot
+        supply them: sequences before the failing one keep their new blocks, so free or preempt
+        and retry, or reset them."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size:
+            raise ValueError(f"input_ids must be [{self.batch_size}, tokens], got {tuple(input_ids.shape)}")
+        for b, row in enumerate(input_ids.tolist()):
+            self._copy_blocks(self.tables[b].append(row))
+        self._refresh(range(self.batch_size))
+
+    def check_room(self, new_tokens: int, n: int | None = None) -> None:
+        super().check_room(new_tokens, n)
+        end = self.batch_size if n is None else n
+        held = [t.num_tokens for t in self.tables[:end]]
+        want = (self.positions[:end] + new_tokens).tolist()
+        if held != want:
+            raise ValueError(f"the block tables hold {held} tokens but this forward reaches {want}: call "
+                             f"cache.append_tokens(input_ids) before each forward of a paged cache")
+
+    # ------------------------------------------------------------------ sharing
+    def fork(self, dst_index: int, src_index: int) -> None:
+        """Sequence `dst_index` continues from sequence `src_index`'s state: its blocks shared
+        (not copied), its ring, open windows and position copied."""
+        self.branch_from_checkpoint(dst_index, src_index, self.take_checkpoint(src_index))
+        if self.mtp is not None:  # the MTP layers' state (a static cache) comes along
+            self.mtp.copy_sequence(dst_index, src_index)
+
+    def branch_from_checkpoint(self, dst_index: int, src_index: int, checkpoint, source=None) -> None:
+        """As `DS4Cache.branch_from_checkpoint`, the rows shared instead of copied: `dst_index`
+        takes `src_index`'s blocks up to the checkpoint's position (a partly used last block is
+        copied on the first write) and the checkpoint."""
+        if source is not None and source is not self:
+            raise ValueError("a paged cache branches from its own sequences (they share its pool)")
+        self._check_index(dst_index)
+        self._check_index(src_index)
+        self.check_usable_index(src_index)
+        n = int(checkpoint["position"])
+        if n > self.tables[src_index].num_tokens:
+            raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only "
+                             f"{self.tables[src_index].num_tokens} tokens")
+        table = self.tables[src_index].fork()
+        table.truncate(n)
+        self._take(dst_index, table, checkpoint)
+
+    def start_from_cache(self, index: int, tokens, checkpoint, tenant: str | None = None) -> None:
+        """Sequence `index` starts from the pool's cached blocks of `tokens` up to the checkpoint's
+        position p (taken on any sequence with those first p tokens; p must be a whole number of
+        cached blocks: `cached_tokens` says how many there are)."""
+        n = int(checkpoint["position"])
+        table = BlockTable.from_prefix(self.pool, list(tokens)[:n], tenant)
+        if table.num_tokens != n:
+            table.free()
+            raise ValueError(f"the pool holds {table.num_tokens} tokens of this prefix in whole blocks, not the "
+                             f"checkpoint's {n}")
+        self._take(index, table, checkpoint)
+
+    def cached_tokens(self, tokens, tenant: str | None = None) -> int:
+        """How many first tokens of `tokens` the pool's cached blocks cover."""
+        return len(self.pool.lookup(list(tokens), tenant)) * self.pool.block_tokens
+
+    def _take(self, index: int, table: BlockTable, checkpoint) -> None:
+        from .cache import check_checkpoint_layout
+
+        try:
+            n = check_checkpoint_layout(self.config, self.dtype, self.max_context, checkpoint)
+        except ValueError:
+            table.free()
+            raise
+        self.tables[index].free()
+        self.tables[index] = table
+        self._write_sequence(index, {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}, n)
+        self._refresh([index])
+
+    def _restore_checkpoint(self, index: int, checkpoint) -> None:
+        super()._restore_checkpoint(index, checkpoint)
+        self.tables[index].truncate(int(checkpoint["position"]))
+        self._refresh([index])
+
+    def reset(self, batch_index: int | None = None) -> None:
+        super().reset(batch_index)
+        for b in range(self.batch_size) if batch_index is None else [batch_index]:
+            self.tables[b].free()
+        self._refresh(range(self.batch_size) if batch_index is None else [batch_index])
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("exporting, importing or copying a paged sequence's rows is not supported yet: "
+                                  "use fork / branch_from_checkpoint / start_from_cache")
+
+    export_sequence = import_sequence = copy_sequence = _unsupported
+
+    def _view(self, start: int, n: int):
+        raise NotImplementedError("views of part of a paged cache are not supported yet: run the whole batch")

@@ -268,3 +268,125 @@ def test_bad_arguments_are_refused():
     t.free()
     with pytest.raises(ValueError, match="not held"):
         pool.decref(0)
+
+
+# --------------------------------------------------------------------------- the paged cache
+import torch  # noqa: E402
+
+from ds4_torch import DS4ForCausalLM  # noqa: E402
+from ds4_torch.cache import DS4Cache  # noqa: E402
+from ds4_torch.config import DS4Config  # noqa: E402
+from ds4_torch.paged import PagedDS4Cache  # noqa: E402
+
+SMALL = dict(
+    vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+    head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=6,
+    layer_types=["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], index_n_heads=8, index_head_dim=8, index_topk=3,
+    n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, hc_sinkhorn_iters=5,
+)
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    from oracle import randomise
+
+    m = DS4ForCausalLM(DS4Config.from_dict(SMALL))
+    randomise(m, 5)
+    return m.eval()
+
+
+class Pair:
+    """The same operations on a static and a paged cache; every forward's logits compared bit
+    for bit."""
+
+    def __init__(self, model, batch, context, **paged):
+        self.model = model
+        self.static = DS4Cache(model.config, batch, context)
+        self.paged = PagedDS4Cache(model.config, batch, context, **paged)
+        self.forwards = 0
+
+    def forward(self, ids):
+        ids = torch.as_tensor(ids)
+        with torch.inference_mode():
+            want = self.model(ids, self.static)
+            self.paged.append_tokens(ids)
+            got = self.model(ids, self.paged)
+        assert torch.equal(got, want), f"forward {self.forwards}: max diff {(got - want).abs().max()}"
+        self.forwards += 1
+
+    def run(self, ids, chunk):  # [B, T] in chunks, then returns
+        for s in range(0, ids.shape[1], chunk):
+            self.forward(ids[:, s:s + chunk])
+
+
+@pytest.mark.parametrize("which", ["embedded", "small"])
+def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, model, small_model):
+    m = model if which == "embedded" else small_model
+    bt = 16 if which == "embedded" else 8  # a multiple of every rate
+    g = torch.Generator().manual_seed(7)
+    pair = Pair(m, 2, 160, block_tokens=bt, num_blocks=2 * 160 // bt + 4)
+    ids = torch.randint(2, m.config.vocab_size, (2, 150), generator=g)
+    pair.run(ids[:, :100], chunk=24)          # prefill chunks across block and emit boundaries
+    for t in range(100, 150):                 # decode steps
+        pair.forward(ids[:, t:t + 1])
+    # the pool really holds the rows: scribbling on blocks no table holds changes nothing,
+    # scribbling on held ones changes the logits
+    paged, nxt = pair.paged, ids[:, -1:]
+
+    def scribble(block, value):
+        for layer in paged.layers:
+            for state in layer.states:
+                per_block = bt // layer.rate
+                state.rows[block * per_block:(block + 1) * per_block] += value
+
+    for block in paged.pool.free_blocks():
+        scribble(block, 1e3)
+    pair.forward(nxt)
+    scribble(paged.tables[0].blocks[0], 1.0)
+    with torch.inference_mode():
+        paged.append_tokens(nxt)
+        assert not torch.equal(m(nxt, paged), m(nxt, pair.static))
+
+
+def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
+    m, bt = small_model, 8
+    g = torch.Generator().manual_seed(11)
+    vocab = m.config.vocab_size
+    pair = Pair(m, 2, 200, block_tokens=bt, num_blocks=40)
+    prefix = torch.randint(2, vocab, (1, 61), generator=g).expand(2, -1)  # 7 full blocks and 5 tokens
+    pair.run(prefix[:, :48], chunk=24)
+    ck = {"static": pair.static.take_checkpoint(0), "paged": pair.paged.take_checkpoint(0)}  # at 6 blocks
+    pair.run(prefix[:, 48:], chunk=13)
+    # slot 1 continues from slot 0's state: static copies it, paged shares its blocks
+    pair.static.copy_sequence(1, 0)
+    pair.paged.fork(1, 0)
+    paged, pool = pair.paged, pair.paged.pool
+    assert paged.tables[1].blocks == paged.tables[0].blocks and all(pool.refcount(b) == 2 for b in paged.tables[0].blocks)
+    pair.run(torch.randint(2, vocab, (2, 30), generator=g), chunk=7)  # the two diverge
+    t0, t1 = paged.tables
+    assert t0.blocks[:7] == t1.blocks[:7] and t0.blocks[7] != t1.blocks[7]  # the partial block was copied
+    # a third history on slot 1 from the pool's cached blocks of the prefix and the checkpoint at 48
+    for c in (pair.static, paged):
+        c.reset(1)
+    assert paged.cached_tokens(prefix[0].tolist()) == 56
+    pair.static.branch_from_checkpoint(1, 0, ck["static"])
+    paged.start_from_cache(1, prefix[0].tolist(), ck["paged"])
+    assert paged.tables[1].blocks == t0.blocks[:6]
+    pair.run(torch.randint(2, vocab, (2, 20), generator=g), chunk=5)
+    assert paged.tables[1].blocks[:6] == paged.tables[0].blocks[:6]
+    held = {b for t in paged.tables for b in t.blocks}
+    assert len(held) < len(paged.tables[0].blocks) + len(paged.tables[1].blocks)  # stored once
+    # a rewind in place: back to the checkpoint, then on
+    for name, c in (("static", pair.static), ("paged", paged)):
+        c.restore_checkpoint(0, ck[name])
+    assert paged.tables[0].num_tokens == 48
+    pair.run(torch.randint(2, vocab, (2, 12), generator=g), chunk=12)
+    with pytest.raises(ValueError, match="append_tokens"):
+        m(torch.zeros(2, 1, dtype=torch.long), paged)
+    with pytest.raises(ValueError, match="whole blocks"):
+        paged.start_from_cache(1, [1, 2, 3], ck["paged"])
+    with pytest.raises(NotImplementedError, match="fork"):
+        paged.export_sequence(0)
