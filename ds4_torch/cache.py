@@ -574,7 +574,7 @@ class DS4Cache:
         return self._view(index, 1)
 
     def _view(self, start: int, n: int) -> "DS4Cache":
-        view = object.__new__(DS4Cache)
+        view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view.batch_size = n
         view._offset = self._offset + start

@@ -114,7 +114,8 @@ def cmd_info(args) -> int:
 
 def _print_kv_formats(cfg, dtype, dtype_name: str) -> None:
     """Compressed-row bytes per token of context for each KV row format (ds4_torch.kv_format)."""
-    from .kv_format import KV_ROW_FORMATS, kv_bytes_per_token, sequence_fixed_bytes
+    from .footprint import kv_bytes_per_token, sequence_fixed_bytes
+    from .kv_format import KV_ROW_FORMATS
 
     full = kv_bytes_per_token(cfg, "full", dtype)
     print(f"KV bytes per token of context (compressed and indexer rows, all layers; the window ring and open "
@@ -127,8 +128,8 @@ def _print_kv_formats(cfg, dtype, dtype_name: str) -> None:
 
 
 def _print_session_table(args, cfg, held: int) -> None:
-    """How many sessions fit --memory-gb per device once the weights are held (ds4_torch.kv_format)."""
-    from .kv_format import format_session_table, session_table
+    """How many sessions fit --memory-gb per device once the weights are held (footprint.session_table)."""
+    from .footprint import format_session_table, session_table
 
     if args.memory_gb is None:
         raise UserError("--kv-table needs --memory-gb (the memory of one device)")

@@ -9,9 +9,9 @@ must be a multiple of every rate. The window ring and the open windows are not p
 per running sequence and in checkpoints (`DS4Cache.take_checkpoint`), which is what keeps reuse
 exact at any divergence point.
 
-This module holds no tensors; it says which physical block holds which rows and when a block's
-rows must be copied. The tensor side (one storage of `num_blocks` blocks per layer) does what
-it says.
+`BlockPool` and `BlockTable` hold no tensors: they say which physical block holds which rows and
+when a block's rows must be copied. `PagedDS4Cache` is the tensor side: a `DS4Cache` whose rows
+live in one pool of `num_blocks` blocks per layer and state, read and written through the tables.
 
 - `BlockPool`: `num_blocks` physical blocks. Each has a reference count (how many block tables
   hold it). A full block can be *registered* under its chain digest (`chain_digest`: the tenant,
@@ -24,6 +24,16 @@ it says.
 - `BlockTable`: one sequence's blocks in order, its tokens, and the digests of its full blocks.
   `append` returns the block copies the caller must make before writing rows; `fork` shares
   every block; `truncate` rewinds; `free` releases.
+- `PagedDS4Cache`: see its docstring. Two sequences sharing a prompt's rows:
+
+      cache = PagedDS4Cache(model.config, batch_size=2, max_context=8192)  # blocks of 256 tokens
+      first = cache.slot(0)              # sequence 0 alone (a view sharing the pool)
+      first.append_tokens(prompt)        # prompt: [1, T] token ids; the blocks they reach
+      model(prompt, first)               # prefill; its full blocks are cached under their digests
+      cache.fork(1, 0)                   # sequence 1 continues from there: blocks shared, not copied
+      nxt = torch.tensor([[a], [b]])     # the two diverge; the shared partial block is copied once
+      cache.append_tokens(nxt)
+      logits = model(nxt, cache)
 
 Tenants: digests start from the tenant, so two tenants never share a block (a digest of
 tenant A's tokens can never equal tenant B's). Releasing a table releases its last block first,
@@ -38,7 +48,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["PoolExhausted", "chain_digest", "BlockPool", "BlockTable"]
+import torch
+
+from .cache import CompressorState, DS4Cache, _compressor_state
+from .config import DS4Config
+
+__all__ = ["PoolExhausted", "chain_digest", "BlockPool", "BlockTable", "PagedDS4Cache"]
 
 DEFAULT_BLOCK_TOKENS = 256
 
@@ -262,12 +277,6 @@ class BlockTable:
 
 
 # --------------------------------------------------------------------------- the paged cache
-import torch  # noqa: E402  (the bookkeeping above needs none)
-
-from .cache import CompressorState, DS4Cache, _compressor_state  # noqa: E402
-from .config import DS4Config  # noqa: E402
-
-
 class PagedDS4Cache(DS4Cache):
     """A `DS4Cache` whose compressed and indexer rows live in blocks of one `BlockPool` shared by
     its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, `rows`
@@ -296,7 +305,7 @@ class PagedDS4Cache(DS4Cache):
         if num_blocks is None:
             num_blocks = batch_size * math.ceil(max_context / block_tokens)
         self.pool = BlockPool(num_blocks, block_tokens)
-        self.tables = [BlockTable(self.pool) for _ in range(batch_size)]
+        self.all_tables = [BlockTable(self.pool) for _ in range(batch_size)]  # (views index it from _offset)
         self._slots: dict[int, torch.Tensor] = {}  # rate -> [B, C+1], shared by that rate's states
         super().__init__(config, batch_size, max_context, dtype, device, kv_rows)
 
@@ -311,6 +320,15 @@ class PagedDS4Cache(DS4Cache):
         state.slots = self._slots[rate]
         return state
 
+    def table(self, index: int) -> BlockTable:
+        """Sequence `index`'s block table."""
+        return self.all_tables[self._offset + index]
+
+    @property
+    def tables(self) -> list[BlockTable]:
+        """Every sequence's block table, in order."""
+        return [self.table(b) for b in range(self.batch_size)]
+
     # ------------------------------------------------------------------ tables -> slots
     def _refresh(self, indices) -> None:
         """Rebuild the slots of sequences `indices` from their tables."""
@@ -319,9 +337,9 @@ class PagedDS4Cache(DS4Cache):
             scratch, C = self.pool.num_blocks * per_block, slots.shape[1] - 1
             w = torch.arange(C, dtype=torch.long)
             for b in indices:
-                blocks = torch.tensor(self.tables[b].blocks + [0], dtype=torch.long)  # (+1: never empty)
+                blocks = torch.tensor(self.table(b).blocks + [0], dtype=torch.long)  # (+1: never empty)
                 k = w // per_block
-                held = k < len(self.tables[b].blocks)
+                held = k < len(self.table(b).blocks)
                 row = torch.where(held, blocks[k.clamp(max=len(blocks) - 1)] * per_block + w % per_block, scratch)
                 slots[b, :C] = row.to(slots.device)
 
@@ -341,13 +359,13 @@ class PagedDS4Cache(DS4Cache):
         if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size:
             raise ValueError(f"input_ids must be [{self.batch_size}, tokens], got {tuple(input_ids.shape)}")
         for b, row in enumerate(input_ids.tolist()):
-            self._copy_blocks(self.tables[b].append(row))
+            self._copy_blocks(self.table(b).append(row))
         self._refresh(range(self.batch_size))
 
     def check_room(self, new_tokens: int, n: int | None = None) -> None:
         super().check_room(new_tokens, n)
         end = self.batch_size if n is None else n
-        held = [t.num_tokens for t in self.tables[:end]]
+        held = [self.table(b).num_tokens for b in range(end)]
         want = (self.positions[:end] + new_tokens).tolist()
         if held != want:
             raise ValueError(f"the block tables hold {held} tokens but this forward reaches {want}: call "
@@ -371,10 +389,10 @@ class PagedDS4Cache(DS4Cache):
         self._check_index(src_index)
         self.check_usable_index(src_index)
         n = int(checkpoint["position"])
-        if n > self.tables[src_index].num_tokens:
+        if n > self.table(src_index).num_tokens:
             raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only "
-                             f"{self.tables[src_index].num_tokens} tokens")
-        table = self.tables[src_index].fork()
+                             f"{self.table(src_index).num_tokens} tokens")
+        table = self.table(src_index).fork()
         table.truncate(n)
         self._take(dst_index, table, checkpoint)
 
@@ -402,20 +420,20 @@ class PagedDS4Cache(DS4Cache):
         except ValueError:
             table.free()
             raise
-        self.tables[index].free()
-        self.tables[index] = table
+        self.table(index).free()
+        self.all_tables[self._offset + index] = table
         self._write_sequence(index, {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}, n)
         self._refresh([index])
 
     def _restore_checkpoint(self, index: int, checkpoint) -> None:
         super()._restore_checkpoint(index, checkpoint)
-        self.tables[index].truncate(int(checkpoint["position"]))
+        self.table(index).truncate(int(checkpoint["position"]))
         self._refresh([index])
 
     def reset(self, batch_index: int | None = None) -> None:
         super().reset(batch_index)
         for b in range(self.batch_size) if batch_index is None else [batch_index]:
-            self.tables[b].free()
+            self.table(b).free()
         self._refresh(range(self.batch_size) if batch_index is None else [batch_index])
 
     def _unsupported(self, *args, **kwargs):
@@ -424,5 +442,7 @@ class PagedDS4Cache(DS4Cache):
 
     export_sequence = import_sequence = copy_sequence = _unsupported
 
-    def _view(self, start: int, n: int):
-        raise NotImplementedError("views of part of a paged cache are not supported yet: run the whole batch")
+    def _view(self, start: int, n: int) -> "PagedDS4Cache":
+        view = super()._view(start, n)  # the states' slots sliced, the pools shared
+        view._slots = {rate: t[start:start + n] for rate, t in self._slots.items()}
+        return view

@@ -5,7 +5,7 @@ KV head's compressed and indexer rows are replicated on every rank, so each rank
 its share of the weights is the budget for every session; two H200s hold as many sessions as
 one rank's budget allows. Defaults: 140 GiB per H200 (nvidia-smi's 143,771 MiB) and 73 GiB of
 keep-quantized weights per rank at --tp 2. Activations, CUDA graphs and the framework are not
-counted. The numbers come from `ds4_torch.kv_format.session_table`.
+counted. The numbers come from `ds4_torch.footprint.session_table`.
 
     PYTHONPATH=. python examples/kv_sessions_table.py [--memory-gib 140] [--weights-gib 73]
 """
@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from ds4_torch.config import v4_flash_config
-from ds4_torch.kv_format import KV_ROW_FORMATS, format_session_table, kv_bytes_per_token, sequence_fixed_bytes, \
-    session_table
+from ds4_torch.footprint import format_session_table, kv_bytes_per_token, sequence_fixed_bytes, session_table
+from ds4_torch.kv_format import KV_ROW_FORMATS
 
 
 def main(argv=None) -> None:

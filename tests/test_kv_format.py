@@ -1,6 +1,6 @@
 """FP8 compressed rows (`ds4_torch.kv_format`): the quantizer against its formula, a cache that
-stores rows through it against the full-precision cache, and bytes per token against hand
-arithmetic."""
+stores rows through it against the full-precision cache, and bytes per token and sessions that
+fit (`ds4_torch.footprint`) against hand arithmetic."""
 from __future__ import annotations
 
 import math
@@ -11,8 +11,8 @@ import torch
 
 from ds4_torch.cache import DS4Cache
 from ds4_torch.config import CSA
-from ds4_torch.kv_format import (E4M3_MAX, FP8_GROUP, dequantize_rows, kv_bytes_per_token, layer_bytes_per_token,
-                                 quantize_rows, round_trip_rows, row_format, sequence_fixed_bytes)
+from ds4_torch.footprint import kv_bytes_per_token, layer_bytes_per_token, sequence_fixed_bytes
+from ds4_torch.kv_format import E4M3_MAX, FP8_GROUP, dequantize_rows, quantize_rows, round_trip_rows, row_format
 
 DATA = Path(__file__).parent / "data"
 
@@ -181,7 +181,7 @@ def test_bytes_per_token_of_the_embedded_model_and_the_static_cache(model):
 def test_static_sizes_are_what_a_cache_allocates():
     from ds4_torch.config import v4_flash_config
     from ds4_torch.default_model import default_config
-    from ds4_torch.kv_format import static_sequence_bytes
+    from ds4_torch.footprint import static_sequence_bytes
 
     for cfg, dtype in ((v4_flash_config(), torch.bfloat16), (default_config(), torch.float32)):
         for ctx in (1000, 40 * 1024):
@@ -190,7 +190,7 @@ def test_static_sizes_are_what_a_cache_allocates():
 
 def test_v4_flash_session_table_against_hand_arithmetic():
     from ds4_torch.config import v4_flash_config
-    from ds4_torch.kv_format import session_table
+    from ds4_torch.footprint import session_table
 
     cfg, GiB = v4_flash_config(), 2**30
     budget = 67 * GiB

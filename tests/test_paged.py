@@ -302,10 +302,10 @@ class Pair:
     """The same operations on a static and a paged cache; every forward's logits compared bit
     for bit."""
 
-    def __init__(self, model, batch, context, **paged):
+    def __init__(self, model, batch, context, kv_rows="full", **paged):
         self.model = model
-        self.static = DS4Cache(model.config, batch, context)
-        self.paged = PagedDS4Cache(model.config, batch, context, **paged)
+        self.static = DS4Cache(model.config, batch, context, kv_rows=kv_rows)
+        self.paged = PagedDS4Cache(model.config, batch, context, kv_rows=kv_rows, **paged)
         self.forwards = 0
 
     def forward(self, ids):
@@ -322,12 +322,12 @@ class Pair:
             self.forward(ids[:, s:s + chunk])
 
 
-@pytest.mark.parametrize("which", ["embedded", "small"])
-def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, model, small_model):
+@pytest.mark.parametrize("which,kv_rows", [("embedded", "full"), ("small", "full"), ("small", "fp8")])
+def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, model, small_model):
     m = model if which == "embedded" else small_model
     bt = 16 if which == "embedded" else 8  # a multiple of every rate
     g = torch.Generator().manual_seed(7)
-    pair = Pair(m, 2, 160, block_tokens=bt, num_blocks=2 * 160 // bt + 4)
+    pair = Pair(m, 2, 160, kv_rows, block_tokens=bt, num_blocks=2 * 160 // bt + 4)
     ids = torch.randint(2, m.config.vocab_size, (2, 150), generator=g)
     pair.run(ids[:, :100], chunk=24)          # prefill chunks across block and emit boundaries
     for t in range(100, 150):                 # decode steps
@@ -390,3 +390,29 @@ def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
         paged.start_from_cache(1, [1, 2, 3], ck["paged"])
     with pytest.raises(NotImplementedError, match="fork"):
         paged.export_sequence(0)
+
+
+def test_the_documented_example_shares_a_prompt_and_matches_two_static_sequences(model):
+    """The example of `ds4_torch.paged`'s docstring, at a small block size, against a static
+    cache taking the same steps (bit for bit) and each sequence alone."""
+    prompt = torch.randint(2, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(5))
+    cache = PagedDS4Cache(model.config, batch_size=2, max_context=128, block_tokens=16)
+    with torch.inference_mode():
+        first = cache.slot(0)
+        first.append_tokens(prompt)
+        model(prompt, first)
+        cache.fork(1, 0)
+        nxt = torch.tensor([[5], [9]])
+        cache.append_tokens(nxt)
+        logits = model(nxt, cache)
+        static = DS4Cache(model.config, 2, 128)  # the same steps, the rows copied
+        model(prompt, static.slot(0))
+        static.copy_sequence(1, 0)
+        assert torch.equal(logits, model(nxt, static))
+        for b in range(2):  # and each is what its sequence alone gives (another batch: to rounding)
+            alone = DS4Cache(model.config, 1, 128)
+            model(prompt, alone)
+            torch.testing.assert_close(logits[b], model(nxt[b:b + 1], alone)[0], rtol=0, atol=1e-4)
+    t0, t1 = cache.tables
+    assert t0.blocks[:4] == t1.blocks[:4] and t0.blocks[4] != t1.blocks[4]  # 4 full blocks shared, the 5th copied
+    assert cache.pool.num_blocks - cache.pool.num_available == 6
