@@ -323,7 +323,7 @@ class DS4Cache:
         self.max_context = max_context
         self.dtype = dtype
         # How compressed and indexer rows are stored (`kv_format`): "full" in `dtype`; "fp8" /
-        # "fp8-rope" (RoPE channels kept) as an fp8 store gives them back. For now the values
+        # "fp8-keep-rope" (RoPE channels kept) as an fp8 store gives them back. For now the values
         # are those of fp8 storage, the memory still that of `dtype`.
         self.kv_rows = row_format(kv_rows)
         self.device = torch.device(device) if device is not None else torch.device("cpu")

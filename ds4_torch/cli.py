@@ -123,7 +123,7 @@ def _print_kv_formats(cfg, dtype, dtype_name: str) -> None:
     for name in KV_ROW_FORMATS:
         b = kv_bytes_per_token(cfg, name, dtype)
         label = dtype_name if name == "full" else {"fp8": "fp8 (every channel)",
-                                                   "fp8-rope": f"fp8, RoPE channels in {dtype_name}"}[name]
+                                                   "fp8-keep-rope": f"fp8, RoPE channels in {dtype_name}"}[name]
         print(f"  {label:<32} {b:>10,.2f}  ({b / full:.3f}x)" if full else f"  {label:<32} {b:>10,.2f}")
 
 

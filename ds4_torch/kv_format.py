@@ -52,7 +52,7 @@ class KVRowFormat:
 KV_ROW_FORMATS = {
     "full": KVRowFormat("full"),                              # the cache dtype
     "fp8": KVRowFormat("fp8", fp8=True),                      # every channel fp8
-    "fp8-rope": KVRowFormat("fp8-rope", fp8=True, keep_rope=True),  # RoPE channels in the model dtype
+    "fp8-keep-rope": KVRowFormat("fp8-keep-rope", fp8=True, keep_rope=True),  # RoPE channels: model dtype
 }
 
 

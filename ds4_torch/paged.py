@@ -348,8 +348,9 @@ class PagedDS4Cache(DS4Cache):
         for layer in self.layers:
             for state in layer.states:
                 per_block = self.pool.block_tokens // layer.rate
+                blocks = state.rows[:-1].view(-1, per_block, state.rows.shape[-1])  # (less the scratch row)
                 for src, dst in copies:
-                    state.rows[dst * per_block:(dst + 1) * per_block] = state.rows[src * per_block:(src + 1) * per_block]
+                    blocks[dst] = blocks[src]
 
     def append_tokens(self, input_ids: torch.Tensor) -> None:
         """Before a forward of `input_ids` [B, T]: every sequence's table takes its T tokens

@@ -2,7 +2,7 @@
 
 The embedded model reads the held-out text (default: the last 10% of a Tiny Shakespeare file,
 the split its training held out) in segments of `--length` tokens, prefilled in chunks of
-`--chunk`, once per KV row format (`ds4_torch.kv_format`: "full", "fp8", "fp8-rope"). Every
+`--chunk`, once per KV row format (`ds4_torch.kv_format`: "full", "fp8", "fp8-keep-rope"). Every
 compressed and indexer row passes through fp8 as it is written, so later chunks (and later
 queries of the same chunk) read the rounded rows. For each fp8 format: the mean |NLL
 difference| per token against "full" (nats) and the top-1 agreement of the next-token argmax.
@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
     p.add_argument("--held-out", type=float, default=0.1, help="the last fraction of the text read (default 0.1)")
     p.add_argument("--length", type=int, default=4096, help="tokens per segment (default 4096)")
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk (default 32)")
-    p.add_argument("--formats", default="fp8,fp8-rope")
+    p.add_argument("--formats", default="fp8,fp8-keep-rope")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with open(args.text, encoding="utf-8") as f:

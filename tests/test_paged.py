@@ -364,7 +364,8 @@ def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
     pair.static.copy_sequence(1, 0)
     pair.paged.fork(1, 0)
     paged, pool = pair.paged, pair.paged.pool
-    assert paged.tables[1].blocks == paged.tables[0].blocks and all(pool.refcount(b) == 2 for b in paged.tables[0].blocks)
+    assert paged.tables[1].blocks == paged.tables[0].blocks
+    assert all(pool.refcount(b) == 2 for b in paged.tables[0].blocks)
     pair.run(torch.randint(2, vocab, (2, 30), generator=g), chunk=7)  # the two diverge
     t0, t1 = paged.tables
     assert t0.blocks[:7] == t1.blocks[:7] and t0.blocks[7] != t1.blocks[7]  # the partial block was copied
