@@ -293,7 +293,8 @@ class PagedDS4Cache(DS4Cache):
     `num_blocks` defaults to a pool for `batch_size` sequences of `max_context` tokens.
 
     Not yet: export/import/copy of a sequence's rows, forwards with undo (speculation), the
-    Triton kernels, compile and CUDA graphs (the gathers are plain torch ops, but untested there)."""
+    Triton kernels, compile and CUDA graphs (the gathers are plain torch ops, but untested
+    there). The MTP layers' state stays a static `DS4Cache` (`mtp`)."""
 
     def __init__(self, config: DS4Config, batch_size: int = 1, max_context: int = 4096,
                  dtype: torch.dtype = torch.float32, device=None, kv_rows: str = "full",
@@ -430,6 +431,12 @@ class PagedDS4Cache(DS4Cache):
         super()._restore_checkpoint(index, checkpoint)
         self.table(index).truncate(int(checkpoint["position"]))
         self._refresh([index])
+
+    def new_sequence(self, index: int, tenant: str | None = None) -> None:
+        """Empty slot `index` for a new sequence of `tenant` (whose full blocks only that
+        tenant's sequences can find)."""
+        self.reset(index)
+        self.all_tables[self._offset + index] = BlockTable(self.pool, tenant)
 
     def reset(self, batch_index: int | None = None) -> None:
         super().reset(batch_index)

@@ -417,3 +417,19 @@ def test_the_documented_example_shares_a_prompt_and_matches_two_static_sequences
     t0, t1 = cache.tables
     assert t0.blocks[:4] == t1.blocks[:4] and t0.blocks[4] != t1.blocks[4]  # 4 full blocks shared, the 5th copied
     assert cache.pool.num_blocks - cache.pool.num_available == 6
+
+
+def test_a_tenant_finds_only_its_own_cached_blocks(small_model):
+    m = small_model
+    cache = PagedDS4Cache(m.config, 2, 64, block_tokens=8)
+    cache.new_sequence(0, tenant="alice")
+    cache.new_sequence(1, tenant="bob")
+    ids = torch.randint(2, m.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(2)).expand(2, -1)
+    with torch.inference_mode():
+        cache.append_tokens(ids)
+        m(ids, cache)
+    a, b = cache.tables
+    assert set(a.blocks).isdisjoint(b.blocks)
+    tokens = ids[0].tolist()
+    assert cache.pool.lookup(tokens, "alice") == a.blocks and cache.pool.lookup(tokens, "bob") == b.blocks
+    assert cache.cached_tokens(tokens) == 0 and cache.cached_tokens(tokens, "carol") == 0
