@@ -135,7 +135,7 @@ def _print_session_table(args, cfg, held: int) -> None:
         raise UserError("--kv-table needs --memory-gb (the memory of one device)")
     budget = args.memory_gb * 2**30 - held
     print(f"sessions that fit {args.memory_gb:g} GiB per device less {held / 2**30:.2f} GiB of weights "
-          f"({budget / 2**30:.2f} GiB; the KV rows are replicated on every rank; activations not counted):")
+          f"({budget / 2**30:.2f} GiB; under --tp every rank holds every session's rows; activations not counted):")
     print(format_session_table(session_table(cfg, DTYPES[args.dtype], budget),
                                names={"full": args.dtype, "fp8": "fp8"}))
 
