@@ -15,6 +15,9 @@ _LAZY = {
     "DS4Config": "config",
     "DS4ForCausalLM": "model",
     "DS4Cache": "cache",
+    "PagedDS4Cache": "paged",
+    "BlockPool": "paged",
+    "BlockTable": "paged",
     "load_tokenizer": "tokenizer",
     "generate": "generation",
     "SamplingParams": "sampling",
@@ -27,6 +30,7 @@ __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from .cache import DS4Cache
+    from .paged import BlockPool, BlockTable, PagedDS4Cache
     from .capabilities import capabilities
     from .config import DS4Config
     from .decode import make_decoder, prefill

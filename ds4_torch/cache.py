@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CSA, HCA, SLIDING, DS4Config
+from .kv_format import round_trip_rows, row_format
 
 
 @dataclass
@@ -71,13 +72,42 @@ class CompressorState:
     open_gate: torch.Tensor
     prev_kv: torch.Tensor | None = None
     prev_gate: torch.Tensor | None = None
+    # FP8 rows (`kv_format`): None keeps rows as computed; n: they are stored as an fp8 store
+    # gives them back, the last n (RoPE) channels untouched.
+    fp8_rope_kept: int | None = None
+    # Paged rows (`paged.PagedDS4Cache`): `rows` is then a pool [blocks * rows_per_block + 1, D]
+    # shared by every sequence (its last row a scratch row) and `slots` [B, C+1] int64 the pool
+    # row of each sequence's row w (C: the scratch row; rows past a sequence's blocks point there
+    # too). None: `rows` is [B, C+1, D], the sequence's own.
+    slots: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Rows a sequence can hold (C)."""
+        return (self.rows if self.slots is None else self.slots).shape[1] - 1
+
+    def visible(self, n: int) -> torch.Tensor:
+        """Every sequence's rows [0, n), [B, n, D] (paged: gathered from the pool)."""
+        return self.rows[:, :n] if self.slots is None else self.rows[self.slots[:, :n]]
+
+    def row_index(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of `rows.view(-1, D)` of the flat indices b * (C+1) + w (`WindowPlan.row_index`)."""
+        return index if self.slots is None else self.slots.view(-1)[index]
+
+    def stored_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` as this state stores them: through fp8 when it is an fp8 state (from the
+        computed values, as a real fp8 store would quantize them), in the rows' dtype."""
+        if self.fp8_rope_kept is not None:
+            rows = round_trip_rows(rows, self.fp8_rope_kept)
+        return rows if rows.dtype == self.rows.dtype else rows.to(self.rows.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv, self.prev_gate) if t is not None]
 
     def reset(self, batch_index=None) -> None:
         sel = slice(None) if batch_index is None else batch_index
-        for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv):
+        rows = self.rows if self.slots is None else None  # a pool's rows are its blocks' (paged.py)
+        for t in (rows, self.open_kv, self.open_gate, self.prev_kv):
             if t is not None:
                 t[sel] = 0
         if self.prev_gate is not None:
@@ -100,12 +130,13 @@ class LayerCache:
         return [self.window] + [t for s in self.states for t in s.tensors()]
 
 
-def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device) -> CompressorState:
+def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device, fp8_rope_kept=None) -> CompressorState:
     width = 2 * dim if overlap else dim
     state = CompressorState(
         rows=torch.zeros(batch, capacity + 1, dim, dtype=dtype, device=device),
         open_kv=torch.zeros(batch, rate, width, dtype=dtype, device=device),
         open_gate=torch.zeros(batch, rate, width, dtype=dtype, device=device),
+        fp8_rope_kept=fp8_rope_kept,
     )
     if overlap:
         state.prev_kv = torch.zeros(batch, rate, dim, dtype=dtype, device=device)
@@ -282,7 +313,7 @@ class DS4Cache:
     """Preallocated decode state for `batch_size` sequences of up to `max_context` tokens."""
 
     def __init__(self, config: DS4Config, batch_size: int = 1, max_context: int = 4096,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, kv_rows: str = "full"):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(max_context, int) or max_context < 1:
@@ -291,6 +322,10 @@ class DS4Cache:
         self.batch_size = batch_size
         self.max_context = max_context
         self.dtype = dtype
+        # How compressed and indexer rows are stored (`kv_format`): "full" in `dtype`; "fp8" /
+        # "fp8-keep-rope" (RoPE channels kept) as an fp8 store gives them back. For now the values
+        # are those of fp8 storage, the memory still that of `dtype`.
+        self.kv_rows = row_format(kv_rows)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.layer_rates = layer_rates(config, self.device)  # once: taking a checkpoint copies nothing from the host
@@ -304,16 +339,20 @@ class DS4Cache:
             compressor = indexer = None
             if kind != SLIDING:
                 capacity = self.capacity(rate)
-                compressor = _compressor_state(batch_size, capacity, rate, config.head_dim, kind == CSA, dtype,
-                                               self.device)
+                fp8 = self.kv_rows.fp8
+                compressor = self._compressor_state(capacity, rate, config.head_dim, kind == CSA,
+                                                    self.kv_rows.rope_kept(config) if fp8 else None)
                 if kind == CSA:
-                    indexer = _compressor_state(batch_size, capacity, rate, config.index_head_dim, True, dtype,
-                                                self.device)
+                    indexer = self._compressor_state(capacity, rate, config.index_head_dim, True, 0 if fp8 else None)
             self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
         # The MTP layers' attention state: a cache of their own (positions of their own: while
         # speculating they run ahead of the main layers), in this one's tensors, resets and views.
-        self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device)
+        self.mtp = (DS4Cache(config.mtp_config(), batch_size, max_context, dtype, self.device, self.kv_rows)
                     if config.num_nextn_predict_layers else None)
+
+    def _compressor_state(self, capacity: int, rate: int, dim: int, overlap: bool, fp8_rope_kept) -> CompressorState:
+        """A compressor's (or indexer's) state for every sequence (`paged.PagedDS4Cache`: in a pool)."""
+        return _compressor_state(self.batch_size, capacity, rate, dim, overlap, self.dtype, self.device, fp8_rope_kept)
 
     def capacity(self, rate: int) -> int:
         """Compressed rows a layer of rate `rate` can hold: ceil(max_context / rate)."""
@@ -361,7 +400,7 @@ class DS4Cache:
                     continue
                 for name in _STATE_FIELDS:
                     t = getattr(state, name)
-                    if t is not None:
+                    if t is not None and not (name == "rows" and state.slots is not None):  # paged: no view
                         out[f"layers.{i}.{part}.{name}"] = t[index, :n // layer.rate] if name == "rows" else t[index]
         return out
 
@@ -402,7 +441,7 @@ class DS4Cache:
             if name != "position" and name in state:
                 dst.copy_(state[name])
         for layer in self.layers:
-            for s in layer.states:
+            for s in (s for s in layer.states if s.slots is None):  # (paged rows follow the block table)
                 # the previous sequence's rows past the new count (all of them when unknown), and
                 # the scratch row, so no stale row survives
                 stop = None if old is None else max(n, old) // layer.rate
@@ -417,8 +456,8 @@ class DS4Cache:
         to share a batch. The MTP layers' state comes along when both caches have one. Other
         slots are untouched."""
         source = self if source is None else source
-        if source.config != self.config or source.dtype != self.dtype:
-            raise ValueError("copy_sequence needs a source cache with the same config and dtype")
+        if source.config != self.config or source.dtype != self.dtype or source.kv_rows != self.kv_rows:
+            raise ValueError("copy_sequence needs a source cache with the same config, dtype and kv_rows")
         source._check_index(src_index)
         source.check_usable_index(src_index)
         n = int(source.positions[src_index])
@@ -511,8 +550,8 @@ class DS4Cache:
         if source is self and dst_index == src_index:
             self.restore_checkpoint(dst_index, checkpoint)
             return
-        if source.config != self.config or source.dtype != self.dtype:
-            raise ValueError("branch_from_checkpoint needs a source cache with the same config and dtype")
+        if source.config != self.config or source.dtype != self.dtype or source.kv_rows != self.kv_rows:
+            raise ValueError("branch_from_checkpoint needs a source cache with the same config, dtype and kv_rows")
         self._check_index(dst_index)
         source._check_index(src_index)
         source.check_usable_index(src_index)
@@ -535,17 +574,23 @@ class DS4Cache:
         return self._view(index, 1)
 
     def _view(self, start: int, n: int) -> "DS4Cache":
-        view = object.__new__(DS4Cache)
+        view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view.batch_size = n
         view._offset = self._offset + start
         view.positions = self.positions[start:start + n]
         # `invalid` is shared: a failure in the view invalidates the parent's rows (by their index there).
+        def part(t):
+            return t[start:start + n] if t is not None else None
+
+        def state_view(s):  # a paged state's pool is every sequence's: only its slots are sliced
+            rows = part(s.rows) if s.slots is None else s.rows
+            return CompressorState(rows, *map(part, (s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)),
+                                   s.fp8_rope_kept, part(s.slots))
+
         view.layers = [
             LayerCache(layer.kind, layer.rate, layer.window[start:start + n],
-                       *[CompressorState(*[t[start:start + n] if t is not None else None for t in (
-                           s.rows, s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)]) if s is not None else None
-                         for s in (layer.compressor, layer.indexer)])
+                       *[state_view(s) if s is not None else None for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]
         view.mtp = self.mtp._view(start, n) if self.mtp is not None else None
@@ -613,6 +658,9 @@ class Rollback:
         W = cache.config.sliding_window
         if T > W:
             raise ValueError(f"a forward with undo takes at most the window ({W}) tokens, got {T}")
+        if any(s.slots is not None for layer in cache.layers for s in layer.states):
+            raise NotImplementedError("a forward with undo (speculative verification) over a paged cache is not "
+                                      "supported yet")
         self.cache, self.T = cache, T
         self.start = cache.positions.clone()
         B, device = self.start.shape[0], self.start.device

@@ -103,13 +103,44 @@ def cmd_info(args) -> int:
     per_token = model.kv_bytes_per_token(args.ctx)
     print(f"KV cache ({args.dtype}) at context {args.ctx}: {per_token:,.1f} bytes/token; "
           f"total for batch 1: {cache.nbytes:,} bytes ({cache.nbytes / 2**20:.2f} MiB)")
-    _print_weight_memory(args, parameters, cache.nbytes)
+    _print_kv_formats(cfg, DTYPES[args.dtype], args.dtype)
+    held = _print_weight_memory(args, parameters, cache.nbytes)
+    if args.kv_table:
+        _print_session_table(args, cfg, held)
     print("capabilities of this machine:")
     print("  " + capabilities().table().replace("\n", "\n  "))
     return 0
 
 
-def _print_weight_memory(args, parameters: int, cache_bytes: int) -> None:
+def _print_kv_formats(cfg, dtype, dtype_name: str) -> None:
+    """Compressed-row bytes per token of context for each KV row format (ds4_torch.kv_format)."""
+    from .footprint import kv_bytes_per_token, sequence_fixed_bytes
+    from .kv_format import KV_ROW_FORMATS
+
+    full = kv_bytes_per_token(cfg, "full", dtype)
+    print(f"KV bytes per token of context (compressed and indexer rows, all layers; the window ring and open "
+          f"windows, {sequence_fixed_bytes(cfg, dtype):,} bytes per sequence in {dtype_name}, not included):")
+    for name in KV_ROW_FORMATS:
+        b = kv_bytes_per_token(cfg, name, dtype)
+        label = dtype_name if name == "full" else {"fp8": "fp8 (every channel)",
+                                                   "fp8-keep-rope": f"fp8, RoPE channels in {dtype_name}"}[name]
+        print(f"  {label:<32} {b:>10,.2f}  ({b / full:.3f}x)" if full else f"  {label:<32} {b:>10,.2f}")
+
+
+def _print_session_table(args, cfg, held: int) -> None:
+    """How many sessions fit --memory-gb per device once the weights are held (footprint.session_table)."""
+    from .footprint import format_session_table, session_table
+
+    if args.memory_gb is None:
+        raise UserError("--kv-table needs --memory-gb (the memory of one device)")
+    budget = args.memory_gb * 2**30 - held
+    print(f"sessions that fit {args.memory_gb:g} GiB per device less {held / 2**30:.2f} GiB of weights "
+          f"({budget / 2**30:.2f} GiB; under --tp every rank holds every session's rows; activations not counted):")
+    print(format_session_table(session_table(cfg, DTYPES[args.dtype], budget),
+                               names={"full": args.dtype, "fp8": "fp8"}))
+
+
+def _print_weight_memory(args, parameters: int, cache_bytes: int) -> int:
     """The bytes a load would hold per device (headers only, see ds4_torch.footprint), and
     whether weights plus one sequence's KV cache fit --memory-gb."""
     from .default_model import DEFAULT_MODEL_DIR
@@ -132,6 +163,7 @@ def _print_weight_memory(args, parameters: int, cache_bytes: int) -> None:
         print(f"fits in {args.memory_gb:g} GiB per device: {verdict} (weights {held / 2**30:.2f} GiB + KV cache "
               f"for batch 1 at context {args.ctx} {cache_bytes / 2**30:.2f} GiB = {need / 2**30:.2f} GiB; "
               f"activations and the framework not counted)")
+    return held
 
 
 def cmd_serve(args) -> int:
@@ -178,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes held per device when split over N ranks (default 1)")
     i.add_argument("--memory-gb", type=positive_float, default=None, metavar="G",
                    help="say whether weights + one sequence's KV cache fit G GiB per device")
+    i.add_argument("--kv-table", action="store_true",
+                   help="with --memory-gb: how many sessions of 40K, 128K and 1M tokens fit, static vs paged, "
+                        "full precision vs fp8 rows")
     i.set_defaults(func=cmd_info)
 
     from serve.cli import add_arguments as add_serve_arguments  # argparse only: serve's app loads on run

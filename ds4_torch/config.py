@@ -422,3 +422,14 @@ def _validate(c: DS4Config) -> None:
             raise ValueError(f"config field `{name}` must be > 0")
     if c.tie_word_embeddings:
         raise ValueError("config field `tie_word_embeddings` must be false: DeepSeek-V4 has a separate lm head")
+
+
+# The hub's V4-Flash pattern (`compress_ratios`): 2 sliding layers, then CSA (4) and HCA (128)
+# alternating, 21 CSA and 20 HCA; the last entry is the MTP slot.
+V4_FLASH_COMPRESS_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)
+
+
+def v4_flash_config() -> DS4Config:
+    """V4-Flash's shapes, no weights needed: the dataclass defaults are its sizes, with its layer
+    pattern (for sizes and benchmarks)."""
+    return DS4Config.from_dict({"compress_ratios": list(V4_FLASH_COMPRESS_RATIOS)})

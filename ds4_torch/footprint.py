@@ -3,6 +3,14 @@
 and what a KV cache takes, so a server can size its context to the memory it has
 (`cache_bytes`, `free_memory`, `fitting_context`).
 
+KV bytes per token of each row format (`kv_bytes_per_token`, `ds4_torch.kv_format`): per token
+of context, the compressed rows of every layer of rate m (1 / m rows per token, and as many
+indexer rows on CSA layers): what a paged cache holds for each token it covers. The window ring
+(W rows per layer and sequence), the open windows and the CSA overlap are per running sequence,
+fixed whatever the context: `sequence_fixed_bytes` gives them, in the model dtype (they stay full
+precision). `static_sequence_bytes` / `paged_sequence_bytes` size one sequence of each kind and
+`session_table` says how many sessions fit a memory budget.
+
 The model is built on the meta device, split as each rank would split it, and handed to the
 loader's planning step (`load_checkpoint_into(plan_only=True)`), which swaps in the quantized
 modules exactly as a real load does (FP8 linears, FP4/FP8 experts; slices that cut through a
@@ -11,11 +19,17 @@ scale block dequantized), so the bytes are those a load allocates, not an estima
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-__all__ = ["weight_bytes_per_rank", "has_weights", "cache_bytes", "free_memory", "fitting_context"]
+from .config import CSA, SLIDING, DS4Config
+from .kv_format import FP8_GROUP, KVRowFormat, row_format
+
+__all__ = ["weight_bytes_per_rank", "has_weights", "cache_bytes", "free_memory", "fitting_context", "row_bytes",
+           "kv_bytes_per_token", "layer_bytes_per_token", "sequence_fixed_bytes", "static_sequence_bytes",
+           "paged_sequence_bytes", "sessions_that_fit", "SESSION_LENGTHS", "session_table", "format_session_table"]
 
 
 def _model_bytes(model) -> int:
@@ -101,3 +115,135 @@ def fitting_context(config, dtype: torch.dtype, sequences: int, budget: int, gra
         else:
             hi = mid - 1
     return lo * granule
+
+
+# --------------------------------------------------------------------------- KV bytes per token
+def row_bytes(dim: int, fmt: KVRowFormat, kept: int, dtype: torch.dtype) -> int:
+    """Bytes of one stored row of `dim` channels: `dtype` for a full row; for fp8, one byte per
+    quantized channel and per 64 of them (the scale), plus the `kept` (RoPE) channels in
+    `dtype`."""
+    if not fmt.fp8:
+        return dim * dtype.itemsize
+    q = dim - kept
+    return q + math.ceil(q / FP8_GROUP) + kept * dtype.itemsize
+
+
+def layer_bytes_per_token(config: DS4Config, fmt: str | KVRowFormat, dtype: torch.dtype) -> list[float]:
+    """Compressed-row bytes per token of context of each layer (0 for sliding layers): the
+    compressed row, plus the indexer row on CSA layers, over the rate."""
+    fmt = row_format(fmt)
+    r = fmt.rope_kept(config)  # attention rows only: indexer rows are all fp8 in either fp8 format
+    out = []
+    for i, kind in enumerate(config.layer_types):
+        if kind == SLIDING:
+            out.append(0.0)
+            continue
+        per_row = row_bytes(config.head_dim, fmt, r, dtype)
+        if kind == CSA:
+            per_row += row_bytes(config.index_head_dim, fmt, 0, dtype)
+        out.append(per_row / config.compress_rate(i))
+    return out
+
+
+def kv_bytes_per_token(config: DS4Config, fmt: str | KVRowFormat, dtype: torch.dtype) -> float:
+    """Compressed-row bytes per token of context, all layers (MTP layers included): what a
+    paged cache holds per token it covers. The window ring is excluded (`sequence_fixed_bytes`)."""
+    total = sum(layer_bytes_per_token(config, fmt, dtype))
+    if config.num_nextn_predict_layers:
+        total += sum(layer_bytes_per_token(config.mtp_config(), fmt, dtype))
+    return total
+
+
+def sequence_fixed_bytes(config: DS4Config, dtype: torch.dtype) -> int:
+    """Bytes of one running sequence's state whatever its length, in the model dtype: the
+    window ring, every compressor's and indexer's open window and CSA overlap, the position (a
+    checkpoint's tensors, less its row counts), the MTP layers' included."""
+    from .cache import checkpoint_nbytes
+
+    configs = [config] + ([config.mtp_config()] if config.num_nextn_predict_layers else [])
+    return sum(checkpoint_nbytes(c, dtype) - 8 * c.num_hidden_layers for c in configs)
+
+
+def static_sequence_bytes(config: DS4Config, max_context: int, fmt: str | KVRowFormat, dtype: torch.dtype) -> int:
+    """Bytes of one sequence of a static cache sized for `max_context` tokens (`DS4Cache`'s
+    layout: ceil(max_context / m) rows plus a scratch row per compressor), rows in `fmt`: what
+    a slot costs whatever its sequence's length."""
+    fmt = row_format(fmt)
+    total = sequence_fixed_bytes(config, dtype)
+    for cfg in [config] + ([config.mtp_config()] if config.num_nextn_predict_layers else []):
+        r = fmt.rope_kept(cfg)
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == SLIDING:
+                continue
+            rows = math.ceil(max_context / cfg.compress_rate(i)) + 1
+            total += rows * row_bytes(cfg.head_dim, fmt, r, dtype)
+            if kind == CSA:
+                total += rows * row_bytes(cfg.index_head_dim, fmt, 0, dtype)
+    return total
+
+
+def paged_sequence_bytes(config: DS4Config, tokens: int, fmt: str | KVRowFormat, dtype: torch.dtype,
+                         block_tokens: int = 256, shared_tokens: int = 0) -> float:
+    """Bytes one sequence of `tokens` tokens adds to a paged cache: its fixed part and the blocks
+    its tokens reach, less the `shared_tokens` (whole blocks) another sequence already holds."""
+    blocks = math.ceil(tokens / block_tokens) - shared_tokens // block_tokens
+    return sequence_fixed_bytes(config, dtype) + blocks * block_tokens * kv_bytes_per_token(config, fmt, dtype)
+
+
+def sessions_that_fit(budget: float, per_session: float, shared: float = 0.0) -> int:
+    """How many sessions of `per_session` bytes fit `budget` once `shared` bytes are held."""
+    return max(0, int((budget - shared) // per_session)) if budget > shared else 0
+
+
+SESSION_LENGTHS = (40 * 1024, 128 * 1024, 1024 * 1024)
+
+
+def session_table(config: DS4Config, dtype: torch.dtype, budget: float, lengths=SESSION_LENGTHS,
+                  max_context: int | None = None, block_tokens: int = 256, shared_prefix: int = 20 * 1024,
+                  formats=("full", "fp8")) -> list[dict]:
+    """Sessions of each length in `lengths` that fit `budget` bytes of KV memory (per device: the
+    compressed rows are replicated on every tensor-parallel rank), per row format:
+
+    - `static_max`: static slots sized for `max_context` (default: the model's maximum);
+    - `static`: static slots sized for the session's length;
+    - `paged`: blocks of `block_tokens` for the live tokens;
+    - `paged_shared`: the same, every session starting with the same `shared_prefix` tokens,
+      whose blocks are stored once;
+    - `session_bytes`: one paged session's bytes.
+
+    Lengths past the model's maximum context are left out."""
+    max_context = config.max_position_embeddings if max_context is None else max_context
+    out = []
+    for n in (n for n in lengths if n <= config.max_position_embeddings):
+        row = {"tokens": n}
+        for fmt in formats:
+            prefix = shared_prefix // block_tokens * block_tokens
+            shared = prefix * kv_bytes_per_token(config, fmt, dtype)
+            paged = paged_sequence_bytes(config, n, fmt, dtype, block_tokens)
+            row[fmt] = {
+                "session_bytes": paged,
+                "static_max": sessions_that_fit(budget, static_sequence_bytes(config, max_context, fmt, dtype)),
+                "static": sessions_that_fit(budget, static_sequence_bytes(config, n, fmt, dtype)),
+                "paged": sessions_that_fit(budget, paged),
+                "paged_shared": sessions_that_fit(
+                    budget, paged_sequence_bytes(config, n, fmt, dtype, block_tokens, prefix), shared),
+            }
+        out.append(row)
+    return out
+
+
+def format_session_table(rows: list[dict], formats=("full", "fp8"), names=None) -> str:
+    """`session_table`'s rows as a Markdown table."""
+    names = names or {"full": "bf16", "fp8": "fp8"}
+    cols = [("session_bytes", "GiB/session (paged)"), ("static_max", "static, --ctx max"),
+            ("static", "static, --ctx = length"), ("paged", "paged"), ("paged_shared", "paged, shared prefix")]
+    head = "| session tokens | " + " | ".join(f"{title} {names[f]}" for _, title in cols for f in formats) + " |"
+    lines = [head, "|" + "---|" * (1 + len(cols) * len(formats))]
+    for row in rows:
+        cells = []
+        for key, _ in cols:
+            for f in formats:
+                v = row[f][key]
+                cells.append(f"{v / 2**30:.2f}" if key == "session_bytes" else f"{v:,}")
+        lines.append(f"| {row['tokens']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

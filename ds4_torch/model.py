@@ -261,7 +261,7 @@ class ForwardPlan:
         least = max(256, cache.config.index_topk)  # (never fewer rows than the indexer picks)
         for layer in cache.layers:
             if layer.rate and layer.rate not in self.windows:
-                capacity = layer.compressor.rows.shape[1] - 1
+                capacity = layer.compressor.capacity
                 self.windows[layer.rate] = WindowPlan(start, T, layer.rate, capacity, model.rotary_compress, dtype,
                                                       undo)
                 self.row_limits[layer.rate] = (capacity if newest is None else
@@ -324,7 +324,8 @@ class Compressor(nn.Module):
         else:
             pool_kv, pool_gate = open_kv, open_gate
         row = self._pool(pool_kv[:, None], pool_gate[:, None], plan, ops)  # [B, 1, D]
-        state.rows.view(-1, row.shape[-1]).index_copy_(0, plan.row_index, cast(row.view(B, -1), state.rows.dtype))
+        state.rows.view(-1, row.shape[-1]).index_copy_(0, state.row_index(plan.row_index),
+                                                        state.stored_rows(row.view(B, -1)))
         if self.overlap:  # a window that closed hands its Ca half to the next one
             state.prev_kv.copy_(torch.where(plan.closes, open_kv[..., :d], state.prev_kv))
             state.prev_gate.copy_(torch.where(plan.closes, open_gate[..., :d], state.prev_gate))
@@ -349,7 +350,7 @@ class Compressor(nn.Module):
         rows = self._pool(pool_kv, pool_gate, plan, ops)  # [B, J, D]
         # Windows that did not close (or would not fit) go to the scratch row: no branch, no overflow.
         D = rows.shape[-1]
-        state.rows.view(-1, D).index_copy_(0, plan.row_index, cast(rows.reshape(-1, D), state.rows.dtype))
+        state.rows.view(-1, D).index_copy_(0, state.row_index(plan.row_index), state.stored_rows(rows.reshape(-1, D)))
 
         if plan.undo is not None:  # the frontier at every candidate end (Rollback.apply); the last is this one's
             saved = {"open_kv": torch.where(plan.cand_keep_new, gather(own_kv, plan.cand_open_source),
@@ -396,9 +397,9 @@ class Indexer(Compressor):
         q = self.q_b_proj(q_residual).view(B, T, -1, self.head_dim)
         q = rotate(q, rope)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
-        capacity = state.rows.shape[1] - 1 if rows is None else rows
+        capacity = state.capacity if rows is None else rows
         topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
-        return topk(q, head_weights, state.rows[:, :capacity], start, self.rate, self.topk)
+        return topk(q, head_weights, state.visible(capacity), start, self.rate, self.topk)
 
     def distillation_loss(self, state, x, q_residual, start, rope, attn_q, comp, scale: float):
         """KL(main attention over the visible compressed rows || softmax of the indexer's scores),
@@ -406,7 +407,7 @@ class Indexer(Compressor):
         The target (the main heads' probabilities summed and renormalised) is detached, so only
         the indexer learns; callers pass the indexer `x` and `q_residual` detached as well."""
         B, T, _ = x.shape
-        C = min(comp.shape[1], state.rows.shape[1] - 1)
+        C = min(comp.shape[1], state.capacity)
         visible = visible_rows(start, T, C, self.rate)  # [B, T, C]
         seen = visible.any(-1)
         if C == 0 or not bool(seen.any()):
@@ -418,7 +419,7 @@ class Indexer(Compressor):
             target = target / target.sum(-1, keepdim=True).clamp(min=1e-30)
         q = rotate(self.q_b_proj(q_residual).view(B, T, -1, self.head_dim), rope)
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
-        scores = indexer_scores(q, head_weights, state.rows[:, :C])
+        scores = indexer_scores(q, head_weights, state.visible(C))
         log_q = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         kl = torch.where(target > 0, target * (target.clamp(min=1e-30).log() - log_q), 0.0).sum(-1)
         return kl[seen].mean()
@@ -482,7 +483,7 @@ class Attention(nn.Module):
             rate = self.compressor.rate
             windows = plan.windows[rate]
             self.compressor.update(layer_cache.compressor, x, windows, ops)
-            comp = layer_cache.compressor.rows[:, :plan.row_limits[rate]]  # (the last row is scratch)
+            comp = layer_cache.compressor.visible(plan.row_limits[rate])  # (the last row is scratch)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 # The top-k passes no gradient, so the indexer's inputs are detached: its own
@@ -871,8 +872,12 @@ class DS4ForCausalLM(nn.Module):
         save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
     # ----------------------------------------------------------------- cache
-    def new_cache(self, batch_size: int = 1, max_context: int = 4096, dtype: torch.dtype | None = None) -> DS4Cache:
-        return DS4Cache(self.config, batch_size, max_context, dtype=dtype or self.dtype, device=self.device)
+    def new_cache(self, batch_size: int = 1, max_context: int = 4096, dtype: torch.dtype | None = None,
+                  kv_rows: str = "full") -> DS4Cache:
+        """A `DS4Cache` on the model's device (`kv_rows`: how compressed rows are stored, see
+        `ds4_torch.kv_format`)."""
+        return DS4Cache(self.config, batch_size, max_context, dtype=dtype or self.dtype, device=self.device,
+                        kv_rows=kv_rows)
 
     def kv_bytes_per_token(self, context: int = 4096) -> float:
         """Cache bytes per token of context for one sequence (the cache's exact size / context)."""
