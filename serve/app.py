@@ -86,7 +86,9 @@ class ServerConfig:
     speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     speculative_max_batch: int | None = None  # speculate only while at most this many decode (None: always)
     speculative_policy: str = "always"    # "always", or "auto": the kind of step measured faster (serve.speculation)
-    tool_call_grammar: bool = True        # a tool-call block names offered tools only (serve.chat.offered_calls_grammar)
+    # Tool calls kept to what is offered: a block names offered tools only (serve.chat.offered_calls_grammar),
+    # and none opens when no tools are offered (serve.chat.no_calls_sampling). False: --free-tool-calls.
+    tool_call_grammar: bool = True
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli;
                                           # exact-replay records (serve.replay) persist there too
     kv_disk_space_mb: int | None = None
