@@ -311,7 +311,9 @@ def _thinking(body: dict) -> tuple[bool, bool]:
     kind = get_str(th, "type", where="thinking.", choices=("enabled", "disabled", "adaptive", "between_tools"))
     if kind == "enabled":
         get_number(th, "budget_tokens", None, lo=1, integer=True, where="thinking.")
-    shown = get_str(th, "display", "summarized", where="thinking.", choices=("summarized", "omitted")) != "omitted"
+    # "updates" (interactive Claude Code 2.1 sends it) shows the thinking as it goes, as "summarized" does here.
+    shown = get_str(th, "display", "summarized", where="thinking.",
+                    choices=("summarized", "omitted", "updates")) != "omitted"
     return kind != "disabled", shown
 
 
