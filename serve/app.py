@@ -2,8 +2,8 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI, `serve.openai_api`),
 POST /v1/responses (OpenAI Responses, `serve.responses_api`), POST /v1/messages and
-/v1/messages/count_tokens (Anthropic, `serve.anthropic_api`), GET /v1/models, GET /health,
-GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+/v1/messages/count_tokens (Anthropic, `serve.anthropic_api`), GET /v1/models, GET /health (and
+/api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
 
 Each API module only translates: its JSON into one internal request (`serve.chat`), and the
 internal events of the `Generation` back into its JSON or SSE (a "view" with `start`, `feed`,
@@ -476,6 +476,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         endpoint("/v1/models/{name:path}", AppState.model, method="GET", label="/v1/models/{name}"),
         endpoint("/", AppState.root, auth=False, method="GET"),
         endpoint("/health", AppState.health, auth=False, method="GET"),
+        # Interactive Claude Code checks its base URL with HEAD /api/hello at start: answered as /health.
+        endpoint("/api/hello", AppState.health, auth=False, method="GET"),
         endpoint("/metrics", AppState.metrics_text, auth=False, method="GET"),
         endpoint("/tokenize", AppState.tokenize),
         endpoint("/detokenize", AppState.detokenize),

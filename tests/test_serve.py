@@ -64,6 +64,8 @@ def test_models_health_metrics(srv, client):
     assert [m.id for m in models.data] == [MODEL]
     r = httpx.get(srv.url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # Interactive Claude Code's connectivity check at start (HEAD, as it sends it).
+    assert httpx.head(srv.url + "/api/hello").status_code == 200
     text = httpx.get(srv.url + "/metrics").text
     for name in ("ds4_requests_total", "ds4_prompt_tokens_total", "ds4_cached_prompt_tokens_total",
                  "ds4_generated_tokens_total", "ds4_prefill_chunks_total", "ds4_prefill_aborted_total",
