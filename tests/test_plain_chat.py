@@ -235,3 +235,16 @@ def test_without_an_opener_token_the_reply_stops_where_the_opener_begins(model, 
         assert _ids(r)[-1] == opener and c.finish_reason == "stop" and not c.message.tool_calls
         assert "｜" not in (c.message.content or "")
         assert metric(s, "ds4_markup_dropped_total", kind="call") == 0
+
+
+def test_speculating_gives_the_same_masked_tokens(srv, model, opener):
+    """Speculative decoding verifies drafts with the same sampler: a draft holding a forbidden
+    token is never taken, and the tokens are those of plain decoding."""
+    def ids(s):
+        oai, _ = clients(s)
+        return [_ids(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24,
+                                                 temperature=0, logit_bias={str(opener): 100},
+                                                 extra_body={"return_token_ids": True})) for p in PROMPTS[:3]]
+    with server(model, speculative_tokens=2) as s:
+        speculated = ids(s)
+    assert speculated == ids(srv) and not any(opener in t for t in speculated)
