@@ -45,7 +45,7 @@ from starlette.routing import Route
 from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api, openai_api, responses_api
-from .chat import TENANT, Cancelled, Failed, Generation, encode_conversation, tenant_of
+from .chat import TENANT, Cancelled, Failed, Generation, dsml_tokens, encode_conversation, tenant_of
 from .engine import Engine
 from .guard import BrowserGuard
 from .metrics import Metrics
@@ -124,6 +124,8 @@ class AppState:
         self.replay = replay
         self.eos_ids = frozenset(stop_token_ids(model.config, tokenizer))
         self.token_text = TokenText(tokenizer)
+        if config.tool_call_grammar:
+            dsml_tokens(tokenizer)  # the vocabulary decoded once now, not on the first request's time
         self.names = {config.model_name, *config.model_aliases, *config.served_model_names}
         self.created = int(time.time())
 

@@ -20,9 +20,9 @@ rest, the same for all of them:
   the rest of the call (an offered tool's name, well-formed parameters);
 * strict tools (`strict_tool_grammar`): a grammar keeps their calls to their schemas, forced
   or not (auto: the content is text, or text then a call block);
-* no tools offered (none given, or tool_choice "none"): the tool-call opener is never sampled
-  (`no_calls_sampling`), reasoning included, whatever `logit_bias` says: a call the server
-  would have to drop is never begun, so the model writes text instead;
+* no tools offered (none given, or tool_choice "none"): no DSML tag is sampled, the tool-call
+  opener first (`no_calls_sampling`), reasoning included, whatever `logit_bias` says: a call
+  the server would have to drop is never begun, so the model writes text instead;
 * the finish: "end" (EOS), "stop_sequence", "length" or "tool_calls", and the usage.
 
 Events: `Token` (one sampled token: logprobs, id), `Text` (reasoning or content), `Call`,
@@ -285,8 +285,8 @@ def _offered(creq: ChatRequest) -> list[dict]:
 def dsml_tokens(tokenizer) -> tuple[tuple[int, ...], bool]:
     """(every token whose text holds a DSML tag name (`｜DSML｜`: the tool-call block's tags, its
     invoke and parameter tags, open or closed), whether one of them holds the whole block opener
-    `<｜DSML｜tool_calls>`). Found by decoding the vocabulary once per tokenizer (~1 s for 129K
-    tokens), so any token that spells a tag counts, not only the tokenizer's added ones. No
+    `<｜DSML｜tool_calls>`). Found by decoding the vocabulary once per tokenizer (the server does
+    it at start), so any token that spells a tag counts, not only the tokenizer's added ones. No
     token holds the opener when it takes several tokens (a byte tokenizer, a vocabulary without
     DSML tokens)."""
     cached = getattr(tokenizer, "_ds4_dsml_tokens", None)
