@@ -26,6 +26,7 @@ def generate(
     decode_mode: str = "auto",
     speculative_tokens: int = 0,
     stats: SpeculationStats | None = None,
+    forbidden_token_ids: Iterable[int] = (),
 ) -> Iterator[int]:
     """Yield new token ids one at a time, as they are produced (batch size 1).
 
@@ -43,14 +44,15 @@ def generate(
     model's MTP layer and verifies them in one forward (:mod:`ds4_torch.speculative`): the same
     tokens, fewer forwards; its forwards run in ``decode_mode`` too (captured graphs: one per
     fixed 1 + N shape). ``stats``: a `SpeculationStats` it counts drafted and accepted tokens
-    into.
+    into. ``forbidden_token_ids``: tokens never generated (`SamplingParams.forbidden_token_ids`).
     """
     prompt_ids = [int(i) for i in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    params = SamplingParams(temperature, top_p, top_k, min_p, seed)  # fail now, not at the first token
+    params = SamplingParams(temperature, top_p, top_k, min_p, seed,  # fail now, not at the first token
+                            forbidden_token_ids=forbidden_token_ids)
     check_draft_tokens(model, speculative_tokens)
     if max_new_tokens <= 0:
         return

@@ -2,7 +2,7 @@
 
 `generate()`, the CLI and the server all sample through `sample()`, so a setting means the same
 thing everywhere. Order (vLLM's): on the raw logits, the hard mask of allowed tokens (structured
-outputs), the bans of `min_tokens`, `logit_bias`, then the penalties (repetition, frequency,
+outputs) and of `forbidden_token_ids`, the bans of `min_tokens`, `logit_bias`, then the penalties (repetition, frequency,
 presence); then the filters: temperature, top-k, top-p, min-p; then a draw from what is left with
 the request's own generator (a request's tokens never depend on what else runs beside it). Greedy
 (temperature 0, or below `TEMPERATURE_FLOOR`) takes the argmax after the penalties and bias, before
@@ -62,8 +62,11 @@ class SamplingParams:
     - `min_tokens`: EOS and `stop_token_ids` are banned until that many tokens were generated.
     - `stop_token_ids`: tokens that end the request like EOS (the engine's job; the token is
       generated but its text is not output).
-    If bans leave no token at all, they are lifted for that step (only a structured-output mask is
-    never lifted)."""
+    - `forbidden_token_ids`: tokens never sampled, masked with the structured-output mask (before
+      `logit_bias`, so no bias brings them back): what the server must never let a model write
+      (a tool-call opener when no tools are offered).
+    If bans leave no token at all, they are lifted for that step (a structured-output mask and
+    `forbidden_token_ids` never are: a row left with nothing fails)."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -75,6 +78,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: Iterable[int] = ()
+    forbidden_token_ids: Iterable[int] = ()
 
     def __post_init__(self):
         if not self.temperature >= 0:  # also rejects NaN
@@ -111,6 +115,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {stops!r}")
         object.__setattr__(self, "stop_token_ids",
                            tuple(dict.fromkeys(_token_id("stop_token_ids", t) for t in stops)))
+        forbidden = self.forbidden_token_ids
+        if isinstance(forbidden, (str, bytes, Mapping)) or not isinstance(forbidden, Iterable):
+            raise ValueError(f"forbidden_token_ids must be a list of token ids, got {forbidden!r}")
+        object.__setattr__(self, "forbidden_token_ids",
+                           tuple(sorted({_token_id("forbidden_token_ids", t) for t in forbidden})))
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +129,8 @@ class SamplingParams:
         """What the settings alone cannot check: token ids inside the vocabulary, `min_tokens`
         within `max_tokens`. Raises ValueError naming the field."""
         if vocab_size is not None:
-            for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids),
+                              ("forbidden_token_ids", self.forbidden_token_ids)):
                 bad = [t for t in ids if t >= vocab_size]
                 if bad:
                     raise ValueError(f"{name} holds the token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
@@ -138,9 +148,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Anything to do before the filters: penalties, bias or banned stop tokens."""
+        """Anything to do before the filters: penalties, bias, banned stop tokens or forbidden ones."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.forbidden_token_ids)
 
     def generator(self, device) -> torch.Generator | None:
         """A generator of this request's own, seeded from `seed` (None when greedy)."""
@@ -160,11 +170,14 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_ids: Sequ
     """The logits [V] after the mask, the bans, `logit_bias` and the penalties (a new tensor, float32).
     `output_ids`: the tokens generated so far; `prompt_ids`: the prompt (repetition penalty only);
     `stop_ids`: the EOS ids `min_tokens` bans (with `params.stop_token_ids`); `allowed`: a bool
-    mask [V] of the only tokens allowed (structured outputs), never lifted."""
+    mask [V] of the only tokens allowed (structured outputs), never lifted (nor is
+    `params.forbidden_token_ids`)."""
     logits = logits.reshape(-1).float().clone()  # the caller's logits stay intact (logprobs, snapshots)
     V, device = logits.numel(), logits.device
     if allowed is not None:
         logits.masked_fill_(~allowed.to(device).reshape(-1), float("-inf"))
+    if params.forbidden_token_ids:
+        logits.index_fill_(0, torch.tensor(params.forbidden_token_ids, device=device), float("-inf"))
     banned = []
     if len(output_ids) < params.min_tokens:
         banned += [t for t in {*stop_ids, *params.stop_token_ids} if t < V]
@@ -412,6 +425,8 @@ class BatchSampler:
         stops = sorted({*eos, *params.stop_token_ids})
         if stops:
             self.stop_ids[slot, stops] = True
+        if params.forbidden_token_ids:
+            self._table("forbidden", torch.bool)[slot, list(params.forbidden_token_ids)] = True
         for token, bias in params.logit_bias:
             if bias <= BAN:
                 self._table("banned", torch.bool)[slot, token] = True
@@ -479,6 +494,8 @@ class BatchSampler:
                 1, tokens.to(x.device, torch.long), mask.to(x.device, torch.float32))
         if allowed is not None:
             x = x.masked_fill(~allowed.to(x.device, torch.bool), float("-inf"))
+        if "forbidden" in self._tables and any(p.forbidden_token_ids for p in params):
+            x = x.masked_fill(self._tables["forbidden"][rows], float("-inf"))  # with the mask: never lifted
         if "bias" in self._tables and any(b > BAN for p in params for _, b in p.logit_bias):
             x = x + self._tables["bias"][rows]
         if "banned" in self._tables or any(p.min_tokens for p in params):

@@ -3,7 +3,9 @@
 Request: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``,
 ``tool_result`` and ``thinking`` blocks, ``tools`` (custom tools: name, description,
 input_schema, ``strict``: every call's input follows the schema, as in chat completions), ``tool_choice`` (auto, any, tool, none), ``thinking`` (enabled / disabled),
-``output_config.effort``, ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
+``output_config.effort``, ``output_config.format`` (``{"type": "json_schema", "schema": ...}``: the
+reply's text is JSON valid against the schema, written under the same grammar as chat's
+``response_format``; a schema feature that cannot be enforced is a 400 naming it), ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
 ``top_k`` (which Anthropic's SDK now sends through ``extra_body``). Consecutive
 messages of one role are merged, as Anthropic does. A ``system`` message inside ``messages``
 (Claude Code sends them) is rendered where it stands (see `ds4_torch.chat_encoding`). Server
@@ -33,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from ds4_torch.sampling import SamplingParams
 
-from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt, strict_tool_grammar
+from .chat import Call, ChatRequest, Done, Generation, Text, ToolChoice, chat_prompt, json_grammar, strict_tool_grammar
 from .openai_api import parse_effort
 from .protocol import APIError, bad, get_bool, get_list, get_number, get_object, get_str, type_name
 from .request_policy import (UNREADABLE_INPUT, check_count, check_tools_size, drop_hosted_tools, ignore_unknown,
@@ -309,21 +311,36 @@ def _thinking(body: dict) -> tuple[bool, bool]:
     kind = get_str(th, "type", where="thinking.", choices=("enabled", "disabled", "adaptive", "between_tools"))
     if kind == "enabled":
         get_number(th, "budget_tokens", None, lo=1, integer=True, where="thinking.")
-    shown = get_str(th, "display", "summarized", where="thinking.", choices=("summarized", "omitted")) != "omitted"
+    # "updates" (interactive Claude Code 2.1 sends it) shows the thinking as it goes, as "summarized" does here.
+    shown = get_str(th, "display", "summarized", where="thinking.",
+                    choices=("summarized", "omitted", "updates")) != "omitted"
     return kind != "disabled", shown
 
 
-def _effort(body: dict) -> str | None:
+def _output_config(body: dict) -> tuple[str | None, dict | None]:
+    """(`output_config.effort`, the JSON schema of `output_config.format`: {"type": "json_schema",
+    "schema": {...}}, or None)."""
     oc = get_object(body, "output_config") or {}
     ignore_unknown("anthropic", oc, {"effort", "format"}, "output_config.")
-    if oc.get("format") is not None:
-        raise bad("'output_config.format' (structured output) is not supported", "output_config.format",
-                  "unsupported_parameter")
-    return parse_effort(get_str(oc, "effort", where="output_config."), "output_config.effort")
+    effort = parse_effort(get_str(oc, "effort", where="output_config."), "output_config.effort")
+    fmt = get_object(oc, "format", where="output_config.")
+    if fmt is None:
+        return effort, None
+    kind = get_str(fmt, "type", where="output_config.format.", choices=("json_schema",))
+    if kind is None:
+        raise bad("'output_config.format.type' is required (\"json_schema\")", "output_config.format.type",
+                  "missing_required_parameter")
+    ignore_unknown("anthropic", fmt, {"type", "schema"}, "output_config.format.")
+    schema = get_object(fmt, "schema", where="output_config.format.")
+    if schema is None:
+        raise bad("'output_config.format.schema' is required with type json_schema", "output_config.format.schema",
+                  "missing_required_parameter")
+    return effort, schema
 
 
-def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str | None, bool, bool]:
-    """(internal request, model, stream, thinking text shown)."""
+def parse_request(body: dict, counting: bool = False, state=None) -> tuple[ChatRequest, str | None, bool, bool]:
+    """(internal request, model, stream, thinking text shown). `state` (the server's) compiles the
+    grammar of `output_config.format`; without it (counting tokens) the schema is not compiled."""
     ignore_unknown("anthropic", body, FIELDS | IGNORED)
     model = get_str(body, "model")
     if model is None:
@@ -339,7 +356,7 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
         top_k=int(get_number(body, "top_k", 0, lo=0, integer=True)),
     )
     thinking, shown = _thinking(body)
-    effort = _effort(body)
+    effort, output_schema = _output_config(body)
     tools = _tools(body)
     dropped = {t.get("name") for t in get_list(body, "tools") or [] if isinstance(t, dict)} - \
         {t["function"]["name"] for t in tools}
@@ -351,6 +368,8 @@ def parse_request(body: dict, counting: bool = False) -> tuple[ChatRequest, str 
                        thinking=thinking, reasoning_effort=effort if thinking else None, sampling=sampling,
                        max_tokens=max_tokens, stop=parse_stop(body, "stop_sequences"),
                        tool_params_path="tools[{i}].input_schema")
+    if output_schema is not None and state is not None:  # the reply is JSON the schema accepts (a text block)
+        creq.grammar = json_grammar(state, output_schema, "output_config.format.schema")
     return creq, model, get_bool(body, "stream", False), shown
 
 
@@ -449,9 +468,9 @@ class MessageView:
 # --------------------------------------------------------------------------- endpoints
 async def messages(state, request: Request) -> Response:
     body = await state.read_json(request)
-    creq, model, stream, shown = parse_request(body)
+    creq, model, stream, shown = parse_request(body, state=state)
     state.check_model(model)
-    creq.grammar = strict_tool_grammar(state, creq)  # strict tools: their calls follow their schemas
+    creq.grammar = strict_tool_grammar(state, creq)  # strict tools' calls, a forced call, else the format's
     gen = Generation.chat(state, creq, call_id_prefix="toolu_")
     return await state.respond(request, gen, lambda: MessageView(state, gen, model, shown), stream)
 

@@ -2,8 +2,8 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI, `serve.openai_api`),
 POST /v1/responses (OpenAI Responses, `serve.responses_api`), POST /v1/messages and
-/v1/messages/count_tokens (Anthropic, `serve.anthropic_api`), GET /v1/models, GET /health,
-GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+/v1/messages/count_tokens (Anthropic, `serve.anthropic_api`), GET /v1/models, GET /health (and
+/api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
 
 Each API module only translates: its JSON into one internal request (`serve.chat`), and the
 internal events of the `Generation` back into its JSON or SSE (a "view" with `start`, `feed`,
@@ -45,7 +45,7 @@ from starlette.routing import Route
 from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api, openai_api, responses_api
-from .chat import TENANT, Cancelled, Failed, Generation, encode_conversation, tenant_of
+from .chat import TENANT, Cancelled, Failed, Generation, dsml_tokens, encode_conversation, tenant_of
 from .engine import Engine
 from .guard import BrowserGuard
 from .metrics import Metrics
@@ -86,7 +86,9 @@ class ServerConfig:
     speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     speculative_max_batch: int | None = None  # speculate only while at most this many decode (None: always)
     speculative_policy: str = "always"    # "always", or "auto": the kind of step measured faster (serve.speculation)
-    tool_call_grammar: bool = True        # a tool-call block names offered tools only (serve.chat.offered_calls_grammar)
+    # Tool calls kept to what is offered: a block names offered tools only (serve.chat.offered_calls_grammar),
+    # and none opens when no tools are offered (serve.chat.no_calls_sampling). False: --free-tool-calls.
+    tool_call_grammar: bool = True
     kv_disk_dir: str | None = None        # the disk KV cache (serve.kvstore), attached by serve.cli;
                                           # exact-replay records (serve.replay) persist there too
     kv_disk_space_mb: int | None = None
@@ -122,6 +124,8 @@ class AppState:
         self.replay = replay
         self.eos_ids = frozenset(stop_token_ids(model.config, tokenizer))
         self.token_text = TokenText(tokenizer)
+        if config.tool_call_grammar:
+            dsml_tokens(tokenizer)  # the vocabulary decoded once now, not on the first request's time
         self.names = {config.model_name, *config.model_aliases, *config.served_model_names}
         self.created = int(time.time())
 
@@ -474,6 +478,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         endpoint("/v1/models/{name:path}", AppState.model, method="GET", label="/v1/models/{name}"),
         endpoint("/", AppState.root, auth=False, method="GET"),
         endpoint("/health", AppState.health, auth=False, method="GET"),
+        # Interactive Claude Code checks its base URL with HEAD /api/hello at start: answered as /health.
+        endpoint("/api/hello", AppState.health, auth=False, method="GET"),
         endpoint("/metrics", AppState.metrics_text, auth=False, method="GET"),
         endpoint("/tokenize", AppState.tokenize),
         endpoint("/detokenize", AppState.detokenize),

@@ -20,6 +20,9 @@ rest, the same for all of them:
   the rest of the call (an offered tool's name, well-formed parameters);
 * strict tools (`strict_tool_grammar`): a grammar keeps their calls to their schemas, forced
   or not (auto: the content is text, or text then a call block);
+* no tools offered (none given, or tool_choice "none"): no DSML tag is sampled, the tool-call
+  opener first (`no_calls_sampling`), reasoning included, whatever `logit_bias` says: a call
+  the server would have to drop is never begun, so the model writes text instead;
 * the finish: "end" (EOS), "stop_sequence", "length" or "tool_calls", and the usage.
 
 Events: `Token` (one sampled token: logprobs, id), `Text` (reasoning or content), `Call`,
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ds4_torch.chat_encoding import (
-    INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN,
+    DSML, INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN,
     TOOL_CALLS_SEPARATOR, render_assistant_completion, render_prompt_parts, USER, ASSISTANT,
 )
 from ds4_torch.json_schema import validate_json_schema
@@ -279,6 +282,49 @@ def _offered(creq: ChatRequest) -> list[dict]:
     return [] if creq.tool_choice.mode == "none" else creq.tools  # "none": the model is offered no tools
 
 
+def dsml_tokens(tokenizer) -> tuple[tuple[int, ...], bool]:
+    """(every token whose text holds a DSML tag name (`｜DSML｜`: the tool-call block's tags, its
+    invoke and parameter tags, open or closed), whether one of them holds the whole block opener
+    `<｜DSML｜tool_calls>`). Found by decoding the vocabulary once per tokenizer (the server does
+    it at start), so any token that spells a tag counts, not only the tokenizer's added ones. No
+    token holds the opener when it takes several tokens (a byte tokenizer, a vocabulary without
+    DSML tokens)."""
+    cached = getattr(tokenizer, "_ds4_dsml_tokens", None)
+    if cached is None:
+        texts = {i: _token_text(tokenizer, i) for i in range(tokenizer.vocab_size)}
+        ids = tuple(i for i, text in texts.items() if DSML in text)
+        cached = ids, any(TOOL_CALLS_OPEN in texts[i] for i in ids)
+        try:
+            tokenizer._ds4_dsml_tokens = cached
+        except AttributeError:  # a tokenizer that takes no attributes: found again next time
+            pass
+    return cached
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    try:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    except TypeError:
+        return tokenizer.decode([token_id])
+
+
+def no_calls_sampling(state, creq: ChatRequest) -> tuple[SamplingParams, list[str]]:
+    """The sampling settings of a chat request, and the stop strings the server adds (not the
+    client's). With no tools offered (none given, or tool_choice "none") a tool call could only be
+    dropped, and any DSML tag is markup out of place, dropped too: the model must not begin
+    either. The tokens that spell DSML tags, the block opener first, are forbidden
+    (`SamplingParams.forbidden_token_ids`: masked like a grammar's, before `logit_bias`, in
+    reasoning and content). A tokenizer with no token holding the opener (it takes several)
+    stops the reply where the opener would begin instead. Off with `--free-tool-calls`."""
+    if not state.config.tool_call_grammar or _offered(creq):
+        return creq.sampling, []
+    tags, opener_masked = dsml_tokens(state.tokenizer)
+    sampling = creq.sampling
+    if tags:
+        sampling = dataclasses.replace(sampling, forbidden_token_ids=(*sampling.forbidden_token_ids, *tags))
+    return sampling, [] if opener_masked else [TOOL_CALLS_OPEN]
+
+
 def chat_prompt(state, creq: ChatRequest, counting: bool = False) -> list[int]:
     """The prompt ids of a chat request; 400 naming the messages when they cannot be rendered,
     or (unless only `counting` them) when their text alone cannot fit the context, which is known
@@ -353,7 +399,7 @@ class Generation:
                  logprobs: int | None, ignore_eos: bool, parse: bool, thinking: bool = False,
                  schemas: dict | None = None, tool_choice: ToolChoice = ToolChoice(), call_id_prefix: str = "call_",
                  grammar=None, prompt_logprobs: int | None = None, after_trigger=None,
-                 parallel_tool_calls: bool = True):
+                 parallel_tool_calls: bool = True, server_stops: tuple[str, ...] = ()):
         self.state = state
         self.choice = 0                      # its index among the choices of a response
         self.grammar = grammar               # what the content (after any reasoning) follows
@@ -364,6 +410,8 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.sampling, self.stop, self.logprobs, self.ignore_eos = sampling, stop, logprobs, ignore_eos
+        # Stop strings of the server's (no_calls_sampling), not the client's: one ends the reply as EOS would.
+        self.server_stops = tuple(s for s in server_stops if s not in stop)
         self.thinking, self.schemas, self.tool_choice = thinking, schemas, tool_choice
         self.call_id_prefix = call_id_prefix
         self.tenant = TENANT.get()
@@ -407,13 +455,14 @@ class Generation:
         boundaries = tuple(sorted({*starts, *hint_positions(state.tokenizer, creq, ids)}))
         max_tokens = fit_context(len(ids), creq.max_tokens, state.config.ctx, prompt_param=creq.messages_param)
         after_trigger = offered_calls_grammar(state, creq)
+        sampling, server_stops = no_calls_sampling(state, creq)
         gens = []
         for i in range(n):
-            gen = cls(state, ids, max_tokens, sampling=creq.sampling.for_choice(i), stop=creq.stop,
+            gen = cls(state, ids, max_tokens, sampling=sampling.for_choice(i), stop=creq.stop,
                       logprobs=creq.logprobs, ignore_eos=creq.ignore_eos, parse=True, thinking=creq.thinking,
                       schemas=schemas if tools else None, tool_choice=creq.tool_choice,
                       call_id_prefix=call_id_prefix, grammar=creq.grammar, after_trigger=after_trigger,
-                      parallel_tool_calls=creq.parallel_tool_calls)
+                      parallel_tool_calls=creq.parallel_tool_calls, server_stops=tuple(server_stops))
             gen.usage.prompt_tokens = len(ids)
             gen.boundaries = boundaries
             gens.append(gen)
@@ -437,7 +486,8 @@ class Generation:
 
     def _request(self, prompt_ids: list[int], max_tokens: int, stop: list[str], grammar=None,
                  prompt_logprobs: int | None = None) -> GenRequest:
-        req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=stop, logprobs=self.logprobs,
+        req = GenRequest(prompt_ids, max_tokens, sampling=self.sampling, stop=[*stop, *self.server_stops],
+                         logprobs=self.logprobs,
                          ignore_eos=self.ignore_eos, grammar=grammar, prompt_logprobs=prompt_logprobs,
                          after_trigger=self.after_trigger if grammar is None else None,
                          emit=self.channel.push, tenant=self.tenant, boundaries=self.boundaries)
@@ -586,6 +636,8 @@ class Generation:
         if req.finish_reason == "stop" and not ended_by_eos:
             rest = self.tokenizer.decode(req.generated)[len(req.text):]
             stop_hit = next((s for s in req.stop if rest.startswith(s)), None)
+            if stop_hit in self.server_stops:  # the server's own: the reply ends as at EOS
+                stop_hit = None
         out_of_room = req.finish_reason == "length" and self.reserved > 0  # only phase 1's budget is spent
         if self.two_phase and len(self.requests) == 1 and (ended_by_eos or out_of_room or (
                 stop_hit == THINK_END and THINK_END not in self.stop)):

@@ -41,9 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "auto: only in the steps where it measured faster than plain decoding (per batch size, "
                         "re-checked every 32 steps; the tokens are the same either way)")
     p.add_argument("--free-tool-calls", action="store_true",
-                   help="do not constrain tool-call blocks: by default, once the model opens one, its calls may "
-                        "only name offered tools and the parameters each declares (a model's call to another "
-                        "tool would be dropped)")
+                   help="do not keep tool calls to what is offered: by default, once the model opens a "
+                        "tool-call block its calls may only name offered tools and the parameters each declares, "
+                        "and with no tools offered (or tool_choice none) the model cannot open a block at all "
+                        "(a call it wrote anyway would be dropped)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,

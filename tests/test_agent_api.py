@@ -27,6 +27,7 @@ from ds4_torch.output_parser import parse_output
 from serve.app import ServerConfig, create_app
 from serve.kvstore import KVStore
 from serve.background import BackgroundServer
+from serve.chat import dsml_tokens
 
 from helpers import metric
 
@@ -83,16 +84,18 @@ def claude(srv):
     return anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
 
 
-def greedy_ids(model, tok, ids, tools=None, thinking=False, n=96):
-    """The model's own greedy reply to prompt `ids`: (parsed, token ids with the EOS)."""
-    tokens = list(generate(model, ids, n, eos_token_id=tok.eos_token_id))
+def greedy_ids(model, tok, ids, tools=None, thinking=False, n=96, forbidden=()):
+    """The model's own greedy reply to prompt `ids`: (parsed, token ids with the EOS); `forbidden`
+    tokens never drawn."""
+    tokens = list(generate(model, ids, n, eos_token_id=tok.eos_token_id, forbidden_token_ids=forbidden))
     text = tok.decode([t for t in tokens if t != tok.eos_token_id])
     return parse_output(text, thinking=thinking, tools=tools), tokens
 
 
-def greedy(model, tok, messages, tools=None, thinking=False, n=96):
+def greedy(model, tok, messages, tools=None, thinking=False, n=96, forbidden=()):
     """The model's own greedy reply to `messages`, parsed (the library, not the server)."""
-    return greedy_ids(model, tok, tok.encode_chat(messages, tools=tools, thinking=thinking), tools, thinking, n)[0]
+    return greedy_ids(model, tok, tok.encode_chat(messages, tools=tools, thinking=thinking), tools, thinking, n,
+                      forbidden)[0]
 
 
 def replayed_prompt(tok, messages, prompt_ids, reply_ids, tools=None, thinking=False):
@@ -197,12 +200,14 @@ def test_chat_streaming_equals_non_streaming(oai, thinking):
 def test_tool_choice(oai, model, tok):
     hello = [{"role": "user", "content": "Hello!"}]
     kw = dict(model=MODEL, temperature=0, max_tokens=64)
-    # none: no tools are offered, so the reply is the greedy reply to the chat without tools; a
-    # call the model writes anyway (it does: its drills had no tools section) is kept out of the text.
+    # none: no tools are offered, so the reply is the greedy reply to the chat without tools, with
+    # the DSML tags' tokens forbidden (serve.chat.no_calls_sampling): left alone the model calls
+    # anyway (its drills had no tools section), a call the server could only drop.
     r = oai.chat.completions.create(messages=[{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS,
                                     tool_choice="none", **kw)
-    want = greedy(model, tok, [{"role": "user", "content": QUESTION}])
-    assert want.tool_calls
+    assert greedy(model, tok, [{"role": "user", "content": QUESTION}]).tool_calls
+    want = greedy(model, tok, [{"role": "user", "content": QUESTION}], forbidden=dsml_tokens(tok)[0])
+    assert not want.tool_calls
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
     assert (r.choices[0].message.content or "") == want.content and markup_free(r.choices[0].message.content)
     # required: even a greeting gets a tool call.

@@ -28,12 +28,14 @@ MARKUP = ("｜DSML｜", "<｜", "<think>", "</think>", "<tool_result>", "</tool_
 CLIENTS_DIR = Path(os.environ.get("DS4_CLIENTS_DIR", Path.home() / ".cache" / "ds4_torch" / "clients"))
 
 
-def _missing() -> str | None:
+def _missing(interactive: bool = False) -> str | None:
     if os.geteuid() != 0:
         return "needs root for `unshare -n`"
-    for tool in ("unshare", "npm", "node", "ip"):
+    for tool in ("unshare", "npm", "node", "ip") + (("tmux",) if interactive else ()):
         if shutil.which(tool) is None:
             return f"needs {tool}"
+    if interactive:
+        return None
     try:
         import mcp  # noqa: F401 - the MCP weather server's package
     except ImportError:
@@ -56,3 +58,22 @@ def test_claude_code_and_codex_complete_with_2xx_and_no_markup(tmp_path, tp):
     for e in exchanges:
         assert 200 <= e["status"] < 300, (e["path"], e["status"], e["response"][:1000])
         assert not [m for m in MARKUP if m in e["response"]], (e["path"], e["response"][-2000:])
+
+
+@pytest.mark.skipif(_missing(interactive=True) is not None, reason=str(_missing(interactive=True)))
+def test_interactive_claude_code_gets_2xx_and_a_reply(tmp_path):
+    """Interactive Claude Code (no -p) in tmux, started as the README says: ANTHROPIC_AUTH_TOKEN
+    and the first-run ~/.claude.json (`drive.claude_first_run_config`). Every request it sends
+    (its structured-output and title requests too) gets a 2xx with no markup, and the pane shows
+    the prompt and a reply after it."""
+    out = tmp_path / "run"
+    cmd = ["unshare", "-n", sys.executable, str(HERE / "clients" / "drive.py"), "--clients-dir", str(CLIENTS_DIR),
+           "--out", str(out), "--clients", "claude-interactive", "--timeout", "1800"]
+    subprocess.run(cmd, check=True, timeout=3000)
+    results = json.loads((out / "result.json").read_text())
+    exchanges = [json.loads(line) for line in (out / "proxy.jsonl").read_text().splitlines()]
+    assert [e for e in exchanges if e["method"] == "POST" and e["path"] == "/v1/messages"]
+    for e in exchanges:
+        assert 200 <= e["status"] < 300, (e["path"], e["status"], e["response"][:1000])
+        assert not [m for m in MARKUP if m in e["response"]], (e["path"], e["response"][-2000:])
+    assert [(r["client"], r["status"]) for r in results] == [("claude-interactive", 0)], results[0]["stdout"]

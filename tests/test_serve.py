@@ -19,6 +19,7 @@ from ds4_torch.generation import generate
 from ds4_torch.tokenizer import StreamDecoder
 from serve.app import ServerConfig, create_app
 from serve.background import BackgroundServer
+from serve.chat import dsml_tokens
 from helpers import metric
 
 MODEL = "ds4-default"
@@ -47,10 +48,10 @@ def client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def expected(model, tok, ids, n, eos=None):
+def expected(model, tok, ids, n, eos=None, forbidden=()):
     """Greedy tokens and text as `ds4_torch.generate` gives them for the same prompt (no EOS stop
-    unless `eos`: requests that compare with it send `ignore_eos`)."""
-    tokens = list(generate(model, ids, n, prefill_chunk=CHUNK, eos_token_id=eos))
+    unless `eos`: requests that compare with it send `ignore_eos`; `forbidden` tokens never drawn)."""
+    tokens = list(generate(model, ids, n, prefill_chunk=CHUNK, eos_token_id=eos, forbidden_token_ids=forbidden))
     sd = StreamDecoder(tok)
     eos = {eos} if isinstance(eos, int) else set(eos or ())
     text = "".join(sd.push(t) for t in tokens if t not in eos) + sd.flush()  # EOS adds no text
@@ -63,6 +64,8 @@ def test_models_health_metrics(srv, client):
     assert [m.id for m in models.data] == [MODEL]
     r = httpx.get(srv.url + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # Interactive Claude Code's connectivity check at start (HEAD, as it sends it).
+    assert httpx.head(srv.url + "/api/hello").status_code == 200
     text = httpx.get(srv.url + "/metrics").text
     for name in ("ds4_requests_total", "ds4_prompt_tokens_total", "ds4_cached_prompt_tokens_total",
                  "ds4_generated_tokens_total", "ds4_prefill_chunks_total", "ds4_prefill_aborted_total",
@@ -75,15 +78,16 @@ def test_models_health_metrics(srv, client):
 def test_chat_greedy_matches_generate(srv, client, model, tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be, or not to be"}]
     ids = tok.encode_chat(messages)
-    tokens, text = expected(model, tok, ids, 24)
+    # No tools offered: the model's greedy text would open a call block; the server forbids the
+    # DSML tags' tokens (serve.chat.no_calls_sampling), so it is generate's with them forbidden.
+    assert "<｜DSML｜tool_calls>" in expected(model, tok, ids, 24)[1]
+    tokens, text = expected(model, tok, ids, 24, forbidden=dsml_tokens(tok)[0])
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
                                        logprobs=True, top_logprobs=2,
                                        extra_body={"return_token_ids": True, "ignore_eos": True})
     c = r.choices[0]
-    # The greedy text begins a call block that the length cuts: no markup of it reaches the content.
-    opener = "\n\n<｜DSML｜tool_calls>"
-    assert opener in text
-    assert c.message.content == text[:text.index(opener)] and c.message.role == "assistant"
+    assert "｜DSML｜" not in text
+    assert c.message.content == text and c.message.role == "assistant"
     assert c.finish_reason == "length"
     assert c.token_ids == tokens
     assert [e.token for e in c.logprobs.content] == [tok.decode([t], skip_special_tokens=False) for t in tokens]
@@ -98,7 +102,7 @@ def test_chat_greedy_matches_generate(srv, client, model, tok):
                                             extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text[:text.index(opener)]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
     # The same prompt again (a regenerate): its end was checkpointed, nothing is prefilled again.
@@ -112,9 +116,9 @@ def test_eos_stops_like_generate(srv, client, model, tok, monkeypatch):
     plays EOS here."""
     messages = [{"role": "user", "content": "Speak, what say you?"}]
     ids = tok.encode_chat(messages)
-    free, _ = expected(model, tok, ids, 24)
+    free, _ = expected(model, tok, ids, 24, forbidden=dsml_tokens(tok)[0])
     eos = free[3]
-    tokens, text = expected(model, tok, ids, 24, eos=eos)
+    tokens, text = expected(model, tok, ids, 24, eos=eos, forbidden=dsml_tokens(tok)[0])
     assert tokens[-1] == eos and len(tokens) <= 4
     monkeypatch.setattr(srv.app.state.engine, "eos_ids", frozenset({eos}))
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,

@@ -10,7 +10,13 @@ It brings the loopback interface up, starts the server and a logging proxy in fr
 
 * ``claude -p "List the files in this directory."`` with only ANTHROPIC_BASE_URL and a key set;
 * ``codex exec "What is the weather in Paris?"`` with the README's provider config and one stdio
-  MCP server (`weather_mcp.py`).
+  MCP server (`weather_mcp.py`);
+* ``claude-interactive`` (not run by default): interactive Claude Code (no ``-p``) in a tmux
+  session, as a user runs it: ANTHROPIC_AUTH_TOKEN (interactive mode asks before using an
+  ANTHROPIC_API_KEY, and shows "Not logged in" until then) and a first-run ``~/.claude.json``
+  marking onboarding done and the folder trusted (`claude_first_run_config`); the prompt is
+  typed with send-keys, and the turn is over once the proxy has been idle and the pane no
+  longer shows Claude Code working. The pane is kept in OUT (``claude-interactive-pane.txt``).
 
 OUT gets ``proxy.jsonl`` (every request and response body as the client saw it), each client's
 output and exit status in ``result.json``, and the server's log. `install_clients(DIR)` installs
@@ -36,18 +42,20 @@ CLAUDE_CODE_VERSION = "2.1.330"
 CODEX_VERSION = "0.169.0"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-PROMPTS = {"claude": "List the files in this directory.", "codex": "What is the weather in Paris?"}
+PROMPTS = {"claude": "List the files in this directory.", "codex": "What is the weather in Paris?",
+           "claude-interactive": "Hello! What can you do?"}
 QUIET_CLAUDE = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                 "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
-def install_clients(clients_dir: str) -> None:
-    """The pinned Claude Code and Codex CLIs in `clients_dir` (npm; skipped when present)."""
-    bins = [os.path.join(clients_dir, "node_modules", ".bin", b) for b in ("claude", "codex")]
-    if all(os.path.exists(b) for b in bins):
+def install_clients(clients_dir: str, codex: bool = True) -> None:
+    """The pinned Claude Code (and Codex) CLIs in `clients_dir` (npm; skipped when present)."""
+    packages = {"claude": f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"}
+    if codex:
+        packages["codex"] = f"@openai/codex@{CODEX_VERSION}"
+    if all(os.path.exists(os.path.join(clients_dir, "node_modules", ".bin", b)) for b in packages):
         return
-    subprocess.run(["npm", "install", "--prefix", clients_dir, "--no-audit", "--no-fund",
-                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}", f"@openai/codex@{CODEX_VERSION}"],
+    subprocess.run(["npm", "install", "--prefix", clients_dir, "--no-audit", "--no-fund", *packages.values()],
                    check=True, stdout=subprocess.DEVNULL)
 
 
@@ -82,7 +90,111 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float, run: int = 0) -> dict:
+def claude_first_run_config(work: str) -> dict:
+    """`~/.claude.json` for a first interactive run against a local server: onboarding (theme,
+    login method, security notes) marked done, and `work` trusted (else a trust dialog waits)."""
+    return {"hasCompletedOnboarding": True, "theme": "dark",
+            "projects": {work: {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True}}}
+
+
+def _tmux(sock: str, *args: str, env: dict | None = None) -> str:
+    return subprocess.run(["tmux", "-L", sock, *args], capture_output=True, text=True, env=env,
+                          check=True).stdout
+
+
+def _in_flight(server_url: str) -> float:
+    """Requests the server is working on or holds in its queue (its /metrics)."""
+    with urllib.request.urlopen(server_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("ds4_requests_running ", "ds4_queue_depth ")))
+
+
+# A dialog waiting for the user (a tool's permission, a notice): answered with Escape, which
+# declines it (a weak model's tool calls are not run as root here).
+DIALOGS = ("Esc to cancel", "Do you want to proceed?")
+REPLY_MARKS = ("●", "⏺")  # how Claude Code starts each reply line (text or a tool use)
+
+
+def run_claude_interactive(bin_dir: str, proxy_url: str, out: str, timeout: float, run: int = 0,
+                           server_url: str | None = None) -> dict:
+    """Interactive Claude Code in tmux: start it, type the prompt, wait for the turn to end (no
+    request in flight at `server_url`, the pane no longer showing Claude Code at work).
+    status 0: the pane shows the prompt and, after it, a reply; else what went wrong."""
+    tag = f"claude-interactive-{run}" if run else "claude-interactive"
+    work, home = os.path.join(out, f"{tag}-work"), os.path.join(out, f"{tag}-home")
+    os.makedirs(work, exist_ok=True)
+    os.makedirs(home, exist_ok=True)
+    with open(os.path.join(work, "main.py"), "w") as f:
+        f.write("print('hello')\n")
+    with open(os.path.join(home, ".claude.json"), "w") as f:
+        json.dump(claude_first_run_config(work), f)
+    # As a user starts it: the two variables alone (no switch for nonessential traffic: its
+    # requests, such as a structured-output one, must be answered too).
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": home, "TERM": "xterm-256color", "LANG": "C.UTF-8",
+           "ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_AUTH_TOKEN": "x"}
+    sock, log = f"ds4-{os.getpid()}-{run}", os.path.join(out, "proxy.jsonl")
+    pane_path = os.path.join(out, f"{tag}-pane.txt")
+    t0 = time.time()
+
+    def pane() -> str:
+        return _tmux(sock, "capture-pane", "-p", "-J", "-t", "claude")
+
+    status, shown = "timeout", ""
+    try:
+        _tmux(sock, "new-session", "-d", "-s", "claude", "-x", "160", "-y", "50", "-c", work,
+              os.path.join(bin_dir, "claude"), env=env)
+        # Ready once the screen stops changing (the input box drawn).
+        last, stable = "", 0
+        while time.time() - t0 < 120 and stable < 3:
+            time.sleep(1)
+            now = pane()
+            stable = stable + 1 if now == last and now.strip() else 0
+            last = now
+        with open(os.path.join(out, f"{tag}-pane-start.txt"), "w") as f:
+            f.write(last)
+        seen = _lines(log)
+        _tmux(sock, "send-keys", "-t", "claude", "-l", PROMPTS["claude-interactive"])
+        time.sleep(1)
+        _tmux(sock, "send-keys", "-t", "claude", "Enter")
+        # The turn is over when, for 15 s, the server had nothing in flight (the proxy logs an
+        # exchange only once it ended), the proxy logged nothing new and the pane no longer says
+        # Claude Code is working ("esc to interrupt").
+        quiet_since, count = time.time(), seen
+        while time.time() - t0 < timeout:
+            time.sleep(2)
+            shown = pane()
+            if any(d in shown for d in DIALOGS):
+                _tmux(sock, "send-keys", "-t", "claude", "Escape")
+                quiet_since = time.time()
+                continue
+            now = _lines(log)
+            busy = "esc to interrupt" in shown or (server_url is not None and _in_flight(server_url) > 0)
+            if now != count or busy:
+                count, quiet_since = now, time.time()
+            if count > seen and time.time() - quiet_since > 15:
+                after = shown.split(PROMPTS["claude-interactive"], 1)
+                replied = len(after) == 2 and any(m in after[1] for m in REPLY_MARKS)
+                status = 0 if replied else "no reply in the pane"
+                break
+    except (subprocess.CalledProcessError, OSError) as e:
+        status = f"tmux: {e}"
+    finally:
+        try:
+            shown = pane()
+        except (subprocess.CalledProcessError, OSError):
+            pass
+        with open(pane_path, "w") as f:
+            f.write(shown)
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    return {"client": "claude-interactive", "run": run, "status": status, "seconds": round(time.time() - t0, 1),
+            "stdout": shown, "stderr": ""}
+
+
+def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float, run: int = 0,
+               server_url: str | None = None) -> dict:
+    if name == "claude-interactive":
+        return run_claude_interactive(bin_dir, proxy_url, out, timeout, run, server_url)
     tag = f"{name}-{run}" if run else name
     work = os.path.join(out, f"{tag}-work")
     home = os.path.join(out, f"{tag}-home")
@@ -129,7 +241,7 @@ def _lines(path: str) -> int:
 
 def judge_loop(name: str, exchanges: list[dict], out: str, run: int) -> dict:
     tag = f"{name}-{run}" if run else name
-    if name == "claude":
+    if name.startswith("claude"):
         return claude_loop(exchanges)
     calls_path = os.path.join(out, f"{tag}-weather_calls.jsonl")
     return codex_loop(exchanges, _entries(calls_path))
@@ -142,7 +254,8 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--ctx", type=int, default=None)
     p.add_argument("--tp", type=int, default=1, help="serve with torchrun --nproc-per-node N (gloo)")
-    p.add_argument("--clients", nargs="+", default=["claude", "codex"], choices=["claude", "codex"])
+    p.add_argument("--clients", nargs="+", default=["claude", "codex"],
+                   choices=["claude", "codex", "claude-interactive"])
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per client run")
     p.add_argument("--serve-args", default="", help="more arguments for the server, one string (e.g. "
                                                        "'--speculative-tokens 2')")
@@ -153,7 +266,7 @@ def main() -> int:
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    install_clients(a.clients_dir)
+    install_clients(a.clients_dir, codex="codex" in a.clients)
     port, proxy_port = _free_port(), _free_port()
     serve = ["serve", "--port", str(port)] + (["--model", a.model] if a.model else []) + \
         (["--ctx", str(a.ctx)] if a.ctx else []) + shlex.split(a.serve_args)
@@ -177,7 +290,8 @@ def main() -> int:
         for run in range(1, a.runs + 1) if a.runs > 1 else [0]:
             for name in a.clients:
                 seen = _lines(log)
-                result = run_client(name, bin_dir, f"http://127.0.0.1:{proxy_port}", a.out, a.timeout, run)
+                result = run_client(name, bin_dir, f"http://127.0.0.1:{proxy_port}", a.out, a.timeout, run,
+                                    server_url=f"http://127.0.0.1:{port}")
                 time.sleep(1)  # the proxy writes an exchange once its response has ended
                 result["loop"] = judge_loop(name, _entries(log)[seen:], a.out, result["run"])
                 result["completed_loop"] = completed(result["loop"])
