@@ -178,20 +178,19 @@ def _api_key(keys: list[str]) -> str | tuple[str, ...]:
     return keys[0] if len(keys) == 1 else tuple(keys)
 
 
-def attach_kv_store(app, args):
-    """Give the app's engine a disk KV store when `--kv-disk-dir` is set (its metrics go to the
-    app's registry). Returns the store, or None."""
+def attach_kv_store(engine, args):
+    """Give `engine` (an `Engine`) a disk KV store when `--kv-disk-dir` is set (its metrics go to
+    the engine's registry). Returns the store, or None."""
     from .kvstore import KVStore
 
     if args.kv_disk_dir is None:
         if args.kv_disk_space_mb is not None:
             raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
         return None
-    engine = app.state.engine
     try:
         store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,
                         dtype=engine.resident.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
-                        registry=app.state.metrics.registry)
+                        registry=engine.metrics.registry)
     except (OSError, RuntimeError) as e:
         raise UserError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e
     engine.kv_store = store
@@ -245,7 +244,7 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
 
     # Exact-replay records go to the KV directory only once its lock is this process's.
     app = create_app(model, tokenizer, config, peers=peers, replay=ReplayStore())
-    store = attach_kv_store(app, args)
+    store = attach_kv_store(app.state.engine, args)
     if store is not None:
         app.state.replay.max_disk_bytes = store.budget // REPLAY_SHARE
         app.state.replay.open_directory(args.kv_disk_dir)
