@@ -16,6 +16,7 @@ REPLAY_SHARE = 8  # the exact-replay records may take 1/8 of --kv-disk-space-mb 
 KV_DISK_DEFAULT_EVERY = 512
 KV_DISK_DEFAULT_MIN_TOKENS = 32
 API_KEY_ENV = "DS4_TORCH_API_KEY"
+SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -87,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="browser origins given CORS headers (repeatable; none by default)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
+    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="process (default): the engine (scheduler, model, sessions, disk KV store) runs in a "
+                        "process of its own, so HTTP, tokenizing and detokenizing never take its CPU or GIL; "
+                        "thread: on a thread of the server's process (with --tp always)")
     add_tp_argument(p)
     p.add_argument("--tp-timeout", type=positive_float, default=None, metavar="S",
                    help="with --tp: seconds any collective may wait for the other ranks; a rank that dies or hangs "
@@ -203,6 +208,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
+    if args.tp == 1 and args.engine_core == "process":
+        return serve_with_core(args)
     if args.tp == 1:
         return serve(args, *load(args))
     return run_tensor_parallel(args)
@@ -272,6 +279,64 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
     if not server.started:
         return 3
     return 1 if peers is not None and peers.broken is not None else 0
+
+
+def serve_with_core(args) -> int:
+    """Serve with the engine core in a process of its own (serve.core): this process loads only
+    the tokenizer and runs the HTTP side. 0 after a clean shutdown (Ctrl-C, SIGTERM: the core
+    drains and saves first), 1 when the core died (every open request answered 503), 2 when it
+    refused the flags, 3 when the server could not start."""
+    import types
+
+    import uvicorn
+
+    from .app import HTTP_PARSER, create_app
+    from .client import CoreClient
+    from .core import spawn_core
+    from .replay import ReplayStore
+
+    tokenizer = load_model_tokenizer(args.model)
+    model_config = load_config(args.model)
+    check_tokenizer_vocabulary(tokenizer, model_config.vocab_size, args.allow_vocab_mismatch)
+    core = spawn_core(args)
+    try:
+        client = CoreClient.connect(core, tokenizer)
+    except (OSError, RuntimeError) as e:
+        core.wait(SHUTDOWN_WAIT_S)
+        raise UserError(str(e)) from None
+    config = client.config
+    app = create_app(types.SimpleNamespace(config=model_config), tokenizer, config, replay=ReplayStore(),
+                     engine=client)
+    if client.info["kv_budget"] is not None:  # the core holds the KV directory's lock: the server's
+        app.state.replay.max_disk_bytes = client.info["kv_budget"] // REPLAY_SHARE
+        app.state.replay.open_directory(args.kv_disk_dir)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
+                                               args.host)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                          access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
+    lost = []
+
+    def end(reason: str) -> None:  # the core died: its requests have their 503s; the server ends
+        lost.append(reason)
+        server.should_exit = True
+
+    client.on_lost = end
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if not server.started:
+            client.stop()
+        status = core.wait(SHUTDOWN_WAIT_S)
+    if not server.started:
+        return 3
+    if lost:
+        logging.getLogger("ds4.serve").error("the engine core process died (%s; exit status %s); the server exits",
+                                             lost[0], status)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
