@@ -17,10 +17,12 @@ closes has its requests cancelled (their sessions keep what was computed).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +150,15 @@ class EngineCore:
         engine.output = self.output
         self._count = 0
 
+    def start(self, config=None, kv_budget: int | None = None) -> None:
+        """Start the engine and wait for its warm-up (API processes are greeted once it is warm)."""
+        engine = self.engine
+        engine.start()
+        while not engine.warm and engine.alive:
+            time.sleep(0.01)
+        self.info.update(config=config, describe=engine.describe(),
+                         vocab_size=engine.model.config.vocab_size, kv_budget=kv_budget, pid=os.getpid())
+
     def serve(self) -> None:
         """Accept API processes until asked to stop (by one of them or SIGTERM); then drain."""
         threading.Thread(target=self._accept, name="ds4-core-accept", daemon=True).start()
@@ -269,6 +280,31 @@ class EngineCore:
         raise ValueError(f"unknown call {name!r}")
 
 
+@contextlib.contextmanager
+def threaded_core(engine: Engine, tokenizer, config=None):
+    """`engine` served by an `EngineCore` on threads of this process, over a real Unix socket:
+    yields a connected `serve.client.CoreClient` (tests: the wire path without a second process;
+    `engine` is still at hand to inspect)."""
+    from .client import CoreClient
+
+    directory = tempfile.mkdtemp(prefix="ds4-core-")
+    address, authkey = os.path.join(directory, "core.sock"), secrets.token_bytes(32)
+    listener = Listener(address, "AF_UNIX", authkey=authkey)
+    core = EngineCore(engine, listener, {})
+    core.start(config)
+    thread = threading.Thread(target=core.serve, name="ds4-core", daemon=True)
+    thread.start()
+    conn = Client(address, "AF_UNIX", authkey=authkey)
+    client = CoreClient(conn, loads(conn.recv_bytes())[1], tokenizer)
+    try:
+        yield client
+    finally:
+        core.stopping.set()
+        thread.join(60)
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------- the process
 @dataclass
 class CoreProcess:
@@ -298,6 +334,8 @@ class CoreProcess:
             log.warning("engine core: did not exit within %.0f s; killing it", timeout)
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)
 
 
 def spawn_core(args) -> CoreProcess:
@@ -331,12 +369,8 @@ def main() -> int:
     except UserError as e:
         _refuse(listener, str(e))
         return 2
-    engine.start()
-    while not engine.warm and engine.alive:
-        time.sleep(0.01)
-    info = dict(config=config, describe=engine.describe(), vocab_size=model.config.vocab_size,
-                kv_budget=None if store is None else store.budget, pid=os.getpid())
-    core = EngineCore(engine, listener, info)
+    core = EngineCore(engine, listener, {})
+    core.start(config, kv_budget=None if store is None else store.budget)
     signal.signal(signal.SIGTERM, lambda *_: core.stopping.set())
     core.serve()
     listener.close()
