@@ -153,8 +153,9 @@ class CoreClient:
             return 0
 
     def timing(self) -> dict:
-        """The core's engine-thread times (bench serve)."""
-        return self._call("call", "timing")
+        """The core's `Engine.timing()`, and `api_cpu_s`: this process's reader thread (the
+        output part, detokenizing), in CPU seconds (bench serve)."""
+        return {**self._call("call", "timing"), "api_cpu_s": self.cpu_s}
 
     def idle(self) -> bool:
         return not self.requests and self._call("call", "idle")

@@ -279,6 +279,17 @@ class Engine:
         """The Prometheus exposition of the engine's metrics (the app's registry: one process)."""
         return self.metrics.render()
 
+    def timing(self) -> dict:
+        """Counters `bench serve` takes differences of: CPU seconds of the engine thread outside the
+        model and sampler (`host_cpu_s`) and of the output part, sequences x decode steps, decode
+        iterations and the seconds of their parts, speculative verify steps and their tokens."""
+        m = self.metrics
+        return dict(host_cpu_s=self.host_cpu_s, output_cpu_s=self.output.cpu_s, decode_rows=self.decode_rows,
+                    steps=m.value("ds4_step_seconds_count", part="model"),
+                    **{f"{p}_s": m.value("ds4_step_seconds_sum", part=p) for p in ("model", "sampling", "host")},
+                    verify_steps=m.value("ds4_spec_verify_steps_total"),
+                    emitted_tokens=m.value("ds4_spec_emitted_tokens_total"))
+
     # The runner's replica, caches and decoder, read by the app's log line and by tests.
     replica = property(lambda self: self.runner.replica)
     resident = property(lambda self: self.runner.resident)
