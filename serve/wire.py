@@ -1,10 +1,12 @@
 """What travels between an API process (serve.client) and the engine core (serve.core).
 
 One connection per API process: a Unix socket (`multiprocessing.connection`, authenticated with
-a per-server key), each message one pickled tuple. Measured against pyzmq (PUSH/PULL over ipc)
-with the same messages (`bench_transport`): the round trip of a 16-token step message costs
-about the same, and a closed connection tells each side at once that the other process died,
-which ZMQ does not; so no new dependency.
+a per-server key), each message one pickled tuple. Measured against pyzmq 27.3 (PAIR over ipc)
+with msgpack 1.2.4 or pickle, between two processes, a step message of 16 token records and its
+ack: 45 us round trip and 13 us of the sender's CPU here, against 150 us / 27 us (zmq+msgpack)
+and 141 us / 25 us (zmq+pickle); 64 records: 84 / 19 against 223 / 46 and 181 / 35. And a closed
+connection tells each side at once that the other process died, which ZMQ does not. So no new
+dependency.
 
 API process -> core:
   ("submit", call, [request bytes], continuation)   answered ("reply", call, None | error)
