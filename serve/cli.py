@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="browser origins given CORS headers (repeatable; none by default)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
+    p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
+                   help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
+                        "detokenizes and streams its own requests; not with --engine-core thread)")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="process (default): the engine (scheduler, model, sessions, disk KV store) runs in a "
                         "process of its own, so HTTP, tokenizing and detokenizing never take its CPU or GIL; "
@@ -208,6 +211,9 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
+    if args.api_servers > 1 and (args.engine_core == "thread" or args.tp > 1):
+        raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread "
+                        "nor --tp)")
     if args.tp == 1 and args.engine_core == "process":
         return serve_with_core(args)
     if args.tp == 1:
@@ -283,60 +289,98 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
 
 def serve_with_core(args) -> int:
     """Serve with the engine core in a process of its own (serve.core): this process loads only
-    the tokenizer and runs the HTTP side. 0 after a clean shutdown (Ctrl-C, SIGTERM: the core
-    drains and saves first), 1 when the core died (every open request answered 503), 2 when it
-    refused the flags, 3 when the server could not start."""
+    the tokenizer and runs the HTTP side; with `--api-servers N`, N - 1 more API processes
+    (serve.api_worker) answer on the same port (SO_REUSEPORT), each with its own connection to
+    the core. 0 after a clean shutdown (Ctrl-C, SIGTERM: the other API processes drain, then the
+    core, which saves the conversations), 1 when the core died (every open request answered 503),
+    2 when it refused the flags, 3 when the server could not start."""
+    from .core import spawn_core
+
+    tokenizer, model_config = load_api_side(args)
+    core = spawn_core(args)
+    try:
+        client = connect_core(core, tokenizer, owner=True)
+    except UserError:
+        core.wait(SHUTDOWN_WAIT_S)
+        raise
+    sock = None
+    workers: list = []
+    if args.api_servers > 1:
+        from .api_worker import reuse_port_socket, spawn_api_worker, stop_api_workers
+
+        sock = reuse_port_socket(args.host, args.port)
+        port = sock.getsockname()[1]
+        workers = [spawn_api_worker(args, core, port, number) for number in range(2, args.api_servers + 1)]
+        logging.getLogger("ds4.serve").info("%d API processes answering on http://%s:%d", args.api_servers,
+                                            args.host, port)
+        client.before_stop = lambda: stop_api_workers(workers)
+    try:
+        status = run_api_server(args, client, tokenizer, model_config, sock)
+    finally:
+        if workers:
+            stop_api_workers(workers)
+        core_status = core.wait(SHUTDOWN_WAIT_S)
+    if status == 1:
+        logging.getLogger("ds4.serve").error("the engine core process died (%s; exit status %s); the server exits",
+                                             client.lost, core_status)
+    return status
+
+
+def load_api_side(args):
+    """What an API process loads: the tokenizer and the model's config (not the weights)."""
+    tokenizer = load_model_tokenizer(args.model)
+    model_config = load_config(args.model)
+    check_tokenizer_vocabulary(tokenizer, model_config.vocab_size, args.allow_vocab_mismatch)
+    return tokenizer, model_config
+
+
+def connect_core(core, tokenizer, owner: bool):
+    """A `CoreClient` of `core` (a serve.core.CoreProcess); UserError with the core's reason when
+    it refused to serve. Only the `owner`'s stop drains the core."""
+    from .client import CoreClient
+
+    try:
+        return CoreClient.connect(core, tokenizer, owner=owner)
+    except (OSError, RuntimeError) as e:
+        raise UserError(str(e)) from None
+
+
+def run_api_server(args, client, tokenizer, model_config, sock=None) -> int:
+    """The HTTP side over `client` until interrupted: on `sock` (pre-bound, shared by several API
+    processes) or on --host/--port. 0; 1 when the core died; 3 when it could not start."""
     import types
 
     import uvicorn
 
     from .app import HTTP_PARSER, create_app
-    from .client import CoreClient
-    from .core import spawn_core
     from .replay import ReplayStore
 
-    tokenizer = load_model_tokenizer(args.model)
-    model_config = load_config(args.model)
-    check_tokenizer_vocabulary(tokenizer, model_config.vocab_size, args.allow_vocab_mismatch)
-    core = spawn_core(args)
-    try:
-        client = CoreClient.connect(core, tokenizer)
-    except (OSError, RuntimeError) as e:
-        core.wait(SHUTDOWN_WAIT_S)
-        raise UserError(str(e)) from None
     config = client.config
     app = create_app(types.SimpleNamespace(config=model_config), tokenizer, config, replay=ReplayStore(),
                      engine=client)
     if client.info["kv_budget"] is not None:  # the core holds the KV directory's lock: the server's
         app.state.replay.max_disk_bytes = client.info["kv_budget"] // REPLAY_SHARE
         app.state.replay.open_directory(args.kv_disk_dir)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and client.owner:
         logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
                                                args.host)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                           access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
-    lost = []
 
     def end(reason: str) -> None:  # the core died: its requests have their 503s; the server ends
-        lost.append(reason)
         server.should_exit = True
 
     client.on_lost = end
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:
         pass
     finally:
         if not server.started:
             client.stop()
-        status = core.wait(SHUTDOWN_WAIT_S)
     if not server.started:
         return 3
-    if lost:
-        logging.getLogger("ds4.serve").error("the engine core process died (%s; exit status %s); the server exits",
-                                             lost[0], status)
-        return 1
-    return 0
+    return 1 if client.lost is not None and not client.stopped_by_us else 0
 
 
 def main(argv: list[str] | None = None) -> int:

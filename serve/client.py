@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import socket
 import threading
 import time
 
@@ -40,8 +42,10 @@ class CoreClient:
     retry_after_s = 1
     warm = True   # the core says hello once warm
 
-    def __init__(self, conn, info: dict, tokenizer):
+    def __init__(self, conn, info: dict, tokenizer, owner: bool = True):
         self.conn, self.info, self.tokenizer = conn, info, tokenizer
+        self.owner = owner                              # its stop() drains the core (the others only leave)
+        self.before_stop = lambda: None                 # the owner: the other API processes end first
         self.config = info["config"]
         self.metrics = Metrics()
         self.output = Output(tokenizer, self.metrics)   # not started: runs on the reader thread
@@ -59,18 +63,18 @@ class CoreClient:
         self.cpu_s = 0.0                                # the reader thread's CPU time (bench serve)
 
     @classmethod
-    def connect(cls, core, tokenizer, timeout: float = 600.0) -> "CoreClient":
+    def connect(cls, core, tokenizer, timeout: float = 600.0, owner: bool = True) -> "CoreClient":
         """Connect to a `serve.core.CoreProcess` and wait for its hello (the model loaded and
         warm); RuntimeError with the core's reason when it cannot serve."""
         conn = core.connect(timeout)
         try:
             message = loads(conn.recv_bytes())
         except (EOFError, OSError):
-            raise RuntimeError(f"the engine core process exited while starting (status {core.proc.wait(30)})") \
-                from None
+            status = "unknown" if core.proc is None else core.proc.wait(30)
+            raise RuntimeError(f"the engine core process exited while starting (status {status})") from None
         if message[0] == "fatal":
             raise RuntimeError(message[1])
-        return cls(conn, message[1], tokenizer)
+        return cls(conn, message[1], tokenizer, owner)
 
     # ------------------------------------------------------------------ EngineClient
     @property
@@ -82,9 +86,22 @@ class CoreClient:
             self._reader = threading.Thread(target=self._read, name="ds4-core-client", daemon=True)
             self._reader.start()
 
+    @property
+    def stopped_by_us(self) -> bool:
+        return self._stopping
+
     def stop(self, timeout: float = SHUTDOWN_SAVE_S + 10) -> None:
-        """Ask the core to drain (its requests answered, conversations saved) and wait for it."""
+        """The owner: ask the core to drain (its requests answered, conversations saved) and wait
+        for it; another API process: leave (the core cancels what is still open)."""
+        if self._stopping:
+            return
         self._stopping = True
+        if not self.owner:
+            self._hang_up()
+            if self._reader is not None:
+                self._reader.join(timeout)
+            return
+        self.before_stop()
         try:
             self._send(("shutdown",))
         except CoreLost:
@@ -170,6 +187,15 @@ class CoreClient:
         return merge_metrics(core, local)
 
     # ------------------------------------------------------------------ the connection
+    def _hang_up(self) -> None:
+        """Close the connection both ways: the reader thread, blocked in a read, sees its end."""
+        try:
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        except OSError:
+            pass
+
     def _send(self, message) -> None:
         data = dumps(message)
         with self._send_lock:

@@ -308,7 +308,7 @@ def threaded_core(engine: Engine, tokenizer, config=None):
 @dataclass
 class CoreProcess:
     """A started engine core: the process and where to reach it."""
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None     # None in the API processes it did not start
     address: str
     authkey: bytes
 
@@ -316,7 +316,7 @@ class CoreProcess:
         """A connection to the core (waiting for it to listen); OSError if it died first."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise OSError(f"the engine core process exited with status {self.proc.returncode}")
             try:
                 return Client(self.address, "AF_UNIX", authkey=self.authkey)

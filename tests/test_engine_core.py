@@ -236,3 +236,45 @@ def test_sigterm_drains_and_stops_the_core():
         proc.drain.join(10)
         wait_for(lambda: gone(pid), 10, "the engine core to exit")
     assert "engine core: stopping" in "".join(proc.lines)
+
+
+def test_an_api_process_dying_leaves_the_others_serving():
+    """--api-servers 2: ten streams spread over both processes by the kernel; kill -9 of the second
+    breaks its streams alone, the core cancels exactly those, the first process's streams end
+    normally and new requests are answered; Ctrl-C then ends everything cleanly."""
+    with serve_process("--ctx", "512", "--prefill-chunk", "32", "--max-batch", "10", "--api-servers", "2") as proc:
+        pid = int(re.search(r"API process 2: process (\d+)", "".join(proc.lines)).group(1))
+        wait_for(lambda: "".join(proc.lines).count("Application startup complete") == 2, 60, "both API processes")
+        started, results = concurrent.futures.ThreadPoolExecutor(10), []
+
+        def stream(i):
+            body = {"model": MODEL, "prompt": f"Stream {i}:\n", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True}
+            tokens = 0
+            try:
+                with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            tokens += sum(len(c.get("token_ids") or ()) for c in json.loads(line[6:])["choices"])
+                            if tokens and ("first", i) not in results:
+                                results.append(("first", i))
+            except httpx.HTTPError:
+                return "broken"
+            return tokens
+
+        futures = [started.submit(stream, i) for i in range(10)]
+        wait_for(lambda: len(results) == 10, 60, "every stream's first token")
+        os.kill(pid, signal.SIGKILL)
+        outcomes = [f.result() for f in futures]
+        broken = outcomes.count("broken")
+        assert 1 <= broken <= 9, outcomes  # 2 / 2**10 that the kernel put all ten on one process
+        assert all(o in ("broken", 60) for o in outcomes), outcomes
+        wait_for(lambda: f"API process 2 is gone; cancelling its {broken} request(s)" in "".join(proc.lines), 10,
+                 "the core to cancel the dead process's requests")
+        for _ in range(4):
+            assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+        core = core_pid(proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, "".join(proc.lines)
+        wait_for(lambda: gone(core) and gone(pid), 10, "no process left")
