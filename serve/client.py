@@ -53,6 +53,7 @@ class CoreClient:
         self.on_lost = lambda reason: None
         self.lost: str | None = None
         self._stopping = False
+        self._died = False
         self._send_lock = threading.Lock()
         self._calls: dict[int, list] = {}               # call id -> [event, value, error]
         self._call_ids = itertools.count(1)
@@ -87,8 +88,9 @@ class CoreClient:
             self._reader.start()
 
     @property
-    def stopped_by_us(self) -> bool:
-        return self._stopping
+    def died(self) -> bool:
+        """The core went away without being asked to (the server then exits with status 1)."""
+        return self._died
 
     def stop(self, timeout: float = SHUTDOWN_SAVE_S + 10) -> None:
         """The owner: ask the core to drain (its requests answered, conversations saved) and wait
@@ -308,6 +310,7 @@ class CoreClient:
             error = APIError(503, "the server is shutting down", code="server_shutting_down",
                              headers={"Retry-After": str(self.retry_after_s)})
         else:
+            self._died = True
             log.error("core client: the engine core process is gone (%s); failing %d open request(s)", reason,
                       len(self.requests))
             error = APIError(503, "the engine core process exited; the server is exiting", code="engine_unavailable",

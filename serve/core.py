@@ -357,14 +357,14 @@ def main() -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ds4_torch.runtime import UserError
 
-    from . import cli
+    from . import setup
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the API process drains, then asks
     listener = Listener(payload["address"], "AF_UNIX", authkey=payload["authkey"])
     try:
-        model, tokenizer, config = cli.load(args)
+        model, tokenizer, config = setup.load(args)
         engine = Engine.from_config(model, tokenizer, config)
-        store = cli.attach_kv_store(engine, args)
+        store = setup.attach_kv_store(engine, args)
     except UserError as e:
         _refuse(listener, str(e))
         return 2

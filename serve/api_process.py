@@ -1,7 +1,8 @@
-"""The API processes beyond the first (`serve --api-servers N`): each loads the tokenizer, connects
-to the engine core (serve.core) and answers HTTP on the same port as the others (SO_REUSEPORT: the
-kernel spreads connections over them). `python -m serve.api_worker` runs one; the first API
-process (serve.cli) starts them, and they die with it.
+"""An API process over an engine core (serve.core): the HTTP side (the app, tokenizing,
+detokenizing, SSE) on a `CoreClient` (`run_api_server`). `serve` runs the first itself; with
+`--api-servers N` it starts N - 1 more (`python -m serve.api_process`), each loading the tokenizer,
+connecting to the core and answering on the same port (SO_REUSEPORT: the kernel spreads
+connections over them); they die with the first.
 
 One that dies leaves the others serving: the core cancels its open requests (its connection
 closed). At shutdown the first process ends them (SIGTERM: each drains its HTTP connections)
@@ -16,6 +17,9 @@ import socket
 import subprocess
 import sys
 
+from ds4_torch.runtime import UserError
+
+from .setup import REPLAY_SHARE
 from .wire import dumps, loads
 
 log = logging.getLogger("ds4.serve")
@@ -37,7 +41,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 def spawn_api_worker(args, core, port: int, number: int) -> subprocess.Popen:
     """Start API process `number` on `port` for `core` (a serve.core.CoreProcess)."""
-    proc = subprocess.Popen([sys.executable, "-m", "serve.api_worker"], stdin=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "serve.api_process"], stdin=subprocess.PIPE)
     proc.stdin.write(dumps(dict(args=args, address=core.address, authkey=core.authkey, port=port,
                                 parent=os.getpid(), number=number)))
     proc.stdin.close()
@@ -59,11 +63,58 @@ def stop_api_workers(workers: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def main() -> int:
-    from ds4_torch.runtime import UserError
+def connect_core(core, tokenizer, owner: bool):
+    """A `CoreClient` of `core` (a serve.core.CoreProcess); UserError with the core's reason when
+    it refused to serve. Only the `owner`'s stop drains the core."""
+    from .client import CoreClient
 
-    from .cli import connect_core, load_api_side, run_api_server
+    try:
+        return CoreClient.connect(core, tokenizer, owner=owner)
+    except (OSError, RuntimeError) as e:
+        raise UserError(str(e)) from None
+
+
+def run_api_server(args, client, tokenizer, model_config, sock=None) -> int:
+    """The HTTP side over `client` until interrupted: on `sock` (pre-bound, shared by several API
+    processes) or on --host/--port. 0; 1 when the core died; 3 when it could not start."""
+    import types
+
+    import uvicorn
+
+    from .app import HTTP_PARSER, create_app
+    from .replay import ReplayStore
+
+    config = client.config
+    app = create_app(types.SimpleNamespace(config=model_config), tokenizer, config, replay=ReplayStore(),
+                     engine=client)
+    if client.info["kv_budget"] is not None:  # the core holds the KV directory's lock: the server's
+        app.state.replay.max_disk_bytes = client.info["kv_budget"] // REPLAY_SHARE
+        app.state.replay.open_directory(args.kv_disk_dir)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and client.owner:
+        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
+                                               args.host)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                          access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
+
+    def end(reason: str) -> None:  # the core died: its requests have their 503s; the server ends
+        server.should_exit = True
+
+    client.on_lost = end
+    try:
+        server.run(sockets=None if sock is None else [sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if not server.started:
+            client.stop()
+    if not server.started:
+        return 3
+    return 1 if client.died else 0
+
+
+def main() -> int:
     from .core import CoreProcess, die_with_parent
+    from .setup import load_api_side
 
     payload = loads(sys.stdin.buffer.read())
     die_with_parent(payload["parent"])
