@@ -83,6 +83,7 @@ class CoreOutput:
 
     def __init__(self, core: "EngineCore"):
         self.core = core
+        self.speculating = bool(core.engine.speculative_tokens)  # only then does the engine wait (`flush`)
         self.cpu_s = 0.0
         self._acked = threading.Condition()
 
@@ -107,7 +108,7 @@ class CoreOutput:
             recs = out.setdefault(conn, [])
             if isinstance(rec, Token):
                 recs.append(("t", req.id, rec.token, rec.end, rec.logprob, rec.top, rec.sampled_at))
-                if req.stop and rec.end is None:  # a stop string may end it here: the engine may wait for it
+                if req.stop and rec.end is None and self.speculating:  # the engine may wait for its stop strings
                     ack.add(conn)
             elif isinstance(rec, End):
                 recs.append(("e", req.id, rec.outcome, rec.reason,
