@@ -65,16 +65,27 @@ class APIConnection:
         self.seq = 0
 
     def send(self, message) -> bool:
-        data = dumps(message)
         with self.lock:
-            if not self.alive:
-                return False
-            try:
-                self.conn.send_bytes(data)
-                return True
-            except OSError:  # the API process is gone: its reader thread cancels its requests
-                self.alive = False
-                return False
+            return self._send(dumps(message))
+
+    def send_step(self, records: list, ack: bool) -> None:
+        """One iteration's records, numbered in the order sent (an engine thread's step and a
+        cancel answered on a reader thread may both send)."""
+        with self.lock:
+            self.seq += 1
+            if ack:
+                self.sent_ack = self.seq
+            self._send(dumps(("step", self.seq, ack, records)))
+
+    def _send(self, data: bytes) -> bool:
+        if not self.alive:
+            return False
+        try:
+            self.conn.send_bytes(data)
+            return True
+        except OSError:  # the API process is gone: its reader thread cancels its requests
+            self.alive = False
+            return False
 
 
 class CoreOutput:
@@ -119,10 +130,7 @@ class CoreOutput:
             elif isinstance(rec, PromptLogprobs):
                 recs.append(("p", req.id, [(o.token_id, o.logprob, o.top) for o in rec.outs]))
         for conn, recs in out.items():
-            conn.seq += 1
-            if conn in ack:
-                conn.sent_ack = conn.seq
-            conn.send(("step", conn.seq, conn in ack, recs))
+            conn.send_step(recs, conn in ack)
         self.cpu_s += time.thread_time() - c0
 
     def acked(self, conn: APIConnection, seq: int) -> None:
@@ -205,6 +213,7 @@ class EngineCore:
         conn.alive = False
         with self.lock:
             open_requests = list(conn.requests.values())
+            self.connections.remove(conn)
         if open_requests and not self.stopping.is_set():
             log.warning("engine core: API process %d is gone; cancelling its %d request(s)", conn.number,
                         len(open_requests))
