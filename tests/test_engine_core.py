@@ -278,3 +278,39 @@ def test_an_api_process_dying_leaves_the_others_serving():
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, "".join(proc.lines)
         wait_for(lambda: gone(core) and gone(pid), 10, "no process left")
+
+
+def test_a_message_that_cannot_be_decoded_fails_its_request_alone(model, monkeypatch):
+    """A request the core cannot decode, and a record of another the API process cannot read:
+    each fails alone (500 naming the problem) while a third request beside them is answered."""
+    import serve.core
+    from serve import client as core_client
+
+    decode = serve.core.request_from
+
+    def request_from(data, structured):
+        req = decode(data, structured)
+        if req.prompt_ids[:1] == [7]:
+            raise ValueError("damaged in transit")
+        return req
+
+    monkeypatch.setattr(serve.core, "request_from", request_from)
+    Token = core_client.Token
+
+    def token(req, *fields):  # a record of one request that cannot be read here
+        if req.prompt_ids[:1] == [9]:
+            raise TypeError("unreadable record")
+        return Token(req, *fields)
+
+    monkeypatch.setattr(core_client, "Token", token)
+    with server(model, True) as srv:
+        def complete(first):
+            return post(srv, "/v1/completions", dict(prompt=[first, 20, 30, 40], max_tokens=8, temperature=0,
+                                                     ignore_eos=True, return_token_ids=True))
+
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            bad_request, bad_record, good = ex.map(complete, (7, 9, 11))
+    assert bad_request.status_code == 500 and "could not decode" in bad_request.json()["error"]["message"]
+    assert bad_record.status_code == 500 and "could not be read" in bad_record.json()["error"]["message"]
+    assert good.status_code == 200
+    assert good.json()["choices"][0]["token_ids"] == list(generate(model, [11, 20, 30, 40], 8))
