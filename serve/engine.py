@@ -249,6 +249,11 @@ class Engine:
         self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
         self._iterating = False     # the engine thread is inside an iteration (see idle)
         self.decode_rows = 0        # sequences x decode steps
+        self.prefill_chunks_run = 0
+        # Iterations that only decoded (no prefill chunk beside the step): their count and seconds,
+        # the engine's own step to set against the model's (bench serve).
+        self.decode_only_steps = 0
+        self.decode_only_s = 0.0
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
         self.warm = False
@@ -282,13 +287,15 @@ class Engine:
     def timing(self) -> dict:
         """Counters `bench serve` takes differences of: CPU seconds of the engine thread outside the
         model and sampler (`host_cpu_s`) and of the output part, sequences x decode steps, decode
-        iterations and the seconds of their parts, speculative verify steps and their tokens."""
+        iterations and the seconds of their parts, speculative verify steps and their tokens, and
+        the iterations that only decoded with their seconds."""
         m = self.metrics
         return dict(host_cpu_s=self.host_cpu_s, output_cpu_s=self.output.cpu_s, decode_rows=self.decode_rows,
                     steps=m.value("ds4_step_seconds_count", part="model"),
                     **{f"{p}_s": m.value("ds4_step_seconds_sum", part=p) for p in ("model", "sampling", "host")},
                     verify_steps=m.value("ds4_spec_verify_steps_total"),
-                    emitted_tokens=m.value("ds4_spec_emitted_tokens_total"))
+                    emitted_tokens=m.value("ds4_spec_emitted_tokens_total"),
+                    decode_only_steps=self.decode_only_steps, decode_only_s=self.decode_only_s)
 
     # The runner's replica, caches and decoder, read by the app's log line and by tests.
     replica = property(lambda self: self.runner.replica)
@@ -489,7 +496,7 @@ class Engine:
             self.peers.stop()
 
     def _iteration(self) -> None:
-        t0 = time.perf_counter()
+        t0, chunks = time.perf_counter(), self.prefill_chunks_run
         self._reap()
         decoded = bool(self.running)
         if decoded:
@@ -501,7 +508,11 @@ class Engine:
             model, sampling = self.runner.model_s, self.runner.sampling_s
             self.metrics.step_time.labels(part="model").observe(model)
             self.metrics.step_time.labels(part="sampling").observe(sampling)
-            self.metrics.step_time.labels(part="host").observe(max(0.0, time.perf_counter() - t0 - model - sampling))
+            took = time.perf_counter() - t0
+            self.metrics.step_time.labels(part="host").observe(max(0.0, took - model - sampling))
+            if self.prefill_chunks_run == chunks:
+                self.decode_only_steps += 1
+                self.decode_only_s += took
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.running) + (self.prefilling is not None))
@@ -572,6 +583,7 @@ class Engine:
         if boundary is not None:
             self._take_checkpoint(session, "resident", session.slot, len(session.tokens), logits, boundary)
         self.metrics.prefill_chunks.inc()
+        self.prefill_chunks_run += 1
         if self.chunk_delay:
             time.sleep(self.chunk_delay)
         if len(session.tokens) == len(seq):
