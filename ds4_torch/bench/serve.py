@@ -64,10 +64,9 @@ def add_arguments(p) -> None:
                    help="the server's --speculative-max-batch (default: always speculate)")
     p.add_argument("--speculative-policy", choices=("auto", "always"), default="always",
                    help="the server's --speculative-policy (default always: measure speculation itself)")
-    p.add_argument("--engine-core", choices=("thread", "process", "both"), default="both",
-                   help="where the server's engine runs: thread (in this process, beside HTTP), process (an "
-                        "engine core process of its own, as `serve` runs it) or both, one after the other "
-                        "(default both)")
+    p.add_argument("--engine-core", choices=("thread", "process", "both"), default="process",
+                   help="where the server's engine runs: process (default: an engine core process of its own, as "
+                        "`serve` runs it), thread (in this process, beside HTTP) or both, one after the other")
     p.add_argument("--plot", metavar="FILE", help="also draw tokens/s and ITL against streams (matplotlib): the "
                                                   "model alone, the engine alone and HTTP")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
