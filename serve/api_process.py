@@ -39,11 +39,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def spawn_api_worker(args, core, port: int, number: int) -> subprocess.Popen:
-    """Start API process `number` on `port` for `core` (a serve.core.CoreProcess)."""
+def spawn_api_worker(args, core, port: int | None, number: int, owner: bool = False) -> subprocess.Popen:
+    """Start API process `number` for `core` (a serve.core.CoreProcess): on `port`, shared with the
+    others, or (None) on --host/--port, bound by itself. The `owner` drains the core when it stops
+    (under --tp the core is rank 0's process and this its only API process)."""
     proc = subprocess.Popen([sys.executable, "-m", "serve.api_process"], stdin=subprocess.PIPE)
     proc.stdin.write(dumps(dict(args=args, address=core.address, authkey=core.authkey, port=port,
-                                parent=os.getpid(), number=number)))
+                                parent=os.getpid(), number=number, owner=owner)))
     proc.stdin.close()
     log.info("API process %d: process %d", number, proc.pid)
     return proc
@@ -120,14 +122,16 @@ def main() -> int:
     die_with_parent(payload["parent"])
     args = payload["args"]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the first process ends us in order
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: our parent ends us in order
     try:
         tokenizer, model_config = load_api_side(args)
         core = CoreProcess(None, payload["address"], payload["authkey"])
-        client = connect_core(core, tokenizer, owner=False)
+        client = connect_core(core, tokenizer, owner=payload["owner"])
     except UserError as e:
         log.error("API process %d: %s", payload["number"], e)
         return 2
+    if payload["port"] is None:
+        return run_api_server(args, client, tokenizer, model_config)
     args.port = payload["port"]
     return run_api_server(args, client, tokenizer, model_config, reuse_port_socket(args.host, payload["port"]))
 

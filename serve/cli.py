@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, non_negative_int, positive_float,
@@ -86,11 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
     p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
                    help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
-                        "detokenizes and streams its own requests; not with --engine-core thread)")
+                        "detokenizes and streams its own requests; not with --engine-core thread nor --tp)")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="process (default): the engine (scheduler, model, sessions, disk KV store) runs in a "
                         "process of its own, so HTTP, tokenizing and detokenizing never take its CPU or GIL; "
-                        "thread: on a thread of the server's process (with --tp always)")
+                        "thread: on a thread of the server's process. With --tp, rank 0's process is the core "
+                        "and runs the API process as its child")
     add_tp_argument(p)
     p.add_argument("--tp-timeout", type=positive_float, default=None, metavar="S",
                    help="with --tp: seconds any collective may wait for the other ranks; a rank that dies or hangs "
@@ -109,7 +111,7 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
-    if args.api_servers > 1 and (args.engine_core == "thread" or args.tp > 1):
+    if args.api_servers > 1 and (args.engine_core == "thread" or args.tp > 1):  # (--tp: one API process, for now)
         raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread "
                         "nor --tp)")
     if args.tp == 1 and args.engine_core == "process":
@@ -137,7 +139,10 @@ def run_tensor_parallel(args) -> int:
         status = tensor_parallel.follow(loaded[0], group)
     else:
         lead = tensor_parallel.Lead(group)
-        status = serve(args, *loaded, peers=lead)
+        if args.engine_core == "process":
+            status = serve_tensor_parallel_core(args, *loaded, lead)
+        else:
+            status = serve(args, *loaded, peers=lead)
     if status == 0:
         dist.destroy_process_group()
     return status
@@ -223,6 +228,63 @@ def serve_with_core(args) -> int:
         logging.getLogger("ds4.serve").error("the engine core process died (%s; exit status %s); the server exits",
                                              client.lost, core_status)
     return status
+
+
+def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
+    """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.tp),
+    and one API process (serve.api_process, its child) answers HTTP. SIGINT or SIGTERM: the API
+    process drains, then the core (the other ranks are told to stop), then this process exits
+    (by SIGTERM again, as uvicorn does); the group failing: 503s, status 1; the API process
+    dying: the core stops, status 1."""
+    import signal
+    import subprocess
+    import threading
+    from multiprocessing.connection import Listener
+
+    from .api_process import spawn_api_worker
+    from .core import CoreProcess, EngineCore, new_address
+    from .engine import Engine
+    from .tp import EXIT_GRACE_S, exit_soon
+
+    engine = Engine.from_config(model, tokenizer, config, peers=lead)
+    store = attach_kv_store(engine, args)
+    address, authkey = new_address()
+    core = EngineCore(engine, Listener(address, "AF_UNIX", authkey=authkey), {})
+    signals: list[int] = []
+    api_gone: list[int] = []
+
+    def group_failed(reason: str) -> None:  # every request has its 503 (the engine's worker answered them)
+        core.stopping.set()
+        exit_soon(EXIT_GRACE_S, 1)
+
+    lead.on_failure = group_failed
+    core.start(config, kv_budget=None if store is None else store.budget)
+    api = spawn_api_worker(args, CoreProcess(None, address, authkey), None, 1, owner=True)
+
+    def stop(signum, frame) -> None:
+        signals.append(signum)
+        if api.poll() is None:
+            api.send_signal(signal.SIGTERM)
+
+    def watch() -> None:
+        api_gone.append(api.wait())
+        core.stopping.set()  # after its drain ("shutdown"), or it died
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    threading.Thread(target=watch, name="ds4-api-watch", daemon=True).start()
+    core.serve()
+    try:
+        api.wait(SHUTDOWN_WAIT_S)
+    except subprocess.TimeoutExpired:
+        api.kill()
+    core.listener.close()
+    if lead.broken is not None:
+        return 1
+    if signal.SIGTERM in signals:  # exit by the signal, as uvicorn does after a graceful shutdown
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return 0 if signals else 1
 
 
 def main(argv: list[str] | None = None) -> int:

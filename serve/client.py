@@ -239,8 +239,9 @@ class CoreClient:
                     if slot is not None:
                         slot[1], slot[2] = message[2], message[3]
                         slot[0].set()
-                elif kind == "bye":
+                elif kind == "bye":  # the core stopped (its process may live on: rank 0 under --tp)
                     reason = "it stopped"
+                    break
                 else:
                     log.warning("core client: unknown message %r", kind)
             except Exception:  # noqa: BLE001 - one bad message: logged, the others go on

@@ -296,8 +296,8 @@ def threaded_core(engine: Engine, tokenizer, config=None):
     `engine` is still at hand to inspect)."""
     from .client import CoreClient
 
-    directory = tempfile.mkdtemp(prefix="ds4-core-")
-    address, authkey = os.path.join(directory, "core.sock"), secrets.token_bytes(32)
+    address, authkey = new_address()
+    directory = os.path.dirname(address)
     listener = Listener(address, "AF_UNIX", authkey=authkey)
     core = EngineCore(engine, listener, {})
     core.start(config)
@@ -347,11 +347,14 @@ class CoreProcess:
             shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)
 
 
+def new_address() -> tuple[str, bytes]:
+    """A fresh Unix socket path (in a directory of its own) and an authentication key."""
+    return os.path.join(tempfile.mkdtemp(prefix="ds4-core-"), "core.sock"), secrets.token_bytes(32)
+
+
 def spawn_core(args) -> CoreProcess:
     """Start `python -m serve.core` for parsed `serve` arguments (it loads the model itself)."""
-    directory = tempfile.mkdtemp(prefix="ds4-core-")
-    address = os.path.join(directory, "core.sock")
-    authkey = secrets.token_bytes(32)
+    address, authkey = new_address()
     env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, "-m", "serve.core"], stdin=subprocess.PIPE, env=env)
     proc.stdin.write(dumps(dict(args=args, address=address, authkey=authkey, parent=os.getpid())))
