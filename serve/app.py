@@ -46,7 +46,7 @@ from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api, openai_api, responses_api
 from .chat import TENANT, Cancelled, Failed, Generation, dsml_tokens, encode_conversation, tenant_of
-from .engine import Engine
+from .engine import Engine, EngineClient
 from .guard import BrowserGuard
 from .metrics import Metrics
 from .protocol import APIError, bad, parse_json_object, type_name
@@ -118,7 +118,7 @@ class TokenText:
 
 
 class AppState:
-    def __init__(self, model, tokenizer, config: ServerConfig, engine: Engine, metrics: Metrics,
+    def __init__(self, model, tokenizer, config: ServerConfig, engine: EngineClient, metrics: Metrics,
                  replay: ReplayStore | None):
         self.model, self.tokenizer, self.config, self.engine, self.metrics = model, tokenizer, config, engine, metrics
         self.replay = replay
@@ -385,7 +385,7 @@ class AppState:
 
     async def metrics_text(self, request: Request) -> Response:
         self.metrics.queue_depth.set(self.engine.queue_depth())
-        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+        return Response(self.engine.metrics_text(), media_type=self.metrics.content_type)
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -427,20 +427,20 @@ class AppState:
 
 
 def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=None,
-               replay: ReplayStore | None = None, peers=None) -> Starlette:
+               replay: ReplayStore | None = None, peers=None, engine: EngineClient | None = None) -> Starlette:
     """The server app for `model`; its engine thread starts and stops with the app's lifespan.
     `replay`: the exact-replay store (default: one in `config.kv_disk_dir`, else in memory).
     `peers`: the other ranks of a tensor-parallel group (serve.tp.Lead), for the engine.
+    `engine`: what the app talks to (default: an `Engine` in this process, built from `config`;
+    `serve.client.CoreClient`: an engine core in a process of its own); `model` then needs only
+    its `config`.
     `app.state.engine`, `.metrics`, `.config`, `.server` and `.replay` are there for tests and tools."""
     config = config or ServerConfig()
-    metrics = Metrics()
-    engine = Engine(model, tokenizer, ctx=config.ctx, prefill_chunk=config.prefill_chunk,
-                    decode_mode=config.decode_mode, max_queue=config.max_queue, max_batch=config.max_batch,
-                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers,
-                    checkpoint_interval=config.checkpoint_interval,
-                    checkpoint_memory_mb=config.checkpoint_memory_mb, speculative_tokens=config.speculative_tokens,
-                    speculative_max_batch=config.speculative_max_batch,
-                    speculative_policy=config.speculative_policy)
+    if engine is None:
+        metrics = Metrics()
+        engine = Engine.from_config(model, tokenizer, config, metrics, kv_store=kv_store, peers=peers)
+    else:
+        metrics = engine.metrics
     replay = replay if replay is not None else ReplayStore(config.kv_disk_dir)
     state = AppState(model, tokenizer, config, engine, metrics, replay)
 
@@ -495,14 +495,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
-        log.info("serving %s: ctx %d, prefill chunk %d, decode mode %s%s, max batch %d, %d resident sessions, "
-                 "max queue %d%s; KV cache %.1f MiB (%d resident + %d batch slots x %.2f MiB at ctx %d)",
-                 config.model_name, config.ctx, config.prefill_chunk, engine.decoder.mode,
-                 f", speculating {config.speculative_tokens} MTP draft token(s) per step"
-                 if config.speculative_tokens else "", engine.max_batch,
-                 engine.max_sessions, config.max_queue, ", API key required" if config.api_key else "",
-                 engine.cache_bytes / 2**20, engine.resident.batch_size, engine.batch.batch_size,
-                 engine.resident.nbytes / engine.resident.batch_size / 2**20, config.ctx)
+        log.info("serving %s: %s%s", config.model_name, engine.describe(),
+                 ", API key required" if config.api_key else "")
         try:
             yield
         finally:

@@ -7,15 +7,13 @@ import logging
 import os
 import sys
 
-from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, check_tokenizer_vocabulary, load_config,
-                               load_model, load_model_tokenizer, non_negative_int, positive_float, positive_int,
-                               resolve_device)
+from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, non_negative_int, positive_float,
+                               positive_int, resolve_device)
 
-KV_DISK_DEFAULT_MB = 1024
-REPLAY_SHARE = 8  # the exact-replay records may take 1/8 of --kv-disk-space-mb (the snapshots make room)
-KV_DISK_DEFAULT_EVERY = 512
-KV_DISK_DEFAULT_MIN_TOKENS = 32
-API_KEY_ENV = "DS4_TORCH_API_KEY"
+from .setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
+                    REPLAY_SHARE, _api_key, attach_kv_store, choose_context, load, load_api_side)  # (imported from here)
+
+SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -88,6 +86,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="browser origins given CORS headers (repeatable; none by default)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
+    p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
+                   help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
+                        "detokenizes and streams its own requests; not with --engine-core thread nor --tp)")
+    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="process (default): the engine (scheduler, model, sessions, disk KV store) runs in a "
+                        "process of its own, so HTTP, tokenizing and detokenizing never take its CPU or GIL; "
+                        "thread: on a thread of the server's process. With --tp, rank 0's process is the core "
+                        "and runs the API process as its child")
     add_tp_argument(p)
     p.add_argument("--tp-timeout", type=positive_float, default=None, metavar="S",
                    help="with --tp: seconds any collective may wait for the other ranks; a rank that dies or hangs "
@@ -100,111 +106,17 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for DS4 models."))
 
 
-def choose_context(model, max_sessions: int | None, max_batch: int, group=None) -> int:
-    """The default `--ctx`: the model's maximum when the caches of every session and batch slot
-    fit in half of the memory left after the weights, else the largest context that fits.
-    Under tensor parallelism (`group`), the smallest of the ranks' choices, so all agree."""
-    from ds4_torch.footprint import cache_bytes, fitting_context, free_memory
-
-    from .engine import cache_slots
-
-    sessions, batch_slots = cache_slots(max_batch, max_sessions)
-    slots = sessions + batch_slots
-    free = free_memory(model.device)
-    ctx = fitting_context(model.config, model.dtype, slots, free // 2)
-    if group is not None:
-        import torch
-        import torch.distributed as dist
-
-        agreed = torch.tensor([ctx])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        ctx = int(agreed)
-    if ctx == 0:
-        raise UserError(f"the KV caches of {sessions} sessions and {slots - sessions} batch slots do not fit in half "
-                        f"of the {free / 2**20:,.0f} MiB left on {model.device} even at 1024 tokens: lower "
-                        f"--max-sessions / --max-batch or give --ctx")
-    maximum = model.config.max_position_embeddings
-    logging.getLogger("ds4.serve").info(
-        "--ctx %d (%s): KV caches of %d sessions + %d batch slots take %s MiB of the %s MiB left on %s "
-        "after the weights (half of it may go to them)", ctx,
-        "the model's maximum" if ctx == maximum else f"the largest that fits; the model allows {maximum}",
-        sessions, slots - sessions, f"{cache_bytes(model.config, ctx, slots, model.dtype) / 2**20:,.0f}",
-        f"{free / 2**20:,.0f}", model.device)
-    return ctx
-
-
-def load(args, group=None):
-    """(model, tokenizer, ServerConfig) for parsed arguments; UserError on user errors. `group`:
-    the tensor-parallel ranks' control group (they agree on the default context)."""
-    from .app import ServerConfig
-
-    tokenizer = load_model_tokenizer(args.model)
-    check_tokenizer_vocabulary(tokenizer, load_config(args.model).vocab_size, args.allow_vocab_mismatch)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
-    if args.max_sessions is not None and args.max_sessions < args.max_batch:
-        raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
-                        "decoding request holds a resident session")
-    if args.speculative_tokens and getattr(model, "mtp", None) is None:
-        raise UserError(f"--speculative-tokens {args.speculative_tokens} needs a model with an MTP layer "
-                        "(num_nextn_predict_layers >= 1 and mtp.* weights); this one has none")
-    if args.ctx is None:
-        args.ctx = choose_context(model, args.max_sessions, args.max_batch, group)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and args.ctx > limit:
-        raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
-    if args.model is None:
-        name, aliases = "ds4-default", ()
-    else:
-        name = os.path.basename(os.path.normpath(args.model))
-        aliases = (args.model, os.path.abspath(args.model))
-    config = ServerConfig(
-        model_name=name, model_aliases=aliases, ctx=args.ctx, prefill_chunk=args.prefill_chunk,
-        decode_mode=args.decode_mode, max_queue=args.max_queue, max_batch=args.max_batch,
-        max_sessions=args.max_sessions, speculative_tokens=args.speculative_tokens,
-        speculative_max_batch=args.speculative_max_batch, speculative_policy=args.speculative_policy,
-        tool_call_grammar=not args.free_tool_calls,
-        api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
-        checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
-        kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
-        keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
-        strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
-        allowed_hosts=tuple(args.allowed_hosts), cors_origins=tuple(args.cors_origins),
-    )
-    return model, tokenizer, config
-
-
-def _api_key(keys: list[str]) -> str | tuple[str, ...]:
-    """One key as before (a string), several as a tuple: each its own tenant."""
-    keys = list(dict.fromkeys(keys))
-    return keys[0] if len(keys) == 1 else tuple(keys)
-
-
-def attach_kv_store(app, args):
-    """Give the app's engine a disk KV store when `--kv-disk-dir` is set (its metrics go to the
-    app's registry). Returns the store, or None."""
-    from .kvstore import KVStore
-
-    if args.kv_disk_dir is None:
-        if args.kv_disk_space_mb is not None:
-            raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
-        return None
-    engine = app.state.engine
-    try:
-        store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,
-                        dtype=engine.resident.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
-                        registry=app.state.metrics.registry)
-    except (OSError, RuntimeError) as e:
-        raise UserError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e
-    engine.kv_store = store
-    return store
-
-
 def run(args) -> int:
     """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
     `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.tp)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
+    if args.api_servers > 1 and (args.engine_core == "thread" or args.tp > 1):  # (--tp: one API process, for now)
+        raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread "
+                        "nor --tp)")
+    if args.tp == 1 and args.engine_core == "process":
+        return serve_with_core(args)
     if args.tp == 1:
         return serve(args, *load(args))
     return run_tensor_parallel(args)
@@ -228,7 +140,10 @@ def run_tensor_parallel(args) -> int:
         status = tensor_parallel.follow(loaded[0], group)
     else:
         lead = tensor_parallel.Lead(group)
-        status = serve(args, *loaded, peers=lead)
+        if args.engine_core == "process":
+            status = serve_tensor_parallel_core(args, *loaded, lead)
+        else:
+            status = serve(args, *loaded, peers=lead)
     if status == 0:
         dist.destroy_process_group()
     return status
@@ -246,7 +161,7 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
 
     # Exact-replay records go to the KV directory only once its lock is this process's.
     app = create_app(model, tokenizer, config, peers=peers, replay=ReplayStore())
-    store = attach_kv_store(app, args)
+    store = attach_kv_store(app.state.engine, args)
     if store is not None:
         app.state.replay.max_disk_bytes = store.budget // REPLAY_SHARE
         app.state.replay.open_directory(args.kv_disk_dir)
@@ -274,6 +189,103 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
     if not server.started:
         return 3
     return 1 if peers is not None and peers.broken is not None else 0
+
+
+def serve_with_core(args) -> int:
+    """Serve with the engine core in a process of its own (serve.core): this process loads only
+    the tokenizer and runs the HTTP side; with `--api-servers N`, N - 1 more API processes
+    (serve.api_process) answer on the same port (SO_REUSEPORT), each with its own connection to
+    the core. 0 after a clean shutdown (Ctrl-C, SIGTERM: the other API processes drain, then the
+    core, which saves the conversations), 1 when the core died (every open request answered 503),
+    2 when it refused the flags, 3 when the server could not start."""
+    from .api_process import connect_core, run_api_server
+    from .core import spawn_core
+
+    tokenizer, model_config = load_api_side(args)
+    core = spawn_core(args)
+    try:
+        client = connect_core(core, tokenizer, owner=True)
+    except UserError:
+        core.wait(SHUTDOWN_WAIT_S)
+        raise
+    sock = None
+    workers: list = []
+    if args.api_servers > 1:
+        from .api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
+
+        sock = reuse_port_socket(args.host, args.port)
+        port = sock.getsockname()[1]
+        workers = [spawn_api_worker(args, core, port, number) for number in range(2, args.api_servers + 1)]
+        logging.getLogger("ds4.serve").info("%d API processes answering on http://%s:%d", args.api_servers,
+                                            args.host, port)
+        client.before_stop = lambda: stop_api_workers(workers)
+    try:
+        status = run_api_server(args, client, tokenizer, model_config, sock)
+    finally:
+        if workers:
+            stop_api_workers(workers)
+        core_status = core.wait(SHUTDOWN_WAIT_S)
+    if status == 1:
+        logging.getLogger("ds4.serve").error("the engine core process died (%s; exit status %s); the server exits",
+                                             client.lost, core_status)
+    return status
+
+
+def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
+    """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.tp),
+    and one API process (serve.api_process, its child) answers HTTP. SIGINT or SIGTERM: the API
+    process drains, then the core (the other ranks are told to stop), then this process exits
+    (by SIGTERM again, as uvicorn does); the group failing: 503s, status 1; the API process
+    dying: the core stops, status 1."""
+    import signal
+    import subprocess
+    import threading
+    from multiprocessing.connection import Listener
+
+    from .api_process import spawn_api_worker
+    from .core import CoreProcess, EngineCore, new_address
+    from .engine import Engine
+    from .tp import EXIT_GRACE_S, exit_soon
+
+    engine = Engine.from_config(model, tokenizer, config, peers=lead)
+    store = attach_kv_store(engine, args)
+    address, authkey = new_address()
+    core = EngineCore(engine, Listener(address, "AF_UNIX", authkey=authkey), {})
+    signals: list[int] = []
+    api_gone: list[int] = []
+
+    def group_failed(reason: str) -> None:  # every request has its 503 (the engine's worker answered them)
+        core.stopping.set()
+        exit_soon(EXIT_GRACE_S, 1)
+
+    lead.on_failure = group_failed
+    core.start(config, kv_budget=None if store is None else store.budget)
+    api = spawn_api_worker(args, CoreProcess(None, address, authkey), None, 1, owner=True)
+
+    def stop(signum, frame) -> None:
+        signals.append(signum)
+        if api.poll() is None:
+            api.send_signal(signal.SIGTERM)
+
+    def watch() -> None:
+        api_gone.append(api.wait())
+        core.stopping.set()  # after its drain ("shutdown"), or it died
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    threading.Thread(target=watch, name="ds4-api-watch", daemon=True).start()
+    core.serve()
+    try:
+        api.wait(SHUTDOWN_WAIT_S)
+    except subprocess.TimeoutExpired:
+        api.kill()
+    core.listener.close()
+    if lead.broken is not None:
+        return 1
+    if signal.SIGTERM in signals:  # exit by the signal, as uvicorn does after a graceful shutdown
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return 0 if signals else 1
 
 
 def main(argv: list[str] | None = None) -> int:

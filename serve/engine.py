@@ -109,7 +109,7 @@ from ds4_torch.sampling import stop_token_ids
 from ds4_torch.speculative import check_draft_tokens
 
 from .metrics import Metrics
-from .output import End, Output, PromptLogprobs, TextState as _TextState, Token  # noqa: F401 - _TextState: old name
+from .output import End, Output, PromptLogprobs, Started, TextState as _TextState, Token  # noqa: F401 - _TextState: old name
 from .protocol import APIError
 from .runner import Drawn, Runner
 from .scheduler import EngineStopped, QueueFull, Scheduler  # noqa: F401 - imported from here by the API
@@ -165,6 +165,27 @@ class KVStore(Protocol):
     # Also: last_restored (name), restore_ok(name), restore_failed(error, name),
     # checkpoint_due(n_tokens, saved_at), close().
 
+
+class EngineClient(Protocol):
+    """Everything the API layer (serve.app, serve.chat) does with an engine. `Engine` is one, in
+    this process (tests and the library use it); `serve.client.CoreClient` is another, talking to
+    an engine core in a process of its own (serve.core: what `ds4-torch serve` runs)."""
+
+    metrics: Metrics          # the registry the app's own metrics go to
+    retry_after_s: int
+    warm: bool                # the first model call was paid (BackgroundServer waits for it)
+    alive: bool
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...     # drain: every request answered, conversations saved
+    def submit_all(self, reqs: list[GenRequest], continuation: bool = False) -> None:
+        """Queue together or not at all: QueueFull, EngineStopped, or ValueError naming a field."""
+    def cancel(self, req: GenRequest) -> None: ...
+    def health(self) -> str | None: ...          # None when usable, else why not
+    def queue_depth(self) -> int: ...
+    def structured_outputs(self): ...            # compiles the `GenRequest.grammar`s it takes
+    def describe(self) -> str: ...               # for the start-up log line
+    def metrics_text(self) -> bytes: ...         # the Prometheus exposition, the engine's metrics included
 
 
 class Engine:
@@ -231,12 +252,53 @@ class Engine:
         self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
         self._iterating = False     # the engine thread is inside an iteration (see idle)
         self.decode_rows = 0        # sequences x decode steps
+        self.prefill_chunks_run = 0
+        # Iterations that only decoded (no prefill chunk beside the step): their count and seconds,
+        # the engine's own step to set against the model's (bench serve).
+        self.decode_only_steps = 0
+        self.decode_only_s = 0.0
         # torch's intra-op thread count is per thread: the worker inherits the creator's setting.
         self.num_threads = torch.get_num_threads()
         self.warm = False
         self._structured = None
         self._structured_lock = threading.Lock()
         self._stop_tokens: dict[str, int | None] = {}
+
+    @classmethod
+    def from_config(cls, model, tokenizer, config, metrics: Metrics | None = None, kv_store: KVStore | None = None,
+                    peers=None) -> "Engine":
+        """The engine a `serve.app.ServerConfig` describes."""
+        return cls(model, tokenizer, ctx=config.ctx, prefill_chunk=config.prefill_chunk,
+                   decode_mode=config.decode_mode, max_queue=config.max_queue, max_batch=config.max_batch,
+                   max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers,
+                   checkpoint_interval=config.checkpoint_interval, checkpoint_memory_mb=config.checkpoint_memory_mb,
+                   speculative_tokens=config.speculative_tokens, speculative_max_batch=config.speculative_max_batch,
+                   speculative_policy=config.speculative_policy)
+
+    def describe(self) -> str:
+        """What the start-up log line says about the engine: decode mode, batch, sessions, cache."""
+        spec = f", speculating {self.speculative_tokens} MTP draft token(s) per step" if self.speculative_tokens else ""
+        return (f"ctx {self.ctx}, prefill chunk {self.prefill_chunk}, decode mode {self.decoder.mode}{spec}, max batch "
+                f"{self.max_batch}, {self.max_sessions} resident sessions, max queue {self.max_queue}; KV cache "
+                f"{self.cache_bytes / 2**20:.1f} MiB ({self.resident.batch_size} resident + {self.batch.batch_size} "
+                f"batch slots x {self.resident.nbytes / self.resident.batch_size / 2**20:.2f} MiB at ctx {self.ctx})")
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of the engine's metrics (the app's registry: one process)."""
+        return self.metrics.render()
+
+    def timing(self) -> dict:
+        """Counters `bench serve` takes differences of: CPU seconds of the engine thread outside the
+        model and sampler (`host_cpu_s`) and of the output part, sequences x decode steps, decode
+        iterations and the seconds of their parts, speculative verify steps and their tokens, and
+        the iterations that only decoded with their seconds."""
+        m = self.metrics
+        return dict(host_cpu_s=self.host_cpu_s, output_cpu_s=self.output.cpu_s, decode_rows=self.decode_rows,
+                    steps=m.value("ds4_step_seconds_count", part="model"),
+                    **{f"{p}_s": m.value("ds4_step_seconds_sum", part=p) for p in ("model", "sampling", "host")},
+                    verify_steps=m.value("ds4_spec_verify_steps_total"),
+                    emitted_tokens=m.value("ds4_spec_emitted_tokens_total"),
+                    decode_only_steps=self.decode_only_steps, decode_only_s=self.decode_only_s)
 
     # The runner's replica, caches and decoder, read by the app's log line and by tests.
     replica = property(lambda self: self.runner.replica)
@@ -437,7 +499,7 @@ class Engine:
             self.peers.stop()
 
     def _iteration(self) -> None:
-        t0 = time.perf_counter()
+        t0, chunks = time.perf_counter(), self.prefill_chunks_run
         self._reap()
         decoded = bool(self.running)
         if decoded:
@@ -449,7 +511,11 @@ class Engine:
             model, sampling = self.runner.model_s, self.runner.sampling_s
             self.metrics.step_time.labels(part="model").observe(model)
             self.metrics.step_time.labels(part="sampling").observe(sampling)
-            self.metrics.step_time.labels(part="host").observe(max(0.0, time.perf_counter() - t0 - model - sampling))
+            took = time.perf_counter() - t0
+            self.metrics.step_time.labels(part="host").observe(max(0.0, took - model - sampling))
+            if self.prefill_chunks_run == chunks:
+                self.decode_only_steps += 1
+                self.decode_only_s += took
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.running) + (self.prefilling is not None))
@@ -520,6 +586,7 @@ class Engine:
         if boundary is not None:
             self._take_checkpoint(session, "resident", session.slot, len(session.tokens), logits, boundary)
         self.metrics.prefill_chunks.inc()
+        self.prefill_chunks_run += 1
         if self.chunk_delay:
             time.sleep(self.chunk_delay)
         if len(session.tokens) == len(seq):
@@ -568,6 +635,7 @@ class Engine:
             return False
         if req.attempts == 1 and not req.generated:
             req.cached_tokens = reused
+        self._hand(Started(req))
         if reused < len(req.sequence()):
             self.prefilling = req
             return True

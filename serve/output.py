@@ -87,6 +87,13 @@ class PromptLogprobs:
     outs: list[TokenOut]
 
 
+@dataclass
+class Started:
+    """`req` was admitted (its `cached_tokens` and `t_start` are known): nothing to do in this
+    process; an engine core in another process sends it on (serve.core)."""
+    req: GenRequest
+
+
 class Output:
     def __init__(self, tokenizer, metrics: Metrics | None = None, wake: Callable[[], None] = lambda: None):
         self.tokenizer = tokenizer
@@ -157,6 +164,8 @@ class Output:
                     self._token(rec)
                 elif isinstance(rec, End):
                     self._end(rec)
+                elif isinstance(rec, Started):
+                    pass
                 else:
                     self._prompt_logprobs(rec)
             except Exception as e:  # noqa: BLE001 - detokenizing one request failed: that request's

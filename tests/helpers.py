@@ -85,7 +85,7 @@ def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 90
             if not line:
                 break
             proc.lines.append(line)
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            m = re.search(r"(?:Uvicorn running|API processes answering) on http://127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "".join(proc.lines)
         proc.drain = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)

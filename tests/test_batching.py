@@ -267,11 +267,15 @@ def test_bench_serve_prints_every_client_count(tmp_path, capsys):
     assert "48-token prompt arriving while 2 streams decode" in out
     header = rows[0].split(",")
     for column in ("host_us_per_seq_step", "mean_batch", "step_model_ms", "step_sampling_ms", "step_host_ms",
-                   "client_cores", "loop_us_per_token"):
+                   "client_cores", "loop_us_per_token", "api_us_per_token", "core_step_ms", "alone_tok_s"):
         assert column in header, column
     for row in rows[1:]:
         values = dict(zip(header, row.split(",")))
+        assert values["engine_core"] == "process"  # as `serve` runs it, by default
         assert 0 < float(values["host_us_per_seq_step"]) < 1e6 and float(values["step_model_ms"]) > 0
+        # the API process's CPU: its event loop and the thread reading the core's messages
+        assert float(values["api_us_per_token"]) > float(values["loop_us_per_token"]) > 0 or \
+            not hasattr(time, "pthread_getcpuclockid")
         assert 0 < float(values["client_cores"]) <= os.cpu_count()
         # NaN where the platform cannot read another thread's CPU clock (macOS)
         assert float(values["loop_us_per_token"]) > 0 or not hasattr(time, "pthread_getcpuclockid")
@@ -301,7 +305,7 @@ def test_bench_serve_compares_speculation_in_the_same_run(tmp_path, capsys):
     table = tmp_path / "serve.csv"
     rc = main(["bench", "serve", "--clients", "1", "2", "--new-tokens", "6", "--prompt-len", "16",
                "--prefill-chunk", "16", "--stall-prompt-len", "0", "--repeat", "1", "--threads", "1",
-               "--speculative-tokens", "0", "2", "--csv", str(table)])
+               "--speculative-tokens", "0", "2", "--engine-core", "thread", "--csv", str(table)])
     out = capsys.readouterr().out
     assert rc == 0
     assert "--speculative-tokens 2 against 0, total tok/s: 1 client(s)" in out and "accept len" in out

@@ -314,18 +314,18 @@ def test_cli_flags_attach_a_store(tmp_path, model, tok):
     args = build_parser().parse_args(["--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-space-mb", "3",
                                       "--kv-disk-every", "64", "--kv-disk-min-tokens", "20", "--ctx", "512"])
     app = create_app(model, tok, ServerConfig(ctx=512))
-    store = attach_kv_store(app, args)
+    store = attach_kv_store(app.state.engine, args)
     try:
         assert app.state.engine.kv_store is store
         assert (store.budget, store.every, store.min_tokens, store.layout.max_context) == (3 * 2**20, 64, 20, 512)
         assert app.state.metrics.value("ds4_kv_disk_bytes") == store.usage()
         with pytest.raises(UserError, match="in use by another process"):
-            attach_kv_store(create_app(model, tok, ServerConfig(ctx=512)), args)
+            attach_kv_store(create_app(model, tok, ServerConfig(ctx=512)).state.engine, args)
     finally:
         store.close()
     with pytest.raises(UserError, match="needs --kv-disk-dir"):
-        attach_kv_store(app, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
-    assert attach_kv_store(app, build_parser().parse_args([])) is None
+        attach_kv_store(app.state.engine, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
+    assert attach_kv_store(app.state.engine, build_parser().parse_args([])) is None
 
 
 def test_clean_shutdown_saves_every_conversation(tmp_path, model, tok, monkeypatch):

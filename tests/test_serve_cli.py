@@ -40,6 +40,17 @@ def test_python_m_serve_process():
             "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         log = interrupt(proc)
+    assert re.search(r"engine core: process \d+", log), log  # by default the engine runs in a process of its own
     # A first request reuses nothing: every prompt token is recomputed.
     assert re.search(r"ds4\.serve: .*\"POST /v1/chat/completions\" 200 .*prompt_tokens=(\d+) cached_tokens=0 "
                      r"recomputed_tokens=\1 generated_tokens=3 finish=length", log), log
+
+
+def test_engine_core_thread_keeps_the_engine_in_the_server_process():
+    """`--engine-core thread`: one process (no engine core child), answering as before."""
+    with serve_process("--ctx", "256", "--prefill-chunk", "64", "--engine-core", "thread", timeout=60) as proc:
+        r = httpx.post(proc.url + "/v1/completions", timeout=30, json={
+            "model": "ds4-default", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        log = interrupt(proc)
+    assert "engine core: process" not in log and "API process" not in log

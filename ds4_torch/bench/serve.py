@@ -64,6 +64,11 @@ def add_arguments(p) -> None:
                    help="the server's --speculative-max-batch (default: always speculate)")
     p.add_argument("--speculative-policy", choices=("auto", "always"), default="always",
                    help="the server's --speculative-policy (default always: measure speculation itself)")
+    p.add_argument("--engine-core", choices=("thread", "process", "both"), default="process",
+                   help="where the server's engine runs: process (default: an engine core process of its own, as "
+                        "`serve` runs it), thread (in this process, beside HTTP) or both, one after the other")
+    p.add_argument("--plot", metavar="FILE", help="also draw tokens/s and ITL against streams (matplotlib): the "
+                                                  "model alone, the engine alone and HTTP")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -275,23 +280,81 @@ def run(args) -> int:
     print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
     floor = [model_floor(model, prompts(c), args.new_tokens, args.prefill_chunk) for c in counts]
     all_rows, first = [], None
-    for n in args.speculative_tokens:
-        # the same prompts for every value: the tokens, and so the work, are the same
-        gen.manual_seed(1)
-        rows = _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts,
-                            stall_prompt if first is None else None, chunk_s)
-        if first is None:
-            first = rows
-        elif n != args.speculative_tokens[0]:
-            print(f"--speculative-tokens {n} against {args.speculative_tokens[0]}, total tok/s: " + ", ".join(
-                f"{r['clients']} client(s) {r['tok_s_total'] / f['tok_s_total']:.2f}x"
-                for r, f in zip(rows, first) if r["clients"] == f["clients"]))
-        all_rows += rows
+    cores = ("thread", "process") if args.engine_core == "both" else (args.engine_core,)
+    for core in cores:
+        for n in args.speculative_tokens:
+            # the same prompts for every value: the tokens, and so the work, are the same
+            gen.manual_seed(1)
+            rows = _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts,
+                                stall_prompt if first is None else None, chunk_s, core)
+            if first is None:
+                first = rows
+            elif n != args.speculative_tokens[0]:
+                print(f"--speculative-tokens {n} against {args.speculative_tokens[0]}, total tok/s: " + ", ".join(
+                    f"{r['clients']} client(s) {r['tok_s_total'] / f['tok_s_total']:.2f}x"
+                    for r, f in zip(rows, first) if r["clients"] == f["clients"]))
+            all_rows += rows
     rows = all_rows
     print_floor(floor)
+    print_against_floor(rows, floor)
     if args.csv:
         write_csv(rows, args.csv)
+    if args.plot:
+        plot(rows, floor, args.plot)
     return 0
+
+
+def print_against_floor(rows: list[dict], floor: list[dict]) -> None:
+    """Each server's HTTP and engine-alone tok/s over the model alone's, its ITL p50 over the
+    model's own step (the issue #35 targets: >= 0.9 / 0.85 and <= 1.15x), and the engine's mean
+    decode-only iteration (no prefill chunk beside it) over the model's step, while HTTP streams run."""
+    by_clients = {f["clients"]: f for f in floor}
+    print("against the model alone: tok/s (HTTP, engine alone) / the model's; ITL p50 (HTTP) / the model's step; "
+          "core step: the engine's mean iteration without a prefill chunk, while the HTTP streams ran / the "
+          "model's step")
+    print(f"{'engine':>8} {'spec':>4} {'clients':>7} {'HTTP tok/s':>11} {'engine tok/s':>13} {'ITL/step':>9} "
+          f"{'core step/step':>15}")
+    for r in rows:
+        f = by_clients.get(r["clients"])
+        if f is None:
+            continue
+        print(f"{r['engine_core']:>8} {r['speculative_tokens']:>4} {r['clients']:>7} "
+              f"{r['tok_s_total'] / f['tok_s_total']:>11.2f} {r['alone_tok_s'] / f['tok_s_total']:>13.2f} "
+              f"{r['itl_p50_ms'] / f['step_ms']:>9.2f} {r['core_step_ms'] / f['step_ms']:>15.2f}")
+
+
+def plot(rows: list[dict], floor: list[dict], path: str) -> None:
+    """tok/s and ITL p50 against streams: the model alone, and for each server its engine alone
+    and HTTP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate, itl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = [f["clients"] for f in floor]
+    rate.plot(xs, [f["tok_s_total"] for f in floor], "k-o", label="model alone")
+    itl.plot(xs, [f["step_ms"] for f in floor], "k-o", label="model alone (step)")
+    servers = sorted({(r["engine_core"], r["speculative_tokens"]) for r in rows})
+    for core, n in servers:
+        mine = [r for r in rows if (r["engine_core"], r["speculative_tokens"]) == (core, n)]
+        name = f"{core} engine" + (f", spec {n}" if n else "")
+        cs = [r["clients"] for r in mine]
+        rate.plot(cs, [r["alone_tok_s"] for r in mine], "--s", label=f"{name}: engine alone")
+        rate.plot(cs, [r["tok_s_total"] for r in mine], "-^", label=f"{name}: HTTP")
+        itl.plot(cs, [r["alone_itl_p50_ms"] for r in mine], "--s", label=f"{name}: engine alone")
+        itl.plot(cs, [r["itl_p50_ms"] for r in mine], "-^", label=f"{name}: HTTP")
+    for ax, label in ((rate, "tokens/s, all streams"), (itl, "ITL p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    rate.legend(fontsize=7)
+    fig.suptitle("bench serve: the model alone, the engine alone, HTTP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 def print_floor(floor: list[dict]) -> None:
@@ -306,8 +369,28 @@ def print_floor(floor: list[dict]) -> None:
               f"{r['tok_s_total']:>12.1f} {r['vs_1_client']:>11.2f}x")
 
 
-def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, stall_prompt, chunk_s) -> list[dict]:
-    """One server (`--speculative-tokens n`) through every client count: its table printed, its rows."""
+def _core_arguments(args, config, threads: int):
+    """`serve` arguments for an engine core process with `config` (serve.cli's parser)."""
+    from serve.cli import build_parser
+
+    argv = ["--device", str(args.device), "--dtype", args.dtype, "--quantized", args.quantized,
+            "--ctx", str(config.ctx), "--prefill-chunk", str(config.prefill_chunk), "--max-queue",
+            str(config.max_queue), "--max-batch", str(config.max_batch), "--max-sessions", str(config.max_sessions),
+            "--speculative-tokens", str(config.speculative_tokens), "--speculative-policy", config.speculative_policy,
+            "--log-level", "warning"]
+    if args.model:
+        argv += ["--model", args.model]
+    if config.speculative_max_batch:
+        argv += ["--speculative-max-batch", str(config.speculative_max_batch)]
+    return build_parser().parse_args(argv)
+
+
+def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, stall_prompt, chunk_s,
+                 engine_core: str = "thread") -> list[dict]:
+    """One server (`--speculative-tokens n`, its engine on a thread of this process or in an
+    engine core process) through every client count: its table printed, its rows."""
+    import os
+
     from serve.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
@@ -316,18 +399,34 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                           max_sessions=max(max_batch, max(counts) + 1, 16), speculative_tokens=n,
                           speculative_max_batch=args.speculative_max_batch,
                           speculative_policy=args.speculative_policy)
-    app = create_app(model, tokenizer, config)
+    core = None
+    if engine_core == "process":
+        from serve.client import CoreClient
+        from serve.core import spawn_core
+
+        threads = str(torch.get_num_threads())  # the core's model runs on as many threads as this one's
+        saved, os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS"), threads
+        try:
+            core = spawn_core(_core_arguments(args, config, threads))
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        app = create_app(model, tokenizer, config, engine=CoreClient.connect(core, tokenizer))
+    else:
+        app = create_app(model, tokenizer, config)
     rows = []
     stall = None
     engine = app.state.engine
 
-    metrics = app.state.metrics
-
     def host_counters():
-        parts = [metrics.value("ds4_step_seconds_sum", part=p) for p in ("model", "sampling", "host")]
-        spec = [metrics.value(f"ds4_spec_{k}_total") for k in ("verify_steps", "emitted_tokens")]
-        return engine.host_cpu_s + engine.output.cpu_s, engine.decode_rows, \
-            metrics.value("ds4_step_seconds_count", part="model"), parts, spec
+        t = engine.timing()
+        parts = [t[f"{p}_s"] for p in ("model", "sampling", "host")]
+        # the output part: in this process with a thread engine, the core client's reader thread with a core
+        return t["host_cpu_s"] + t["output_cpu_s"] + t.get("api_cpu_s", 0.0), t["decode_rows"], t["steps"], parts, \
+            [t["verify_steps"], t["emitted_tokens"]], t.get("api_cpu_s", 0.0), (t["decode_only_steps"],
+                                                                                t["decode_only_s"])
 
     with BackgroundServer(app) as srv:
         loop_cpu = _thread_cpu_clock(srv.thread)
@@ -337,12 +436,12 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
             gaps = [g for s in r["stamps"] for g in _gaps(s)]
             alone.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "itl_p50_ms": 1000 * _pct(gaps, 50),
                           "itl_p99_ms": 1000 * _pct(gaps, 99)})
-        for c in counts:
-            cpu0, rows0, steps0, parts0, spec0 = host_counters()
+        for c, by_itself in zip(counts, alone):
+            cpu0, rows0, steps0, parts0, spec0, api0, only0 = host_counters()
             loop0 = loop_cpu()
             r = run_clients(srv.url, prompts(c), args.new_tokens)
             engine.output.flush(10)
-            cpu1, rows1, steps1, parts1, spec1 = host_counters()
+            cpu1, rows1, steps1, parts1, spec1, api1, only1 = host_counters()
             loop_s = loop_cpu() - loop0
             steps = max(1.0, steps1 - steps0)
             split = {f"step_{p}_ms": 1000 * (b - a) / steps for p, a, b in zip(("model", "sampling", "host"), parts0,
@@ -356,6 +455,11 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                          "host_us_per_seq_step": 1e6 * (cpu1 - cpu0) / max(1, rows1 - rows0),
                          "mean_batch": (rows1 - rows0) / steps, "client_cores": r["client_cores"],
                          "loop_us_per_token": 1e6 * loop_s / max(1, r["tokens"]),
+                         # the API process's CPU per token: its event loop, and with a core its reader thread
+                         "api_us_per_token": 1e6 * (loop_s + api1 - api0) / max(1, r["tokens"]),
+                         "core_step_ms": 1000 * (only1[1] - only0[1]) / max(1, only1[0] - only0[0]),
+                         "engine_core": engine_core,
+                         "alone_tok_s": by_itself["tok_s_total"], "alone_itl_p50_ms": by_itself["itl_p50_ms"],
                          "acceptance_length": (spec1[1] - spec0[1]) / verify if verify else float("nan"), **split})
         if stall_prompt is not None:
             r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens, late=stall_prompt)
@@ -365,13 +469,16 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
             stall = {"max_gap_ms": 1000 * max(inside, default=float("nan")),
                      "itl_p50_ms": 1000 * _pct(outside, 50), "chunk_ms": 1000 * chunk_s,
                      "prefill_s": hi - lo}
+    if core is not None:
+        core.wait(60)
 
     base = rows[0]["tok_s_total"] if rows and rows[0]["clients"] == 1 else float("nan")
+    print(f"the engine {'in a core process of its own' if core is not None else 'on a thread of the HTTP process'}:")
     if n:
         print(f"--speculative-tokens {n} (accept len: tokens per verify step, the bonus token included):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9} {'host us/seq/step':>17} {'step ms: model':>15} "
-          f"{'sampling':>9} {'host':>6} {'loop us/token':>13} {'client cores':>12}"
+          f"{'sampling':>9} {'host':>6} {'loop us/token':>13} {'API us/token':>12} {'client cores':>12}"
           + (f" {'accept len':>10}" if n else ""))
     for r in rows:
         r["vs_1_client"] = r["tok_s_total"] / base
@@ -380,15 +487,19 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
               f"{r['ttft_p99_s']:>8.3f}s {r['itl_p50_ms']:>7.1f}ms {r['itl_p99_ms']:>7.1f}ms "
               f"{r['itl_vs_1_client']:>8.2f}x {r['host_us_per_seq_step']:>17.1f} {r['step_model_ms']:>15.2f} "
               f"{r['step_sampling_ms']:>9.2f} {r['step_host_ms']:>6.2f} {r['loop_us_per_token']:>13.1f} "
+              f"{r['api_us_per_token']:>12.1f} "
               f"{r['client_cores']:>12.2f}"
               + (f" {r['acceptance_length']:>10.2f}" if n else ""))
     print("(tok/s total: all tokens / wall time, prefill and queueing included; TTFT: request sent -> first token; "
           "ITL: gap between consecutive tokens of one stream; host us/seq/step: CPU time of the engine and output "
           "threads outside the model and the sampler, per sequence per decode step; step ms: the engine's mean decode "
           "iteration split into the model (and any prefill chunk beside it), the sampler and the rest; loop us/token: CPU time "
-          "of the server's event loop (HTTP, SSE, the API views) per streamed token; client cores: the "
+          "of the server's event loop (HTTP, SSE, the API views) per streamed token; API us/token: the HTTP "
+          "process's CPU per token (its event loop and, with an engine core, the thread turning its messages into "
+          "text); client cores: the "
           "client process's CPU time over the wall time, the share of this machine's cores the clients took)")
-    print("the engine alone (the same streams submitted in-process: no HTTP, SSE or client process):")
+    print("the engine alone (the same streams submitted by this process to its engine: with a core, over its socket; "
+          "no HTTP, SSE or client process):")
     print(f"{'clients':>7} {'tok/s total':>12} {'vs 1 client':>12} {'ITL p50':>9} {'ITL p99':>9} {'ITL vs 1':>9}")
     for r in alone:
         r["vs_1_client"] = r["tok_s_total"] / alone[0]["tok_s_total"]

@@ -1,0 +1,316 @@
+"""The engine core in a process of its own (serve.core, serve.client, serve.wire).
+
+First through the wire on threads of this process (`threaded_core`: the same socket, messages
+and client, the engine at hand to inspect): every kind of request answers as the in-process
+engine does; a speculative step's stop string gives the rest back as in one process; the
+core's errors are the same 4xx; a disconnect stops prefill within a chunk; /metrics holds both
+processes' metrics. Then real processes, killed: the core dying ends every open request with a
+503 and the server with status 1; the API process dying takes the core with it; no orphans.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from ds4_torch.default_model import default_tokenizer
+from ds4_torch.generation import generate
+from helpers import serve_process, wait_for
+from serve.app import ServerConfig, create_app
+from serve.background import BackgroundServer
+from serve.core import threaded_core
+from serve.engine import Engine
+
+MODEL = "ds4-default"
+TIMEOUT = 120
+
+
+@contextlib.contextmanager
+def server(model, core: bool, **settings):
+    """A server on `model`, its engine in this process (`core` False) or behind a core client;
+    `srv.engine` is the engine either way."""
+    config = ServerConfig(**{"ctx": 512, "prefill_chunk": 32, **settings})
+    tok = default_tokenizer()
+    if not core:
+        app = create_app(model, tok, config)
+        with BackgroundServer(app) as srv:
+            srv.engine, srv.core_metrics = app.state.engine, app.state.metrics
+            yield srv
+        return
+    engine = Engine.from_config(model, tok, config)
+    with threaded_core(engine, tok, config) as client:
+        with BackgroundServer(create_app(model, tok, config, engine=client)) as srv:
+            srv.engine, srv.core_metrics = engine, engine.metrics
+            yield srv
+
+
+def post(srv, path, body):
+    return httpx.post(srv.url + path, json={"model": MODEL, **body}, timeout=TIMEOUT)
+
+
+def stream_events(srv, path, body) -> list:
+    with httpx.stream("POST", srv.url + path, json={"model": MODEL, "stream": True, **body}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def strip_ids(value):
+    """A response without what differs between two servers by design (ids, timestamps)."""
+    if isinstance(value, dict):
+        return {k: strip_ids(v) for k, v in value.items() if k not in ("id", "created", "system_fingerprint")}
+    if isinstance(value, list):
+        return [strip_ids(v) for v in value]
+    return value
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+REQUESTS = [
+    ("/v1/completions", dict(prompt="ROMEO:\nWhat light", max_tokens=12, temperature=0, ignore_eos=True,
+                             logprobs=3, return_token_ids=True)),
+    ("/v1/completions", dict(prompt="KING HENRY:\n", max_tokens=6, temperature=0, ignore_eos=True, echo=True,
+                             logprobs=2, prompt_logprobs=2)),
+    ("/v1/completions", dict(prompt="First Citizen:\n", max_tokens=10, temperature=0.9, seed=7, n=2,
+                             ignore_eos=True, return_token_ids=True)),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Say a word"}], max_tokens=16,
+                                  temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2,
+                                  response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {
+                                      "type": "object", "properties": {"word": {"type": "string"}},
+                                      "required": ["word"]}}})),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=24,
+                                  temperature=0, tools=TOOLS, tool_choice="required")),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Weather in Rome?"}], max_tokens=24,
+                                  temperature=0.7, seed=3, tools=TOOLS)),
+]
+
+
+def test_every_kind_of_request_answers_as_the_in_process_engine(model):
+    """Logprobs, prompt logprobs, seeded choices, a JSON schema (its grammar sent as its spec and
+    compiled in the core), a forced tool call and a tool-call block's trigger grammar: the same
+    JSON bodies and the same streamed events through the core as from an engine in this process."""
+    results = {}
+    for core in (False, True):
+        with server(model, core) as srv:
+            results[core] = [strip_ids(post(srv, path, body).json()) for path, body in REQUESTS]
+            results[core].append(strip_ids(stream_events(srv, *REQUESTS[0])))
+            results[core].append(strip_ids(stream_events(srv, *REQUESTS[3])))
+    assert results[True] == results[False]
+    first = results[True][0]["choices"][0]
+    assert first["token_ids"] == list(generate(model, default_tokenizer().encode(REQUESTS[0][1]["prompt"]), 12))
+    assert json.loads(results[True][3]["choices"][0]["message"]["content"])  # the schema held: JSON
+
+
+def test_a_speculative_stop_string_gives_the_rest_back_through_the_core(model):
+    """The stop string is found in the API process, among the tokens of one verify step: the core
+    waits for that step's ack, so it gives the later tokens back as in one process; the text,
+    tokens and the follow-up's reuse are the plain ones."""
+    from test_batched_serving import _stop_spanning_tokens, prompt_ids
+
+    tok = default_tokenizer()
+    ids, n = prompt_ids(30, 11), 40
+    tokens = list(generate(model, ids, n))
+    stop, text, upto = _stop_spanning_tokens(tok, tokens)
+    with server(model, True, max_batch=4, speculative_tokens=3, speculative_policy="always") as srv:
+        r = post(srv, "/v1/completions", dict(prompt=ids, max_tokens=n, temperature=0, ignore_eos=True,
+                                              return_token_ids=True, stop=[stop])).json()["choices"][0]
+        assert (r["text"], r["token_ids"], r["finish_reason"]) == (text, tokens[:upto], "stop")
+        follow = ids + tokens[:upto] + prompt_ids(5, 12)
+        again = post(srv, "/v1/completions", dict(prompt=follow, max_tokens=4, temperature=0, ignore_eos=True,
+                                                  return_token_ids=True)).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) + upto - 1
+    assert again["choices"][0]["token_ids"] == list(generate(model, follow, 4))
+
+
+def test_the_cores_refusals_are_the_same_errors(model):
+    """A request the core refuses (its queue is full) is the same 429 body, in each API's shape."""
+    got = {}
+    for core in (False, True):
+        with server(model, core) as srv:
+            srv.engine.max_queue = 0  # the engine's own check (the API's allows the request)
+            got[core] = [(r.status_code, r.headers.get("retry-after"), r.json()) for r in (
+                post(srv, "/v1/completions", dict(prompt="a", max_tokens=2)),
+                post(srv, "/v1/messages", dict(messages=[{"role": "user", "content": "a"}], max_tokens=2)))]
+    assert got[True] == got[False]
+    assert [g[0] for g in got[True]] == [429, 429]
+
+
+def test_a_disconnect_stops_prefill_within_one_chunk_through_the_core(model):
+    ids = [(i * 7 + 5) % 251 + 1 for i in range(400)]  # 25 chunks of 16
+    with server(model, True, ctx=1024, prefill_chunk=16, disconnect_poll_interval=0.02) as srv:
+        engine, m = srv.engine, srv.core_metrics
+        engine.chunk_delay = 0.15
+        data = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 4, "stream": True}).encode()
+        sock = socket.create_connection((srv.host, srv.port))
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {srv.host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for(lambda: m.value("ds4_prefill_chunks_total") >= 3, what="3 prefill chunks")
+        sock.close()
+        at_close = m.value("ds4_prefill_chunks_total")
+        wait_for(lambda: engine.idle() and not srv.app.state.engine.requests, 5, "the engine to go idle")
+        assert m.value("ds4_prefill_chunks_total") - at_close <= 1
+        assert m.value("ds4_requests_aborted_total", stage="prefill") == 1
+
+
+def test_metrics_hold_both_processes(model):
+    with server(model, True) as srv:
+        assert post(srv, "/v1/completions", dict(prompt="KING HENRY:\n", max_tokens=5, ignore_eos=True)).status_code \
+            == 200
+        text = httpx.get(srv.url + "/metrics").text
+    # tokens are counted where they become text (this process), prefill chunks in the core
+    assert re.search(r"^ds4_generated_tokens_total 5\.0$", text, re.M), text
+    assert re.search(r"^ds4_prefill_chunks_total 1\.0$", text, re.M), text
+    assert re.search(r'^ds4_requests_total\{code="200",endpoint="/v1/completions"\} 1\.0$', text, re.M), text
+    assert re.search(r"^ds4_engine_healthy 1\.0$", text, re.M), text
+    assert text.count("# TYPE ds4_generated_tokens_total counter") == 1
+
+
+# --------------------------------------------------------------------------- real processes, killed
+def core_pid(proc) -> int:
+    m = re.search(r"engine core: process (\d+)", "".join(proc.lines))
+    assert m, "".join(proc.lines)
+    return int(m.group(1))
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent is gone too
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_the_core_dying_ends_every_request_with_503_and_the_server():
+    with serve_process("--ctx", "512", "--prefill-chunk", "32") as proc:
+        pid = core_pid(proc)
+        body = {"model": MODEL, "prompt": "ROMEO:\n", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(pid, signal.SIGKILL)
+            rest = list(lines)
+        assert proc.wait(30) == 1, "".join(proc.lines)
+    error = next(json.loads(line[6:]) for line in rest if line.startswith("data: {") and '"error"' in line)
+    assert error["error"]["code"] == "engine_unavailable" and "engine core" in error["error"]["message"]
+    assert "the engine core process died" in "".join(proc.lines)
+
+
+def test_a_request_arriving_after_the_core_died_gets_503():
+    with serve_process("--ctx", "512", "--prefill-chunk", "32") as proc:
+        pid = core_pid(proc)
+        os.kill(pid, signal.SIGSTOP)  # hung, then dead: the request in between waits, then gets its 503
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            pending = ex.submit(httpx.post, proc.url + "/v1/completions", timeout=60,
+                                json={"model": MODEL, "prompt": "a", "max_tokens": 3})
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            r = pending.result()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        assert proc.wait(30) == 1
+
+
+def test_the_api_process_dying_takes_the_core_with_it():
+    with serve_process("--ctx", "512", "--prefill-chunk", "32") as proc:
+        pid = core_pid(proc)
+        proc.kill()
+        proc.wait(10)
+        wait_for(lambda: gone(pid), 10, "the engine core to exit")
+
+
+def test_sigterm_drains_and_stops_the_core():
+    with serve_process("--ctx", "512", "--prefill-chunk", "32") as proc:
+        pid = core_pid(proc)
+        assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "a", "max_tokens": 3}).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM), "".join(proc.lines)  # uvicorn re-raises SIGTERM
+        proc.drain.join(10)
+        wait_for(lambda: gone(pid), 10, "the engine core to exit")
+    assert "engine core: stopping" in "".join(proc.lines)
+
+
+def test_an_api_process_dying_leaves_the_others_serving():
+    """--api-servers 2: ten streams spread over both processes by the kernel; kill -9 of the second
+    breaks its streams alone, the core cancels exactly those, the first process's streams end
+    normally and new requests are answered; Ctrl-C then ends everything cleanly."""
+    with serve_process("--ctx", "512", "--prefill-chunk", "32", "--max-batch", "10", "--api-servers", "2") as proc:
+        pid = int(re.search(r"API process 2: process (\d+)", "".join(proc.lines)).group(1))
+        wait_for(lambda: "".join(proc.lines).count("Application startup complete") == 2, 60, "both API processes")
+        started, results = concurrent.futures.ThreadPoolExecutor(10), []
+
+        def stream(i):
+            body = {"model": MODEL, "prompt": f"Stream {i}:\n", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True}
+            tokens = 0
+            try:
+                with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            tokens += sum(len(c.get("token_ids") or ()) for c in json.loads(line[6:])["choices"])
+                            if tokens and ("first", i) not in results:
+                                results.append(("first", i))
+            except httpx.HTTPError:
+                return "broken"
+            return tokens
+
+        futures = [started.submit(stream, i) for i in range(10)]
+        wait_for(lambda: len(results) == 10, 60, "every stream's first token")
+        os.kill(pid, signal.SIGKILL)
+        outcomes = [f.result() for f in futures]
+        broken = outcomes.count("broken")
+        assert 1 <= broken <= 9, outcomes  # 2 / 2**10 that the kernel put all ten on one process
+        assert all(o in ("broken", 60) for o in outcomes), outcomes
+        wait_for(lambda: f"API process 2 is gone; cancelling its {broken} request(s)" in "".join(proc.lines), 10,
+                 "the core to cancel the dead process's requests")
+        for _ in range(4):
+            assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+        core = core_pid(proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, "".join(proc.lines)
+        wait_for(lambda: gone(core) and gone(pid), 10, "no process left")
+
+
+def test_a_message_that_cannot_be_decoded_fails_its_request_alone(model, monkeypatch):
+    """A request the core cannot decode, and a record of another the API process cannot read:
+    each fails alone (500 naming the problem) while a third request beside them is answered."""
+    import serve.core
+    from serve import client as core_client
+
+    decode = serve.core.request_from
+
+    def request_from(data, structured):
+        req = decode(data, structured)
+        if req.prompt_ids[:1] == [7]:
+            raise ValueError("damaged in transit")
+        return req
+
+    monkeypatch.setattr(serve.core, "request_from", request_from)
+    Token = core_client.Token
+
+    def token(req, *fields):  # a record of one request that cannot be read here
+        if req.prompt_ids[:1] == [9]:
+            raise TypeError("unreadable record")
+        return Token(req, *fields)
+
+    monkeypatch.setattr(core_client, "Token", token)
+    with server(model, True) as srv:
+        def complete(first):
+            return post(srv, "/v1/completions", dict(prompt=[first, 20, 30, 40], max_tokens=8, temperature=0,
+                                                     ignore_eos=True, return_token_ids=True))
+
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            bad_request, bad_record, good = ex.map(complete, (7, 9, 11))
+    assert bad_request.status_code == 500 and "could not decode" in bad_request.json()["error"]["message"]
+    assert bad_record.status_code == 500 and "could not be read" in bad_record.json()["error"]["message"]
+    assert good.status_code == 200
+    assert good.json()["choices"][0]["token_ids"] == list(generate(model, [11, 20, 30, 40], 8))
