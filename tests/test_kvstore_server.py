@@ -19,6 +19,7 @@ import serve.engine
 from serve.sessions import SNAPSHOT_QUEUE
 from serve.kvstore import WRITE_DELAY_ENV, KVStore
 from serve.background import BackgroundServer
+from serve.chat import dsml_tokens
 from helpers import interrupt, serve_process, wait_for
 from test_serve import MODEL, expected
 
@@ -88,7 +89,7 @@ def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
     turn2 = turn1 + [{"role": "assistant", "content": first["message"]["content"]},
                      {"role": "user", "content": "Why, then the world's mine oyster."}]
     ids2 = tok.encode_chat(turn2)
-    want, _ = expected(model, tok, ids2, 12)
+    want, _ = expected(model, tok, ids2, 12, forbidden=dsml_tokens(tok)[0])  # a chat with no tools: no DSML tags
     with process(d) as p:
         second, cached = chat(p.url, turn2)
         metrics = httpx.get(p.url + "/metrics").text
