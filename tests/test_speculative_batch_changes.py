@@ -14,24 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch.sampling import BatchSampler, SamplingParams
 from ds4_torch.speculative import Speculator
-from oracle import randomise
-from test_speculative import SMALL, plain_decode
+from test_speculative import model, plain_decode  # noqa: F401 - `model`: the small random MTP model fixture
 
 torch.set_num_threads(1)
 
 NEW = 30
 PROMPTS = [[3, 14, 15], list(range(1, 8)), [5, 9, 11, 2, 40, 33, 7, 7, 1, 60, 22, 13], [8, 6, 4, 2, 1],
            [31, 41, 59, 26, 53, 58, 9]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = DS4ForCausalLM(DS4Config.from_dict(SMALL))
-    randomise(m, 3)
-    return m.eval()
 
 
 @pytest.fixture(scope="module")
