@@ -264,6 +264,11 @@ def main() -> int:
     p.add_argument("--record", default=None, metavar="TRAINING_JSON",
                    help="append the tool-loop tally to this training.json's 'real_clients' list (the model's record)")
     a = p.parse_args()
+    if "codex" in a.clients:
+        try:
+            import mcp  # noqa: F401 - Codex's MCP weather server needs it: without it Codex offers no get_weather
+        except ImportError:
+            p.error("codex needs the `mcp` package for its MCP weather server (pip install mcp)")
     os.makedirs(a.out, exist_ok=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     install_clients(a.clients_dir, codex="codex" in a.clients)
