@@ -614,6 +614,10 @@ class DS4Cache:
         if self.is_invalid(index):
             raise RuntimeError(f"cache sequence {index} was invalidated by a failed step; reset it first")
 
+    def take_tokens(self, input_ids: torch.Tensor) -> None:
+        """Before a forward of `input_ids` [B, T] over this cache: nothing for a static cache (its
+        rows are reserved); a paged cache gives its sequences the blocks the tokens reach."""
+
     def check_room(self, new_tokens: int, n: int | None = None) -> None:
         """Raise (before anything is written) if `new_tokens` more tokens do not fit."""
         longest = int(self.positions[:n].max())

@@ -163,6 +163,7 @@ class Decoder:
         if not 1 <= n <= self.cache.batch_size:
             raise ValueError(f"step got {n} tokens but the cache holds {self.cache.batch_size} sequences")
         self.cache.check_usable(n)
+        self.cache.narrow(n).take_tokens(input_ids.view(n, 1))
         self.cache.check_room(1, n)
         return n
 

@@ -904,6 +904,7 @@ class DS4ForCausalLM(nn.Module):
             # Host-side checks read tensor values; a compiled caller (the decoder) does them
             # before entering the compiled region, and writes past capacity land in scratch rows.
             cache.check_usable()
+            cache.take_tokens(input_ids)
             cache.check_room(T)
             if self.ops.name in BACKENDS:  # (training swaps in autograd-able reference functions)
                 kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run

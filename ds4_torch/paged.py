@@ -364,14 +364,26 @@ class PagedDS4Cache(DS4Cache):
             self._copy_blocks(self.table(b).append(row))
         self._refresh(range(self.batch_size))
 
+    def take_tokens(self, input_ids: torch.Tensor) -> None:
+        """Before a forward of `input_ids` [B, T] (the model's forward, the decoders and `prefill`
+        call it): `append_tokens` unless the caller already did."""
+        held = [self.table(b).num_tokens for b in range(self.batch_size)]
+        at = self.positions.tolist()
+        if held == [p + input_ids.shape[1] for p in at]:
+            return
+        if held != at:
+            raise ValueError(f"the block tables hold {held} tokens but the sequences are at {at}: a forward "
+                             f"of this paged cache went around its tables")
+        self.append_tokens(input_ids)
+
     def check_room(self, new_tokens: int, n: int | None = None) -> None:
         super().check_room(new_tokens, n)
         end = self.batch_size if n is None else n
         held = [self.table(b).num_tokens for b in range(end)]
-        want = (self.positions[:end] + new_tokens).tolist()
-        if held != want:
-            raise ValueError(f"the block tables hold {held} tokens but this forward reaches {want}: call "
-                             f"cache.append_tokens(input_ids) before each forward of a paged cache")
+        before, after = self.positions[:end].tolist(), (self.positions[:end] + new_tokens).tolist()
+        if held != after and held != before:  # (before: the tokens are taken by the forward itself)
+            raise ValueError(f"the block tables hold {held} tokens but the sequences are at {before}: a "
+                             f"forward of this paged cache went around its tables")
 
     # ------------------------------------------------------------------ sharing
     def fork(self, dst_index: int, src_index: int) -> None:

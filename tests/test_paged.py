@@ -385,8 +385,10 @@ def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
         c.restore_checkpoint(0, ck[name])
     assert paged.tables[0].num_tokens == 48
     pair.run(torch.randint(2, vocab, (2, 12), generator=g), chunk=12)
-    with pytest.raises(ValueError, match="append_tokens"):
-        m(torch.zeros(2, 1, dtype=torch.long), paged)
+    # a forward given no append_tokens takes its tokens itself (the model's forward, prefill, decoders)
+    nxt = torch.randint(2, vocab, (2, 1), generator=g)
+    assert torch.equal(m(nxt, paged), m(nxt, pair.static))
+    assert [t.num_tokens for t in paged.tables] == paged.positions.tolist()
     with pytest.raises(ValueError, match="whole blocks"):
         paged.start_from_cache(1, [1, 2, 3], ck["paged"])
     with pytest.raises(NotImplementedError, match="fork"):
