@@ -53,7 +53,7 @@ import torch
 from .cache import CompressorState, DS4Cache, _compressor_state
 from .config import DS4Config
 
-__all__ = ["PoolExhausted", "chain_digest", "BlockPool", "BlockTable", "PagedDS4Cache"]
+__all__ = ["PoolExhausted", "chain_digest", "block_nbytes", "pool_blocks", "BlockPool", "BlockTable", "PagedDS4Cache"]
 
 DEFAULT_BLOCK_TOKENS = 256
 
@@ -74,6 +74,22 @@ def chain_digest(parent: bytes | None, tenant: str | None, tokens: Sequence[int]
     return h.digest()
 
 
+def block_nbytes(config: DS4Config, dtype: torch.dtype, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 kv_rows: str = "full") -> int:
+    """Bytes one block of `block_tokens` tokens takes in a `PagedDS4Cache` of `config` (every
+    layer's compressed and indexer rows; the `block_nbytes` of a real one): what a pool of a
+    given size in bytes is divided by."""
+    from .footprint import layer_bytes_per_token
+
+    return round(block_tokens * sum(layer_bytes_per_token(config, kv_rows, dtype)))
+
+
+def pool_blocks(config: DS4Config, dtype: torch.dtype, memory_bytes: float, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                kv_rows: str = "full") -> int:
+    """Blocks of a pool of `memory_bytes`."""
+    return int(memory_bytes // block_nbytes(config, dtype, block_tokens, kv_rows))
+
+
 class BlockPool:
     """`num_blocks` blocks of `block_tokens` tokens: reference counts, a free list, and full
     blocks cached under their chain digest (see the module docstring)."""
@@ -91,6 +107,7 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}       # digest -> registered block
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; oldest first
         self.evictions = 0  # cached blocks reclaimed so far
+        self.num_shared = 0  # blocks held by more than one table (kept as counts change: a gauge reads it)
 
     # ------------------------------------------------------------------ state
     def refcount(self, block: int) -> int:
@@ -109,6 +126,11 @@ class BlockPool:
     def num_cached(self) -> int:
         """Registered blocks no table holds: kept for reuse, reclaimed when nothing is free."""
         return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some table holds."""
+        return self.num_blocks - len(self._free) - len(self._cached)
 
     @property
     def num_available(self) -> int:
@@ -147,12 +169,16 @@ class BlockPool:
                 raise ValueError(f"block {block} is free: allocate it instead")
             del self._cached[block]  # reused: no longer a reclaim candidate
         self._refcounts[block] += 1
+        if self._refcounts[block] == 2:
+            self.num_shared += 1
 
     def decref(self, block: int) -> None:
         count = self._refcounts[block]
         if count <= 0:
             raise ValueError(f"block {block} is not held")
         self._refcounts[block] = count - 1
+        if count == 2:
+            self.num_shared -= 1
         if count == 1:
             if block in self._digest_of:
                 self._cached[block] = None  # the most recently released: reclaimed last
@@ -321,6 +347,17 @@ class PagedDS4Cache(DS4Cache):
         state.slots = self._slots[rate]
         return state
 
+    @property
+    def nbytes(self) -> int:
+        """Every tensor's bytes: the pool's, every sequence's own state and its slot map."""
+        return super().nbytes + sum(t.numel() * t.element_size() for t in self._slots.values())
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every layer's pools (its compressed and indexer rows)."""
+        rows = sum(s.rows[:-1].numel() * s.rows.element_size() for layer in self.layers for s in layer.states)
+        return rows // self.pool.num_blocks
+
     def table(self, index: int) -> BlockTable:
         """Sequence `index`'s block table."""
         return self.all_tables[self._offset + index]
@@ -360,9 +397,13 @@ class PagedDS4Cache(DS4Cache):
         and retry, or reset them."""
         if input_ids.dim() != 2 or input_ids.shape[0] != self.batch_size:
             raise ValueError(f"input_ids must be [{self.batch_size}, tokens], got {tuple(input_ids.shape)}")
+        changed = []
         for b, row in enumerate(input_ids.tolist()):
+            before = list(self.table(b).blocks[-1:]), len(self.table(b).blocks)
             self._copy_blocks(self.table(b).append(row))
-        self._refresh(range(self.batch_size))
+            if (self.table(b).blocks[before[1] - 1:before[1]], len(self.table(b).blocks)) != before:
+                changed.append(b)  # a new block or a copy: its slots change (most decode steps: none)
+        self._refresh(changed)
 
     def take_tokens(self, input_ids: torch.Tensor) -> None:
         """Before a forward of `input_ids` [B, T] (the model's forward, the decoders and `prefill`
