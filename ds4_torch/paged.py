@@ -108,6 +108,7 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; oldest first
         self.evictions = 0  # cached blocks reclaimed so far
         self.num_shared = 0  # blocks held by more than one table (kept as counts change: a gauge reads it)
+        self.peak_used = 0   # the most blocks held at once (`num_used`) so far
 
     # ------------------------------------------------------------------ state
     def refcount(self, block: int) -> int:
@@ -161,6 +162,7 @@ class BlockPool:
         else:
             raise PoolExhausted(f"all {self.num_blocks} KV blocks of {self.block_tokens} tokens are in use")
         self._refcounts[block] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return block
 
     def incref(self, block: int) -> None:
@@ -168,6 +170,7 @@ class BlockPool:
             if block not in self._cached:
                 raise ValueError(f"block {block} is free: allocate it instead")
             del self._cached[block]  # reused: no longer a reclaim candidate
+            self.peak_used = max(self.peak_used, self.num_used)
         self._refcounts[block] += 1
         if self._refcounts[block] == 2:
             self.num_shared += 1

@@ -267,6 +267,7 @@ class Engine:
 
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
+        self._pool_short = False  # this iteration's decode step had to preempt: admit no one
 
         self.degraded: str | None = None        # reason, while the last request failed for good
         self.chunk_delay = 0.0                  # test hook: seconds slept after each prefill chunk
@@ -594,7 +595,7 @@ class Engine:
     def _prefill_step(self) -> None:
         req = self.prefilling
         if req is None:
-            if len(self.running) >= self.max_batch:
+            if len(self.running) >= self.max_batch or (self._pool_short and self.running):
                 return
             req = self.scheduler.next_waiting()
             if req is None:
@@ -752,6 +753,7 @@ class Engine:
             victim = self.prefilling if self.prefilling is not None and self.prefilling.session is not None \
                 else self.running[-1]
             self._preempt(victim)
+            self._pool_short = True  # no request is admitted in this iteration: it would be preempted next
 
     def _preempt(self, req: GenRequest) -> None:
         """Set `req` aside to free the KV blocks it holds: its session leaves (to disk when a store
@@ -767,6 +769,7 @@ class Engine:
         self.scheduler.requeue([req])
 
     def _decode_step(self) -> None:
+        self._pool_short = False
         self._decode_room()
         if not self.running:
             return

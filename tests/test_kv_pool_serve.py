@@ -142,3 +142,21 @@ def test_running_requests_that_outgrow_the_pool_are_preempted_and_resumed(model,
         assert metric(srv, "ds4_preemptions_total") >= 1
         assert metric(srv, "ds4_kv_blocks_used") <= 16
         assert srv.app.state.engine.health() is None
+
+
+def test_the_pool_benchmark_scenarios(model, block_mb):
+    """`bench serve --scenario pool`, small: chats on one prompt sent at once are answered as alone
+    within the bound, and long sessions past what the pool holds are all answered."""
+    from ds4_torch.bench.pool import long_sessions, shared_prompt
+
+    tokenizer = default_tokenizer()
+    one = shared_prompt(model, tokenizer, chats=4, system_tokens=600, user_tokens=40, new_tokens=4,
+                        kv_cache_mb=2.0, prefill_chunk=128)
+    assert one["answered"] == one["same_as_alone"] == 4
+    assert one["peak_vs_bound"] <= 1.3 and one["evicted"] == one["preempted"] == 0
+    assert one["second_turn_reused_min"] >= -16
+    block = block_nbytes(model.config, model.dtype, 256)
+    rows = long_sessions(model, tokenizer, session_tokens=1000, kv_cache_mb=20 * block / 2**20, prefill_chunk=256,
+                         new_tokens=4)
+    assert [r["status"] for r in rows] == [200] * 7  # 20 blocks of 256 tokens hold 5 of 1,000 tokens; 2 more
+    assert rows[3]["resident"] == 4 and rows[3]["evicted"] == 0 and rows[-1]["evicted"] >= 2
