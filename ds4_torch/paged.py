@@ -343,7 +343,7 @@ class PagedDS4Cache(DS4Cache):
         per_block = self.pool.block_tokens // rate
         scratch = self.pool.num_blocks * per_block
         state = _compressor_state(self.batch_size, 0, rate, dim, overlap, self.dtype, self.device, fp8_rope_kept)
-        state.rows = torch.zeros(scratch + 1, dim, dtype=self.dtype, device=self.device)
+        state.allocate_rows(scratch + 1)
         if rate not in self._slots:
             self._slots[rate] = torch.full((self.batch_size, capacity + 1), scratch, dtype=torch.long,
                                            device=self.device)
@@ -389,9 +389,10 @@ class PagedDS4Cache(DS4Cache):
         for layer in self.layers:
             for state in layer.states:
                 per_block = self.pool.block_tokens // layer.rate
-                blocks = state.rows[:-1].view(-1, per_block, state.rows.shape[-1])  # (less the scratch row)
-                for src, dst in copies:
-                    blocks[dst] = blocks[src]
+                for rows in state.row_parts().values():
+                    blocks = rows[:-1].view(-1, per_block, rows.shape[-1])  # (less the scratch row)
+                    for src, dst in copies:
+                        blocks[dst] = blocks[src]
 
     def append_tokens(self, input_ids: torch.Tensor) -> None:
         """Before a forward of `input_ids` [B, T]: every sequence's table takes its T tokens

@@ -87,11 +87,25 @@ def _first_compressed_layer(config):
     return next(i for i, k in enumerate(config.layer_types) if k == CSA)
 
 
+def simulated_fp8(cache, fmt):
+    """`cache` (full rows) made to store what fp8 rows hold, in its own dtype: every row goes
+    through the fp8 round trip as it is written (the simulation ds4_torch had before it stored
+    fp8: the reference real storage must equal bit for bit)."""
+    fmt = row_format(fmt)
+    for layer in cache.layers:
+        for part, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+            if state is not None:
+                kept, write = fmt.fp8_rope_kept(cache.config, part), state.write_rows
+                state.write_rows = lambda index, rows, write=write, kept=kept: write(index, round_trip_rows(rows, kept))
+    return cache
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-keep-rope"])
 @pytest.mark.parametrize("chunk", [32, 1])
-def test_a_cache_stores_exactly_the_round_trip_of_the_rows_it_is_given(model, fmt, chunk):
+def test_a_cache_stores_exactly_the_quantized_rows_it_is_given(model, fmt, chunk):
     """The first CSA layer sees the same input whatever the cache holds (only a sliding layer
-    before it), so its stored rows must be the formula applied to the full cache's rows."""
+    before it), so the fp8 parts it stores must be `quantize_rows` of the full cache's rows, and
+    what it reads back their round trip."""
     cfg = model.config
     i = _first_compressed_layer(cfg)
     ids = torch.randint(2, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -103,19 +117,76 @@ def test_a_cache_stores_exactly_the_round_trip_of_the_rows_it_is_given(model, fm
     full, q = caches["full"].layers[i], caches[fmt].layers[i]
     rope = cfg.qk_rope_head_dim if fmt == "fp8-keep-rope" else 0
     n = 32 // full.rate
-    assert torch.equal(q.compressor.rows[:, :n], round_trip_rows(full.compressor.rows[:, :n], rope))
-    assert torch.equal(q.indexer.rows[:, :n], round_trip_rows(full.indexer.rows[:, :n], 0))  # always all fp8
-    assert not torch.equal(q.compressor.rows[:, :n], full.compressor.rows[:, :n])
-    for layer in caches[fmt].layers:  # every layer's rows are on the fp8 grid
-        for state in layer.states:
-            kept = rope if state is layer.compressor else 0
-            assert torch.equal(state.rows, round_trip_rows(state.rows, kept))
+    for state, ref, kept in ((q.compressor, full.compressor, rope), (q.indexer, full.indexer, 0)):  # indexer: all fp8
+        values, scales, kept_rope = quantize_rows(ref.rows[:, :n], kept)
+        assert state.rows.dtype == torch.float8_e4m3fn and state.row_scales.dtype == torch.uint8
+        assert torch.equal(state.rows[:, :n].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(state.row_scales[:, :n], scales)
+        assert (state.row_rope is None) == (kept == 0)
+        if kept:
+            assert state.row_rope.dtype == caches[fmt].dtype and torch.equal(state.row_rope[:, :n], kept_rope)
+        assert torch.equal(state.visible(n), round_trip_rows(ref.rows[:, :n], kept))
+        assert not torch.equal(state.visible(n), ref.rows[:, :n])
 
 
-def test_copying_between_caches_of_different_row_formats_is_refused(model):
-    a, b = model.new_cache(1, 16), model.new_cache(1, 16, kv_rows="fp8")
-    with pytest.raises(ValueError, match="kv_rows"):
-        b.copy_sequence(0, 0, source=a)
+def _logits_through_thresholds(model, cache, ids, chunks):
+    """Logits of `ids` [B, L] fed in prefill `chunks` (sizes), then one token at a time."""
+    out, s = [], 0
+    with torch.inference_mode():
+        for c in chunks:
+            out.append(model(ids[:, s:s + c], cache))
+            s += c
+        for t in range(s, ids.shape[1]):
+            out.append(model(ids[:, t:t + 1], cache))
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-keep-rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_storage_gives_the_simulations_logits_bit_for_bit(model, fmt, dtype):
+    """Real fp8 rows (stored as e4m3 + scale bytes, dequantized where read) against the
+    simulation (rows kept in the cache dtype after the round trip), through prefill chunks and
+    decode steps across the thresholds of the embedded model (window 32, CSA rate 4 with top-8,
+    HCA rate 16): before and at the first CSA and HCA rows, the window filling, the indexer
+    picking (more than 8 visible rows, from position 35), HCA rows at 48 and 64."""
+    torch.set_num_threads(1)
+    cfg = model.config
+    assert (cfg.sliding_window, cfg.index_topk, cfg.compress_rates[CSA]) == (32, 8, 4)
+    ids = torch.randint(2, cfg.vocab_size, (2, 68), generator=torch.Generator().manual_seed(4))
+    chunks = [3, 9, 20, 14]  # to 3, 12, 32, 46; then decode 46 .. 67
+    real = _logits_through_thresholds(model, model.new_cache(2, 80, dtype, kv_rows=fmt), ids, chunks)
+    simulated = _logits_through_thresholds(model, simulated_fp8(model.new_cache(2, 80, dtype), fmt), ids, chunks)
+    full = _logits_through_thresholds(model, model.new_cache(2, 80, dtype), ids, chunks)
+    assert torch.equal(real, simulated)
+    assert not torch.equal(real, full)  # the rounding is really there
+
+
+@torch.no_grad()
+def test_a_rolled_back_fp8_cache_equals_the_simulation_and_clears_its_scales(model):
+    """A speculative verify step over fp8 rows (`Rollback`): the rejected tokens' rows cleared
+    in every part (scales included, all bytes zero as allocated), and what follows equals the
+    simulation taking the same steps, bit for bit."""
+    from ds4_torch.cache import Rollback
+
+    torch.set_num_threads(1)
+    cfg = model.config
+    ids = torch.randint(2, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    real, simulated = model.new_cache(2, 64, kv_rows="fp8-keep-rope"), simulated_fp8(model.new_cache(2, 64), "fp8-keep-rope")
+    out = {}
+    for name, cache in (("real", real), ("simulated", simulated)):
+        model._forward(ids[:, :30], cache)
+        undo = Rollback()
+        model._forward(ids[:, 30:37], cache, undo=undo)  # closes CSA windows 7 (at 31) and 8 (35), HCA's 1 (31)
+        undo.apply(torch.tensor([1, 6]))
+        assert cache.positions.tolist() == [31, 36]
+        if cache is real:  # rows past each count, rejected ones included, are all zero bytes
+            for layer in real.layers:
+                for state in layer.states:
+                    for b, n in enumerate(cache.positions.tolist()):
+                        for part in state.row_parts().values():
+                            assert not part[b, n // layer.rate:-1].view(torch.uint8).any()
+        out[name] = model._forward(ids[:, 37:40], cache)
+    assert torch.equal(out["real"], out["simulated"])
 
 
 def test_fp8_rows_meet_the_issue_targets_on_held_out_text(model):

@@ -322,7 +322,8 @@ class Pair:
             self.forward(ids[:, s:s + chunk])
 
 
-@pytest.mark.parametrize("which,kv_rows", [("embedded", "full"), ("small", "full"), ("small", "fp8")])
+@pytest.mark.parametrize("which,kv_rows", [("embedded", "full"), ("small", "full"), ("small", "fp8"),
+                                           ("small", "fp8-keep-rope")])
 def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, model, small_model):
     m = model if which == "embedded" else small_model
     bt = 16 if which == "embedded" else 8  # a multiple of every rate
@@ -340,7 +341,12 @@ def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, mo
         for layer in paged.layers:
             for state in layer.states:
                 per_block = bt // layer.rate
-                state.rows[block * per_block:(block + 1) * per_block] += value
+                for part in state.row_parts().values():  # fp8 values and scales: their bytes moved
+                    rows = part[block * per_block:(block + 1) * per_block]
+                    if part.dtype in (torch.float8_e4m3fn, torch.uint8):
+                        rows.view(torch.uint8).add_(1)
+                    else:
+                        rows += value
 
     for block in paged.pool.free_blocks():
         scribble(block, 1e3)
