@@ -248,6 +248,12 @@ def test_bytes_per_token_of_the_embedded_model_and_the_static_cache(model):
     C = 4096
     scratch = 2 * (32 + 32) * 4 + 32 * 4
     assert DS4Cache(cfg, 1, C).nbytes == sequence_fixed_bytes(cfg, torch.float32) + fp32 * C + scratch
+    # and in fp8, stored for real: a row's bytes as above
+    for fmt, per_token, scratch in (("fp8", fp8, 2 * (33 + 33) + 33),
+                                    ("fp8-keep-rope", rope, 2 * ((16 + 1 + 16 * 4) + 33) + (16 + 1 + 16 * 4))):
+        nbytes = DS4Cache(cfg, 1, C, kv_rows=fmt).nbytes
+        assert nbytes == sequence_fixed_bytes(cfg, torch.float32) + per_token * C + scratch
+        assert nbytes <= 0.5 * DS4Cache(cfg, 1, C).nbytes
 
 
 def test_static_sizes_are_what_a_cache_allocates():
@@ -257,7 +263,33 @@ def test_static_sizes_are_what_a_cache_allocates():
 
     for cfg, dtype in ((v4_flash_config(), torch.bfloat16), (default_config(), torch.float32)):
         for ctx in (1000, 40 * 1024):
-            assert static_sequence_bytes(cfg, ctx, "full", dtype) == DS4Cache(cfg, 1, ctx, dtype, "meta").nbytes
+            for fmt in ("full", "fp8", "fp8-keep-rope"):
+                cache = DS4Cache(cfg, 1, ctx, dtype, "meta", kv_rows=fmt)
+                assert static_sequence_bytes(cfg, ctx, fmt, dtype) == cache.nbytes
+
+
+def test_a_paged_pool_holds_fp8_rows_at_their_bytes_per_token():
+    """The pool of a paged cache (every block's rows plus a scratch row per compressor and
+    indexer), by hand: a small config (2 CSA layers of rate 4, head 16 with 8 RoPE channels,
+    indexer 8; 1 HCA layer of rate 8; no MTP layer) in fp32."""
+    from ds4_torch.config import DS4Config
+    from ds4_torch.paged import PagedDS4Cache
+    from test_paged import SMALL
+
+    cfg = DS4Config.from_dict(SMALL)
+    assert cfg.num_nextn_predict_layers == 0
+    # bytes of a CSA row, its indexer row and an HCA row: fp32, or a byte per fp8 channel, a
+    # scale byte and the 8 RoPE channels in fp32
+    rows = {"full": (64, 32, 64), "fp8": (16 + 1, 8 + 1, 16 + 1), "fp8-keep-rope": (8 + 1 + 32, 8 + 1, 8 + 1 + 32)}
+    csa, idx, hca = ({f: r[k] for f, r in rows.items()} for k in range(3))
+    per_token = {f: 2 * (csa[f] + idx[f]) / 4 + hca[f] / 8 for f in csa}  # bytes of compressed rows per token
+    assert per_token == {f: kv_bytes_per_token(cfg, f, torch.float32) for f in csa}
+    blocks, bt = 12, 8
+    fixed = 2 * sequence_fixed_bytes(cfg, torch.float32)  # two sequences' rings, open windows, positions
+    for fmt in csa:
+        cache = PagedDS4Cache(cfg, 2, 48, kv_rows=fmt, num_blocks=blocks, block_tokens=bt)
+        scratch = 2 * (csa[fmt] + idx[fmt]) + hca[fmt]
+        assert cache.nbytes == fixed + blocks * bt * per_token[fmt] + scratch, fmt
 
 
 def test_v4_flash_session_table_against_hand_arithmetic():
@@ -291,12 +323,13 @@ def test_info_prints_bytes_per_token_for_each_row_format(capsys):
     from ds4_torch.cli import main
     from ds4_torch.default_model import default_config
 
-    assert main(["info", "--dtype", "float32", "--memory-gb", "1", "--kv-table"]) == 0
+    assert main(["info", "--dtype", "float32", "--ctx", "4096", "--memory-gb", "1", "--kv-table"]) == 0
     out = capsys.readouterr().out
     cfg = default_config()
     for name, label in (("full", "float32"), ("fp8", "fp8 (every channel)"), ("fp8-keep-rope", "fp8, RoPE channels")):
         b = kv_bytes_per_token(cfg, name, torch.float32)
+        static = DS4Cache(cfg, 1, 4096, kv_rows=name).nbytes / 4096  # what a cache really allocates
         line = next(l for l in out.splitlines() if l.strip().startswith(label))
-        assert f"{b:,.2f}" in line
+        assert f"{b:,.2f}" in line and f"static cache: {static:,.2f}" in line
     assert "| 40,960 |" in out and "| 131,072 |" in out and "1,048,576" not in out  # past the model's maximum
     assert main(["info", "--kv-table"]) == 2  # needs --memory-gb
