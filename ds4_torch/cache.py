@@ -575,7 +575,7 @@ class DS4Cache:
         self._check_index(index)
         self.check_usable_index(index)
         views = self._sequence_views(index, 0)
-        out = {name: t.clone() for name, t in views.items() if not name.endswith(".rows")}
+        out = {name: t.clone() for name, t in views.items() if not is_row_part(name)}
         zero_stale_slots(self.config, out, out["position"])
         out["row_counts"] = row_counts(self.layer_rates, out["position"])
         if logits is not None:
@@ -649,7 +649,7 @@ class DS4Cache:
         held = int(source.positions[src_index])
         if n > held:
             raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only {held} tokens")
-        rows = {k: v for k, v in source._sequence_views(src_index, n).items() if k.endswith(".rows")}
+        rows = {k: v for k, v in source._sequence_views(src_index, n).items() if is_row_part(k)}
         state = {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}
         self.import_sequence(dst_index, {**state, **rows})
 

@@ -296,7 +296,7 @@ class Compressor(nn.Module):
 
     def update(self, state: CompressorState, x, plan: WindowPlan, ops: AttentionOps):
         """Feed T new tokens (x [B,T,hidden]) into `state`: write every window that closes into
-        `state.rows` and keep the open one in the frontier."""
+        `state` (`write_rows`) and keep the open one in the frontier."""
         kv = self.kv_proj(x)
         gate = self.gate_proj(x) + cast(F.embedding(plan.slot, self.position_bias), x.dtype)
         if plan.T == 1:

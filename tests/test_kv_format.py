@@ -189,6 +189,72 @@ def test_a_rolled_back_fp8_cache_equals_the_simulation_and_clears_its_scales(mod
     assert torch.equal(out["real"], out["simulated"])
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-keep-rope"])
+def test_an_fp8_sequence_moves_with_its_format_and_goes_on_exactly(model, fmt):
+    """export/import, copy_sequence, a checkpoint's restore and branch on fp8 rows: the state
+    carries the stored parts (e4m3 values, scale bytes, kept RoPE channels, as `sequence_spec`
+    lists them), and every way of moving it continues with the logits the source gives."""
+    from ds4_torch.cache import sequence_spec
+
+    torch.set_num_threads(1)
+    cfg = model.config
+    ids = torch.randint(2, cfg.vocab_size, (1, 50), generator=torch.Generator().manual_seed(6))
+    src = model.new_cache(2, 64, kv_rows=fmt)
+    model(ids[:, :24], src.slot(0))
+    ckpt = src.take_checkpoint(0)
+    model(ids[:, 24:45], src.slot(0))
+    state = src.export_sequence(0)
+    assert [(k, t.dtype, tuple(t.shape)) for k, t in state.items()] == sequence_spec(cfg, 45, src.dtype, fmt)
+    i = _first_compressed_layer(cfg)
+    assert state[f"layers.{i}.compressor.rows"].dtype == torch.float8_e4m3fn
+    assert state[f"layers.{i}.compressor.row_scales"].shape == (45 // 4, 1)
+    assert (f"layers.{i}.compressor.row_rope" in state) == (fmt == "fp8-keep-rope")
+    assert f"layers.{i}.indexer.row_rope" not in state
+
+    def go_on(cache):
+        return model(ids[:, 45:50], cache)
+
+    imported = model.new_cache(1, 64, kv_rows=fmt)
+    model(ids[:, 10:60], imported)  # a slot holding more rows than the state: they must not survive
+    imported.import_sequence(0, {k: v.clone() for k, v in state.items()})
+    copied = model.new_cache(2, 64, kv_rows=fmt)
+    copied.copy_sequence(1, 0, source=src)
+    want = go_on(src.slot(0))
+    assert torch.equal(go_on(imported), want) and torch.equal(go_on(copied.slot(1)), want)
+
+    # back to the checkpoint at 24: in place, and branched into another cache, then on to 45
+    branched = model.new_cache(1, 64, kv_rows=fmt)
+    branched.branch_from_checkpoint(0, 0, ckpt, source=src)
+    src.restore_checkpoint(0, ckpt)
+    for cache in (src.slot(0), branched):
+        for layer in cache.layers:  # rows past 24 // m: zero bytes in every part
+            for s in layer.states:
+                assert not any(p[0, 24 // layer.rate:].view(torch.uint8).any() for p in s.row_parts().values())
+        model(ids[:, 24:45], cache)
+        assert torch.equal(go_on(cache), want)
+
+
+@pytest.mark.parametrize("src_fmt,dst_fmt", [("full", "fp8"), ("fp8", "full"), ("fp8", "fp8-keep-rope"),
+                                             ("fp8-keep-rope", "fp8")])
+def test_a_state_of_another_row_format_is_refused_and_the_cache_left_as_it_was(model, src_fmt, dst_fmt):
+    ids = torch.randint(2, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(8))
+    src, dst = model.new_cache(1, 32, kv_rows=src_fmt), model.new_cache(1, 32, kv_rows=dst_fmt)
+    with torch.inference_mode():
+        model(ids, src)
+        model(ids[:, :9], dst)
+    before = [t.clone() for t in dst.tensors()]
+    with pytest.raises(ValueError, match=f"stored as '{src_fmt}', this cache's as '{dst_fmt}'"):
+        dst.import_sequence(0, src.export_sequence(0))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, dst.tensors()))
+
+
+def test_copying_between_caches_of_different_row_formats_is_refused(model):
+    a, b = model.new_cache(1, 16), model.new_cache(1, 16, kv_rows="fp8")
+    with pytest.raises(ValueError, match="kv_rows"):
+        b.copy_sequence(0, 0, source=a)
+
+
 def test_fp8_rows_meet_the_issue_targets_on_held_out_text(model):
     """#36: mean |NLL difference| <= 0.02 nats per token and top-1 agreement >= 97% against the
     full-precision cache (prompt logprobs, 32-token chunks) on held-out text."""
