@@ -308,11 +308,12 @@ class BlockTable:
 # --------------------------------------------------------------------------- the paged cache
 class PagedDS4Cache(DS4Cache):
     """A `DS4Cache` whose compressed and indexer rows live in blocks of one `BlockPool` shared by
-    its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, `rows`
-    is the pool [num_blocks * bt / m + 1, D] (the last row a scratch row) and `slots` [B, C+1]
-    int64 the pool row of each sequence's row w, rebuilt from the tables; the model's reference
-    path writes and gathers through it (`CompressorState.row_index` / `visible`), so its logits
-    are the static cache's, bit for bit. The window ring, open windows and positions stay per
+    its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, each
+    row part (`CompressorState.row_parts`: `rows`, and for fp8 rows their scales and kept RoPE
+    channels) is a pool [num_blocks * bt / m + 1, width] (the last row a scratch row) and `slots`
+    [B, C+1] int64 the pool row of each sequence's row w, rebuilt from the tables; the model
+    writes and gathers through it (`CompressorState.write_rows` / `visible`), so its logits are
+    the static cache's, bit for bit. The window ring, open windows and positions stay per
     sequence, as in `DS4Cache` (checkpoints take them as usual).
 
     Before each forward, `append_tokens(ids)` gives every sequence the blocks its new tokens
