@@ -357,11 +357,12 @@ def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, mo
         assert not torch.equal(m(nxt, paged), m(nxt, pair.static))
 
 
-def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
+@pytest.mark.parametrize("kv_rows", ["full", "fp8-keep-rope"])  # fp8: every row part copied on write
+def test_two_sequences_share_a_prefix_and_stay_exact(small_model, kv_rows):
     m, bt = small_model, 8
     g = torch.Generator().manual_seed(11)
     vocab = m.config.vocab_size
-    pair = Pair(m, 2, 200, block_tokens=bt, num_blocks=40)
+    pair = Pair(m, 2, 200, kv_rows, block_tokens=bt, num_blocks=40)
     prefix = torch.randint(2, vocab, (1, 61), generator=g).expand(2, -1)  # 7 full blocks and 5 tokens
     pair.run(prefix[:, :48], chunk=24)
     ck = {"static": pair.static.take_checkpoint(0), "paged": pair.paged.take_checkpoint(0)}  # at 6 blocks
