@@ -1,6 +1,8 @@
-"""FP8 compressed rows (`ds4_torch.kv_format`): the quantizer against its formula, a cache that
-stores rows through it against the full-precision cache, and bytes per token and sessions that
-fit (`ds4_torch.footprint`) against hand arithmetic."""
+"""FP8 compressed rows (`ds4_torch.kv_format`): the quantizer against its formula; a cache storing
+fp8 rows against the full-precision cache's rows put through the formula, and against the
+round-trip simulation (logits bit for bit, through rollback and every way a sequence moves); and
+bytes per token, cache sizes and sessions that fit (`ds4_torch.footprint`) against hand
+arithmetic."""
 from __future__ import annotations
 
 import math
