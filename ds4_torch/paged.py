@@ -359,7 +359,8 @@ class PagedDS4Cache(DS4Cache):
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block across every layer's pools (its compressed and indexer rows)."""
-        rows = sum(s.rows[:-1].numel() * s.rows.element_size() for layer in self.layers for s in layer.states)
+        rows = sum(t[:-1].numel() * t.element_size() for layer in self.layers for s in layer.states
+                   for t in s.row_parts().values())  # (fp8 rows: their scales and kept RoPE channels too)
         return rows // self.pool.num_blocks
 
     def table(self, index: int) -> BlockTable:

@@ -341,7 +341,7 @@ def test_a_paged_pool_holds_fp8_rows_at_their_bytes_per_token():
     indexer), by hand: a small config (2 CSA layers of rate 4, head 16 with 8 RoPE channels,
     indexer 8; 1 HCA layer of rate 8; no MTP layer) in fp32."""
     from ds4_torch.config import DS4Config
-    from ds4_torch.paged import PagedDS4Cache
+    from ds4_torch.paged import PagedDS4Cache, block_nbytes
     from test_paged import SMALL
 
     cfg = DS4Config.from_dict(SMALL)
@@ -357,7 +357,9 @@ def test_a_paged_pool_holds_fp8_rows_at_their_bytes_per_token():
     for fmt in csa:
         cache = PagedDS4Cache(cfg, 2, 48, kv_rows=fmt, num_blocks=blocks, block_tokens=bt)
         scratch = 2 * (csa[fmt] + idx[fmt]) + hca[fmt]
-        assert cache.nbytes == fixed + blocks * bt * per_token[fmt] + scratch, fmt
+        slot_maps = 8 * 2 * ((48 // 4 + 1) + (48 // 8 + 1))  # int64 [B, C+1] per rate
+        assert cache.nbytes == fixed + blocks * bt * per_token[fmt] + scratch + slot_maps, fmt
+        assert cache.block_nbytes == bt * per_token[fmt] == block_nbytes(cfg, torch.float32, bt, fmt)
 
 
 def test_v4_flash_session_table_against_hand_arithmetic():
