@@ -85,6 +85,7 @@ class ServerConfig:
     checkpoint_memory_mb: float = 1024    # memory for checkpoints (LRU; message boundaries kept longest)
     kv_cache_mb: float | None = None      # the KV pool (None: blocks for every slot at ctx)
     kv_block_tokens: int = 256            # tokens of context per KV block
+    kv_rows: str = "full"                 # how compressed rows are stored (ds4_torch.kv_format): --kv-dtype
     speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     speculative_max_batch: int | None = None  # speculate only while at most this many decode (None: always)
     speculative_policy: str = "always"    # "always", or "auto": the kind of step measured faster (serve.speculation)

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the KV pool, in MiB: the compressed rows of every running and resident sequence, in blocks "
                         "shared by sequences with the same prefix (default: half of the memory left after the "
                         "weights, less the slots' own state, at most what every slot at --ctx would hold; logged)")
+    p.add_argument("--kv-dtype", choices=("full", "fp8", "fp8-keep-rope"), default="full",
+                   help="how the pool stores compressed and indexer rows: full (the model's --dtype), fp8 (e4m3 with a "
+                        "power-of-two scale per 64 values: about half the bytes per token of bf16), fp8-keep-rope "
+                        "(the same, an attention row's RoPE channels kept in --dtype) (default full)")
     p.add_argument("--kv-block-tokens", type=positive_int, default=256, metavar="N",
                    help="tokens of context per KV block: a multiple of the model's compression rates (default 256)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256,

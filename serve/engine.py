@@ -140,12 +140,13 @@ def cache_slots(max_batch: int, max_sessions: int | None) -> tuple[int, int]:
     return sessions, 1 << (max_batch - 1).bit_length()
 
 
-def kv_pool_blocks(model, ctx: int, slots: int, kv_cache_mb: float | None, block_tokens: int) -> int:
+def kv_pool_blocks(model, ctx: int, slots: int, kv_cache_mb: float | None, block_tokens: int,
+                   kv_rows: str = "full") -> int:
     """Blocks of the engine's KV pool: `kv_cache_mb` of them, or (None) as many as static caches
     of every slot at `ctx` would hold (what a notebook's or a test's engine expects)."""
     if kv_cache_mb is None:
         return slots * -(-ctx // block_tokens)
-    blocks = pool_blocks(model.config, model.dtype, kv_cache_mb * 2**20, block_tokens)
+    blocks = pool_blocks(model.config, model.dtype, kv_cache_mb * 2**20, block_tokens, kv_rows)
     if blocks < 2:
         raise ValueError(f"kv_cache_mb {kv_cache_mb} holds {blocks} KV block(s) of {block_tokens} tokens; at least "
                          f"2 are needed")
@@ -208,7 +209,8 @@ class Engine:
                  checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0,
                  speculative_max_batch: int | None = None, speculative_policy: str = "always",
-                 kv_cache_mb: float | None = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS):
+                 kv_cache_mb: float | None = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 kv_rows: str = "full"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_draft_tokens(model, speculative_tokens)
@@ -241,7 +243,7 @@ class Engine:
         # tokens it took, their logits [k, V], held before it), so a stop string the output part
         # finds among them can give the rest back (`_trim_at_stops`).
         self._last_step: dict[GenRequest, tuple[int, int, torch.Tensor, int]] = {}
-        kv_blocks = kv_pool_blocks(model, ctx, max_sessions + batch_slots, kv_cache_mb, kv_block_tokens)
+        kv_blocks = kv_pool_blocks(model, ctx, max_sessions + batch_slots, kv_cache_mb, kv_block_tokens, kv_rows)
         # --ctx is a cap per request: a sequence holds at most every block but one (the copy a
         # session's partly filled last block takes when it joins the batch).
         self.ctx = min(ctx, (kv_blocks - 1) * kv_block_tokens)
@@ -250,7 +252,7 @@ class Engine:
                         "--ctx %d lowered to %d", kv_blocks, kv_block_tokens, self.ctx, ctx, self.ctx)
         self.runner = Runner(model, ctx=self.ctx, sessions=max_sessions, batch_slots=batch_slots,
                              decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens,
-                             kv_blocks=kv_blocks, kv_block_tokens=kv_block_tokens)
+                             kv_blocks=kv_blocks, kv_block_tokens=kv_block_tokens, kv_rows=kv_rows)
         pool = self.runner.pool
         self.metrics.kv_blocks_total.set(pool.num_blocks)
         self.metrics.kv_block_tokens.set(pool.block_tokens)
@@ -301,7 +303,7 @@ class Engine:
                    checkpoint_interval=config.checkpoint_interval, checkpoint_memory_mb=config.checkpoint_memory_mb,
                    speculative_tokens=config.speculative_tokens, speculative_max_batch=config.speculative_max_batch,
                    speculative_policy=config.speculative_policy, kv_cache_mb=config.kv_cache_mb,
-                   kv_block_tokens=config.kv_block_tokens)
+                   kv_block_tokens=config.kv_block_tokens, kv_rows=config.kv_rows)
 
     def describe(self) -> str:
         """What the start-up log line says about the engine: decode mode, batch, sessions, cache."""
@@ -312,7 +314,7 @@ class Engine:
                 f"max batch {self.max_batch}, {self.max_sessions} resident sessions, max queue {self.max_queue}; KV "
                 f"pool {pool.num_blocks * kv.block_nbytes / 2**20:.1f} MiB: {pool.num_blocks} blocks of "
                 f"{pool.block_tokens} tokens ({kv.block_nbytes:,} bytes each, {per_token:,.1f} bytes per token), "
-                f"{pool.num_blocks * pool.block_tokens:,} tokens in all; per slot (window ring, open windows, block "
+                f"{pool.num_blocks * pool.block_tokens:,} tokens in all, rows {kv.kv_rows.name}; per slot (window ring, open windows, block "
                 f"table) {(self.cache_bytes - pool.num_blocks * kv.block_nbytes) / kv.batch_size / 2**20:.2f} MiB "
                 f"x {self.resident.batch_size} resident + {self.batch.batch_size} batch slots")
 

@@ -46,13 +46,13 @@ MODEL_OPERATIONS = frozenset({"warmup", "prefill", "decode", "join", "speculate"
 class Replica:
     def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str,
                  speculative_tokens: int = 0, kv_blocks: int | None = None,
-                 kv_block_tokens: int = DEFAULT_BLOCK_TOKENS):
+                 kv_block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_rows: str = "full"):
         self.model, self.ctx, self.decode_mode = model, ctx, decode_mode
         self.device = model.device
         self.batch_slots = batch_slots
         # (kv_blocks None: as many blocks as static caches of every slot at ctx would hold)
         self.kv = PagedDS4Cache(model.config, batch_slots + sessions, ctx, dtype=model.dtype, device=model.device,
-                                num_blocks=kv_blocks, block_tokens=kv_block_tokens)
+                                num_blocks=kv_blocks, block_tokens=kv_block_tokens, kv_rows=kv_rows)
         self.pool = self.kv.pool
         self.batch = self.kv.narrow(batch_slots)
         self.resident = self.kv._view(batch_slots, sessions)
@@ -71,7 +71,8 @@ class Replica:
         """The constructor's arguments (besides the model): another rank builds the same replica."""
         return dict(ctx=self.ctx, sessions=self.resident.batch_size, batch_slots=self.batch.batch_size,
                     decode_mode=self.decode_mode, speculative_tokens=self.speculative_tokens,
-                    kv_blocks=self.pool.num_blocks, kv_block_tokens=self.pool.block_tokens)
+                    kv_blocks=self.pool.num_blocks, kv_block_tokens=self.pool.block_tokens,
+                    kv_rows=self.kv.kv_rows.name)
 
     def _index(self, cache: str, slot: int) -> int:
         """Slot `slot` of `cache` as a sequence of `kv`."""

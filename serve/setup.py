@@ -22,7 +22,7 @@ KV_MEMORY_SHARE = 0.5  # of the memory left after the weights, what the KV cache
 
 
 def choose_kv_pool(model, ctx: int | None, max_sessions: int | None, max_batch: int, kv_cache_mb: float | None,
-                   block_tokens: int, group=None) -> tuple[float, int]:
+                   block_tokens: int, group=None, kv_rows: str = "full") -> tuple[float, int]:
     """(the KV pool's MiB, the per-request --ctx) the server runs with. Default pool: half of the
     memory left after the weights, less every slot's own state (window ring, open windows, block
     table), and at most the blocks every slot would hold at the context (the requests' total
@@ -41,7 +41,7 @@ def choose_kv_pool(model, ctx: int | None, max_sessions: int | None, max_batch: 
     slots = sessions + batch_slots
     maximum = config.max_position_embeddings
     context = ctx or maximum
-    block = block_nbytes(config, dtype, block_tokens)
+    block = block_nbytes(config, dtype, block_tokens, kv_rows)
     rates = {config.compress_rate(i) for i in range(config.num_hidden_layers)} - {0}
     per_slot = sequence_fixed_bytes(config, dtype) + 8 * sum(math.ceil(context / m) + 1 for m in rates)
     if kv_cache_mb is None:
@@ -65,7 +65,7 @@ def choose_kv_pool(model, ctx: int | None, max_sessions: int | None, max_batch: 
                  block_tokens, f"{block:,}", "every slot at --ctx" if blocks == slots * math.ceil(context / block_tokens)
                  else "what fits", f"{free / 2**20:,.0f}", model.device, KV_MEMORY_SHARE * 100,
                  f"{slots * per_slot / 2**20:,.1f}", slots)
-    blocks = pool_blocks(config, dtype, kv_cache_mb * 2**20, block_tokens)
+    blocks = pool_blocks(config, dtype, kv_cache_mb * 2**20, block_tokens, kv_rows)
     if blocks < 2:
         raise UserError(f"--kv-cache-mb {kv_cache_mb} holds {blocks} KV block(s) of {block_tokens} tokens "
                         f"({block:,} bytes each); at least 2 are needed")
@@ -102,7 +102,7 @@ def load(args, group=None):
         raise UserError(f"--kv-block-tokens {args.kv_block_tokens} must be a multiple of every compression rate of "
                         f"the model ({rates}): a block holds whole compressed rows")
     args.kv_cache_mb, args.ctx = choose_kv_pool(model, args.ctx, args.max_sessions, args.max_batch, args.kv_cache_mb,
-                                                args.kv_block_tokens, group)
+                                                args.kv_block_tokens, group, args.kv_dtype)
     if args.model is None:
         name, aliases = "ds4-default", ()
     else:
@@ -116,7 +116,7 @@ def load(args, group=None):
         tool_call_grammar=not args.free_tool_calls,
         api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
         checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
-        kv_cache_mb=args.kv_cache_mb, kv_block_tokens=args.kv_block_tokens,
+        kv_cache_mb=args.kv_cache_mb, kv_block_tokens=args.kv_block_tokens, kv_rows=args.kv_dtype,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
         keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
         strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
@@ -142,7 +142,7 @@ def attach_kv_store(engine, args):
         return None
     try:
         store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,
-                        dtype=engine.resident.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
+                        dtype=engine.resident.dtype, kv_rows=engine.resident.kv_rows.name, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
                         registry=engine.metrics.registry)
     except (OSError, RuntimeError) as e:
         raise UserError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e

@@ -160,3 +160,18 @@ def test_the_pool_benchmark_scenarios(model, block_mb):
                          new_tokens=4)
     assert [r["status"] for r in rows] == [200] * 7  # 20 blocks of 256 tokens hold 5 of 1,000 tokens; 2 more
     assert rows[3]["resident"] == 4 and rows[3]["evicted"] == 0 and rows[-1]["evicted"] >= 2
+
+
+def test_fp8_rows_in_the_pool_answer_as_an_fp8_cache_does(model, block_mb):
+    """`--kv-dtype fp8`: the pool stores rows as e4m3 with a scale per 64 values (fewer bytes per
+    block), and replies equal greedy decoding over a static fp8 cache of the library."""
+    fp8_block = block_nbytes(model.config, model.dtype, BT, "fp8")
+    assert fp8_block <= 0.5 * block_nbytes(model.config, model.dtype, BT)
+    prompts = [prompt_ids(150, 60 + i) for i in range(3)]
+    with server(model, kv_rows="fp8", kv_cache_mb=40 * fp8_block / 2**20) as srv:
+        assert metric(srv, "ds4_kv_block_bytes") == fp8_block and metric(srv, "ds4_kv_blocks_total") == 40
+        replies = concurrently(lambda ids: complete(srv, ids, 12), [(p,) for p in prompts])
+    for ids, r in zip(prompts, replies):
+        assert r.status_code == 200, r.text
+        want = list(generate(model, ids, 12, prefill_chunk=64, cache=model.new_cache(1, 512, kv_rows="fp8")))
+        assert r.json()["choices"][0]["token_ids"] == want
