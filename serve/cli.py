@@ -12,6 +12,7 @@ from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, 
 
 from .setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
                     REPLAY_SHARE, _api_key, attach_kv_store, choose_kv_pool, load, load_api_side)  # (imported from here)
+from .wire import BACKLOG_MB
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
@@ -100,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
                    help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
                         "detokenizes and streams its own requests; not with --engine-core thread nor --tp)")
+    p.add_argument("--api-backlog-mb", type=positive_float, default=BACKLOG_MB, metavar="MB",
+                   help=f"the engine core's output an API process has not read yet, held for it at most, in MiB "
+                        f"(default {BACKLOG_MB:g}): past it that output is dropped and the process's requests are "
+                        f"cancelled (503), so an API process that stops reading never holds up the others")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="process (default): the engine (scheduler, model, sessions, disk KV store) runs in a "
                         "process of its own, so HTTP, tokenizing and detokenizing never take its CPU or GIL; "
@@ -261,7 +266,7 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     engine = Engine.from_config(model, tokenizer, config, peers=lead)
     store = attach_kv_store(engine, args)
     address, authkey = new_address()
-    core = EngineCore(engine, Listener(address, "AF_UNIX", authkey=authkey), {})
+    core = EngineCore(engine, Listener(address, "AF_UNIX", authkey=authkey), {}, args.api_backlog_mb)
     signals: list[int] = []
     api_gone: list[int] = []
 
