@@ -76,7 +76,7 @@ class APIConnection:
         self.missed_acks = 0                # flushes that ended waiting for it
         self.seq = 0
         self.core = core
-        self.fell_behind = 0                # times its backlog passed the bound
+        self.warned = False                 # that it fell behind (logged once)
         self._queue: collections.deque = collections.deque()   # (bytes, request ids of a step message | None)
         self._queued = 0                    # bytes in `_queue` (not the one being written)
         self._closing = False
@@ -117,7 +117,6 @@ class APIConnection:
         cancelled = self.core.open_requests(self)
         if not dropped and not cancelled:  # only replies wait: few, as the API process asked for them
             return None
-        self.fell_behind += 1
         kept = [(d, i) for d, i in self._queue if i is None]
         notice = dumps(("dropped", sorted(dropped | {req.id for req in cancelled})))
         self._queue = collections.deque(kept + [(notice, None)])  # before any later record of theirs
@@ -288,7 +287,9 @@ class EngineCore:
         requests (their sessions keep what was fed, as after a disconnect), so no more output
         piles up for it; the other API processes' streams never waited."""
         self.engine.metrics.api_behind.inc()
-        if conn.fell_behind == 1:
+        with conn.lock:  # (two threads may pass the bound at once: one warning)
+            first, conn.warned = not conn.warned, True
+        if first:
             log.warning("engine core: API process %d is not reading its output (over %d bytes queued); dropping "
                         "it and cancelling its %d request(s)", conn.number, self.backlog, len(requests))
         else:
