@@ -123,6 +123,16 @@ def wait_healthy(url: str, deadline: float, output=lambda: "") -> None:
         time.sleep(0.1)
 
 
+def gone(pid: int) -> bool:
+    """Process `pid` has exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
 def interrupt(proc) -> str:
     """Ctrl-C (SIGINT) to a `serve_process`: it must exit 0; its whole output."""
     proc.send_signal(signal.SIGINT)

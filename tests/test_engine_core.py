@@ -26,7 +26,7 @@ import pytest
 from ds4_torch.default_model import default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.sampling import SamplingParams
-from helpers import ROOT, serve_process, wait_for, wait_healthy
+from helpers import ROOT, gone, serve_process, wait_for, wait_healthy
 from serve.app import ServerConfig, create_app
 from serve.background import BackgroundServer
 from serve.core import threaded_core
@@ -263,15 +263,6 @@ def core_pid(proc) -> int:
     m = re.search(r"engine core: process (\d+)", "".join(proc.lines))
     assert m, "".join(proc.lines)
     return int(m.group(1))
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent is gone too
-        return f.read().split(")")[-1].split()[0] == "Z"
 
 
 def test_the_core_dying_ends_every_request_with_503_and_the_server():

@@ -38,6 +38,11 @@ def test_api_backlog_must_be_a_positive_size(capsys, value):
     assert serve_parser().parse_args(["--api-backlog-mb", "0.5"]).api_backlog_mb == 0.5
 
 
+def test_api_servers_need_the_engine_core_process(capsys):
+    assert main(["serve", "--api-servers", "2", "--engine-core", "thread"]) == 2
+    assert "--api-servers N needs the engine core in a process of its own" in capsys.readouterr().err
+
+
 def test_serve_bad_model_dir(capsys, tmp_path):
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "model directory not found" in capsys.readouterr().err
