@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
     p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
                    help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
-                        "detokenizes and streams its own requests; with --tp, over rank 0's core; not with --engine-core thread)")
+                        "detokenizes and streams its own requests; with --tp, over rank 0's core; not with "
+                        "--engine-core thread)")
     p.add_argument("--api-backlog-mb", type=positive_float, default=BACKLOG_MB, metavar="MB",
                    help=f"the engine core's output an API process has not read yet, held for it at most, in MiB "
                         f"(default {BACKLOG_MB:g}): past it that output is dropped and the process's requests are "

@@ -27,6 +27,8 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -56,6 +58,15 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+def peer_pid(conn) -> int | None:
+    """The process at the other end of a Unix socket connection (Linux: SO_PEERCRED), or None."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except (OSError, AttributeError):
+        return None
+
+
 class APIConnection:
     """The core's side of one API process: its requests by id, what it has acknowledged, and the
     messages queued for it. A sender thread of its own writes them, so an API process that stops
@@ -66,6 +77,8 @@ class APIConnection:
 
     def __init__(self, conn, number: int, core: "EngineCore"):
         self.conn, self.number = conn, number
+        pid = peer_pid(conn)  # the number is the order of connecting: the pid names it in the logs
+        self.name = f"API process {number}" + ("" if pid is None else f" (process {pid})")
         self.requests: dict[str, object] = {}
         self.lock = threading.Lock()        # the engine thread and reader threads send: numbers and queue
         self._wake = threading.Condition(self.lock)
@@ -290,10 +303,10 @@ class EngineCore:
         with conn.lock:  # (two threads may pass the bound at once: one warning)
             first, conn.warned = not conn.warned, True
         if first:
-            log.warning("engine core: API process %d is not reading its output (over %d bytes queued); dropping "
-                        "it and cancelling its %d request(s)", conn.number, self.backlog, len(requests))
+            log.warning("engine core: %s is not reading its output (over %d bytes queued); dropping "
+                        "it and cancelling its %d request(s)", conn.name, self.backlog, len(requests))
         else:
-            log.debug("engine core: API process %d fell behind again; cancelling %d request(s)", conn.number,
+            log.debug("engine core: %s fell behind again; cancelling %d request(s)", conn.name,
                       len(requests))
         with self.output._acked:  # the acks of dropped steps never come: not waited for
             conn.lagging = True
@@ -310,13 +323,13 @@ class EngineCore:
                 message = loads(data)
                 self._handle(conn, message)
             except Exception:  # noqa: BLE001 - one bad message is that message's problem alone
-                log.exception("engine core: a message from API process %d could not be handled", conn.number)
+                log.exception("engine core: a message from %s could not be handled", conn.name)
         conn.gone()
         with self.lock:
             open_requests = list(conn.requests.values())
             self.connections.remove(conn)
         if open_requests and not self.stopping.is_set():
-            log.warning("engine core: API process %d is gone; cancelling its %d request(s)", conn.number,
+            log.warning("engine core: %s is gone; cancelling its %d request(s)", conn.name,
                         len(open_requests))
         for req in open_requests:
             self.engine.cancel(req)
@@ -352,14 +365,14 @@ class EngineCore:
         elif kind == "shutdown":
             self.stopping.set()
         else:
-            log.warning("engine core: unknown message %r from API process %d", kind, conn.number)
+            log.warning("engine core: unknown message %r from %s", kind, conn.name)
 
     def _submit(self, conn: APIConnection, items: list[bytes], continuation: bool):
         """Queue the requests of one HTTP request (all or none); None, or (kind, message)."""
         try:
             reqs = [request_from(data, self.engine.structured_outputs) for data in items]
         except Exception as e:  # noqa: BLE001 - a request that cannot be decoded fails alone
-            log.exception("engine core: a request from API process %d could not be decoded", conn.number)
+            log.exception("engine core: a request from %s could not be decoded", conn.name)
             return ("error", error_fields(APIError(500, f"the engine core could not decode this request "
                                                         f"({type(e).__name__}: {e})", code="internal_error")))
         with self.lock:

@@ -345,7 +345,7 @@ def test_an_api_process_dying_leaves_the_others_serving():
         broken = outcomes.count("broken")
         assert 1 <= broken <= 9, outcomes  # 2 / 2**10 that the kernel put all ten on one process
         assert all(o in ("broken", 60) for o in outcomes), outcomes
-        wait_for(lambda: f"API process 2 is gone; cancelling its {broken} request(s)" in "".join(proc.lines), 10,
+        wait_for(lambda: f"(process {pid}) is gone; cancelling its {broken} request(s)" in "".join(proc.lines), 10,
                  "the core to cancel the dead process's requests")
         for _ in range(4):
             assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
@@ -433,7 +433,7 @@ def test_a_stopped_api_process_never_holds_up_the_others(model, tok, capfd):
                 (tok.decode(list(generate(model, prompt, 8))), [])
         pids = [core.proc.pid, a.pid, b.pid]
     log = capfd.readouterr().err
-    assert len(re.findall(r"engine core: API process \d is not reading its output", log)) == 1, log
+    assert len(re.findall(rf"engine core: API process \d \(process {b.pid}\) is not reading its output", log)) == 1, log
     assert "this API process fell behind the engine core's output; 2 request(s) cancelled" in log, log
     assert (a.returncode in (0, -signal.SIGTERM), b.returncode in (0, -signal.SIGTERM), core.proc.returncode) == \
         (True, True, 0), log  # each drained (uvicorn re-raises SIGTERM), none killed
