@@ -169,7 +169,8 @@ class APIConnection:
 
 class CoreOutput:
     """The engine's output part in the core process (the interface of serve.output.Output): each
-    iteration's records, one message per API process, sent from the engine thread."""
+    iteration's records, one message per API process, queued by the engine thread for that
+    process's sender thread (`APIConnection`), so the engine never waits on a socket."""
 
     def __init__(self, core: "EngineCore"):
         self.core = core
