@@ -292,13 +292,14 @@ def attention_config(H: int, D: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps of the partial kernel. Wide heads (D >= 256, V4-Flash has 512) take
     16-head blocks (the smallest M of a tensor-core dot) and 8 warps: 153 registers, no spills at
     sm_90 in bf16 (4 warps: 213; 64-head blocks reach wgmma but spill; see the compile report).
-    fp32 inputs take half the key tile (sm_80 shared memory) and 16 warps (8 spilled 4 bytes at
-    sm_80: 255 registers; 16 warps: 64, no spills)."""
+    fp32 inputs take half the key tile (sm_80 shared memory), 16 warps (8 spilled 4 bytes at
+    sm_80) and 2 pipeline stages (3 spilled 12 bytes at sm_90 reading a paged pool; 2: at most 83
+    registers in every fp32 variant, no spills)."""
     block_d = _pow2(D)
     if block_d < 256:
         return dict(BLOCK_H=min(64, _pow2(H)), BLOCK_N=16, BLOCK_D=block_d, num_warps=4)
     if dtype == torch.float32:
-        return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=16)
+        return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=16, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=block_d, num_warps=8)
 
 
