@@ -40,8 +40,9 @@ from .linear import ONEDNN_LINEAR
 def gather_rows(pool, slots):
     """A paged pool's rows as dense rows: [P, D] indexed by slots [B, C] -> [B, C, D] (row w of
     sequence b is pool[slots[b, w]]). What every gather of paged rows goes through (the cache's
-    `CompressorState.visible` too), so a paged cache reads exactly a static cache's values."""
-    return pool[slots]
+    `CompressorState.visible` too), so a paged cache reads exactly a static cache's values.
+    (`index_select`: a third of `pool[slots]`'s time on a CPU.)"""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
 
 
 def cast(x, dtype):
