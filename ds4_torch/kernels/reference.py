@@ -108,11 +108,10 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     grows with the window and top-k, not with the context; otherwise the rows are read in place,
     never copied. The parts meet only in the softmax. Logits are [B*T, H, keys]: every matmul is a
     plain bmm, and masks are added (-inf) by the matmul itself where the layout allows.
-    `comp_slots`: `comp` is a paged pool (see the module docstring), gathered first."""
-    if comp_slots is not None:
-        comp = gather_rows(comp, comp_slots)
+    `comp_slots`: `comp` is a paged pool (see the module docstring): the picked rows, or all
+    rows, gathered from it."""
     B, T, H, D = q.shape
-    W, C = ring.shape[1], comp.shape[1]
+    W, C = ring.shape[1], (comp if comp_slots is None else comp_slots).shape[1]
     dtype = q.dtype
     queries = q.reshape(B * T, H, D)
     query_pos = query_positions(start, T)
@@ -127,11 +126,17 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     n_visible = ((query_pos + 1) // rate)[..., None] if C else None  # [B, T, 1]
     if picked:
         K = comp_sel.shape[-1]
-        rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
+        index = comp_sel.clamp(min=0).reshape(B, T * K)
+        if comp_slots is None:
+            rows = comp.gather(1, index[..., None].expand(-1, -1, D))
+        else:  # straight from the pool: the picked rows only
+            rows = gather_rows(comp, comp_slots.gather(1, index))
         rows = cast(cast(rows, ring.dtype), dtype).view(B * T, K, D)
         bias = additive_mask((comp_sel >= 0) & (comp_sel < n_visible), dtype).view(B * T, 1, K)
         comp_logits = torch.baddbmm(bias, queries, rows.transpose(1, 2), alpha=scale)
     else:
+        if comp_slots is not None:
+            comp = gather_rows(comp, comp_slots)
         rows = cast(cast(comp, ring.dtype), dtype)  # [B, C, D]
         visible = torch.arange(C, device=q.device) < n_visible if C else q.new_zeros(B, T, 0, dtype=torch.bool)
         if comp_sel is not None and C:
