@@ -126,11 +126,10 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     n_visible = ((query_pos + 1) // rate)[..., None] if C else None  # [B, T, 1]
     if picked:
         K = comp_sel.shape[-1]
-        index = comp_sel.clamp(min=0).reshape(B, T * K)
         if comp_slots is None:
-            rows = comp.gather(1, index[..., None].expand(-1, -1, D))
+            rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
         else:  # straight from the pool: the picked rows only
-            rows = gather_rows(comp, comp_slots.gather(1, index))
+            rows = gather_rows(comp, comp_slots.gather(1, comp_sel.clamp(min=0).reshape(B, T * K)))
         rows = cast(cast(rows, ring.dtype), dtype).view(B * T, K, D)
         bias = additive_mask((comp_sel >= 0) & (comp_sel < n_visible), dtype).view(B * T, 1, K)
         comp_logits = torch.baddbmm(bias, queries, rows.transpose(1, 2), alpha=scale)
