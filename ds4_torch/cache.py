@@ -133,7 +133,7 @@ class CompressorState:
     def row_index(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of a flattened row part (`t.view(-1, width)`) of the flat indices b * (C+1) + w
         (`WindowPlan.row_index`)."""
-        return index if self.slots is None else self.slots.view(-1).index_select(0, index.view(-1)).view(index.shape)
+        return index if self.slots is None else self.slots.view(-1).index_select(0, index.reshape(-1)).view(index.shape)
 
     def write_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Store `rows` [N, D] (as computed, any floating dtype) at the flat indices `index` [N]
