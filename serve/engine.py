@@ -575,22 +575,6 @@ class Engine:
         batch, self._handed = self._handed, []
         self.output.put(batch)
 
-    # ------------------------------------------------------------------ sessions
-    def _clear(self, session: Session) -> None:
-        self.sessions.clear(session)
-
-    def _snapshot(self, session: Session, view, tokens: list[int], logits, why: str,
-                  wait: float | None = None) -> bool:
-        return self.sessions.snapshot(session, view, tokens, logits, why, wait)
-
-    def _take_checkpoint(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
-                         pending: bool = False) -> None:
-        """A checkpoint costs a device copy: one that fails (out of memory) is skipped, not the request's."""
-        try:
-            self.sessions.take(session, cache, slot, position, logits, boundary, pending)
-        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
-            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
-
     # ------------------------------------------------------------------ admission and prefill
     def _prefill_step(self) -> None:
         req = self.prefilling
@@ -609,7 +593,7 @@ class Engine:
         start = len(session.tokens)
         # A chunk ends where a checkpoint is due: its end state is the checkpoint's.
         piece = seq[start:self.sessions.next_stop(req, start, min(len(seq), start + self.prefill_chunk))]
-        if not self._make_room(self.resident.table(session.slot).blocks_needed(len(piece)), session):
+        if not self.sessions.make_room(self.resident.table(session.slot).blocks_needed(len(piece)), (session,)):
             return  # the pool is held by decoding requests: this prompt waits (they end, or are preempted)
         try:
             if session.restored is not None:
@@ -627,7 +611,7 @@ class Engine:
         req.prefilled_tokens += len(piece)
         boundary = self.sessions.wanted(req, len(session.tokens))
         if boundary is not None:
-            self._take_checkpoint(session, "resident", session.slot, len(session.tokens), logits, boundary)
+            self.sessions.take_or_skip(session, "resident", session.slot, len(session.tokens), logits, boundary)
         self.metrics.prefill_chunks.inc()
         self.prefill_chunks_run += 1
         if self.chunk_delay:
@@ -710,7 +694,7 @@ class Engine:
             self._end(req, "failed")
             return
         if prefilled:  # once the first token is out, the prompt is worth a snapshot
-            self._snapshot(session, self.resident.slot(session.slot), session.tokens, logits, "prefill")
+            self.sessions.snapshot(session, self.resident.slot(session.slot), session.tokens, logits, "prefill")
         if finish is not None:
             self._end(req, "done")
             return
@@ -728,16 +712,6 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     # ------------------------------------------------------------------ the KV pool
-    def _make_room(self, need: int, *keep: Session) -> bool:
-        """Have `need` blocks available: the pool's unreferenced cached blocks count already; then
-        idle sessions leave (least recently used first; to the disk store when there is one).
-        False when even that leaves too few."""
-        pool = self.runner.pool
-        while pool.num_available < need:
-            if not self.sessions.evict_idle(keep):
-                return False
-        return True
-
     def _decode_room(self) -> None:
         """Before a decode step: room for every running row's next tokens (1, or 1 + the drafts
         speculating). What idle sessions cannot free is taken from the request prefilling, then
@@ -748,7 +722,7 @@ class Engine:
         while self.running:
             need = sum(batch.table(r.decode_slot).blocks_needed(tokens) for r in self.running)
             keep = [r.session for r in self.running]
-            if self._make_room(need, *keep):
+            if self.sessions.make_room(need, keep):
                 return
             victim = self.prefilling if self.prefilling is not None and self.prefilling.session is not None \
                 else self.running[-1]
@@ -815,11 +789,9 @@ class Engine:
                 continue
             boundary = self.sessions.wanted(req, len(req.held))
             if boundary is not None:  # between steps, on its batch slot: joins the session when it leaves
-                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), logits[i], boundary,
+                self.sessions.take_or_skip(req.session, "batch", req.decode_slot, len(req.held), logits[i], boundary,
                                       pending=True)
-            if self.kv_store is not None and self.kv_store.every > 0 and \
-                    self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
-                self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
+            self.sessions.snapshot_if_due(req.session, req.decode_slot, req.held, req.logits)
         for req in sorted(done, key=lambda r: -r.decode_slot):
             self._end(req, "failed" if req.failure is not None else "done")
         if self.token_delay:
@@ -901,11 +873,9 @@ class Engine:
         for req, before in going_on:
             boundary = self.sessions.wanted_between(req, before, len(req.held))
             if boundary is not None:
-                self._take_checkpoint(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
+                self.sessions.take_or_skip(req.session, "batch", req.decode_slot, len(req.held), req.logits, boundary,
                                       pending=True)
-            if self.kv_store is not None and self.kv_store.every > 0 and \
-                    self.kv_store.checkpoint_due(len(req.held), req.session.saved_at):
-                self._snapshot(req.session, self.batch.slot(req.decode_slot), req.held, req.logits, "periodic")
+            self.sessions.snapshot_if_due(req.session, req.decode_slot, req.held, req.logits)
         for req in sorted(done, key=lambda r: -r.decode_slot):
             self._end(req, "failed" if req.failure is not None else "done")
         if self.token_delay:
@@ -1006,7 +976,7 @@ class Engine:
                 self.sessions.settle_pending(session)
             except BaseException as e:  # noqa: BLE001 - lose this session, not the engine
                 log.warning("engine: cannot keep %s's session: %s: %s", req.id, type(e).__name__, e)
-                self._clear(session)
+                self.sessions.clear(session)
             if slot != last:  # keep decoding slots first: the last one fills the hole
                 moved = self.running[last]
                 self._run("copy", "batch", slot, last, "batch")
@@ -1103,7 +1073,7 @@ class Engine:
             blame_snapshot = suspect is not None
             if session is not None:
                 if stage != "decode" or blame_snapshot:
-                    self._clear(session)  # half-written, or restored from a snapshot now suspect
+                    self.sessions.clear(session)  # half-written, or restored from a snapshot now suspect
                 self.sessions.drop_pending(session)  # taken on the batch slot, reset
                 session.request = None
                 req.session = None
@@ -1176,7 +1146,7 @@ class Engine:
 
     def _release_quietly(self, req: GenRequest) -> None:
         if req.session is not None:
-            self._clear(req.session)
+            self.sessions.clear(req.session)
             req.session.request = None
             req.session = None
         req.decode_slot = None
@@ -1199,7 +1169,7 @@ class Engine:
         for session in self.sessions:
             if session.tokens and session.saved_at < len(session.tokens):
                 left = deadline - time.monotonic()  # checked first: `prepare` waits for the store's write
-                if left <= 0 or not self._snapshot(session, self.resident.slot(session.slot), session.tokens,
+                if left <= 0 or not self.sessions.snapshot(session, self.resident.slot(session.slot), session.tokens,
                                                    session.last_logits, "shutdown", wait=left):
                     unsaved.append(len(session.tokens))
         if self._writer is not None:
