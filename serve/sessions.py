@@ -23,6 +23,12 @@ module decides what a request reuses and keeps the state it may reuse later.
   longer prefix than any resident state) the store restores into a free slot; the checkpoints
   the snapshot carried come back with it.
 
+- **Disk snapshots** (with a store): after a prompt's prefill (once its first token is out),
+  every `store.every` generated tokens, when an idle session is evicted, and at shutdown. The
+  state is read out of the cache between steps; encoding and writing run on the writer thread.
+- **The KV pool** (`make_room`): a prefill chunk or a decode step that needs blocks first takes
+  the pool's unreferenced cached ones, then has idle sessions leave, least recently used first.
+
 Every cache operation goes through `run` (the engine's: sent to the other ranks first under
 tensor parallelism), so checkpoints exist on every rank under the same ids.
 """
