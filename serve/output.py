@@ -23,14 +23,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from ds4_torch.tokenizer import StreamDecoder
 
 from .metrics import Metrics
 from .protocol import APIError
-from .sequence import GenRequest, TokenOut
+# The records the engine hands over (defined with the request), imported from here too.
+from .sequence import End, GenRequest, PromptLogprobs, Started, Token, TokenOut  # noqa: F401
 from .stops import StopMatcher
 
 log = logging.getLogger("ds4.serve")
@@ -54,44 +54,6 @@ class TextState:
         if final:
             piece += self.decoder.flush()
         return self.matcher.push(piece, final)
-
-
-@dataclass
-class Token:
-    """One sampled token of `req`. `end`: what the engine ended it with (None: it goes on;
-    "eos": an EOS or stop token id, whose text is not output; "stop": its grammar is complete, or its
-    text alone is one of its stop strings;
-    "length": its budget or the context is spent). `logprob`/`top`: when it asked for them."""
-    req: GenRequest
-    token: int
-    end: str | None
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-    sampled_at: float = 0.0
-
-
-@dataclass
-class End:
-    """`req` ended: "done" (its finish reason from its tokens, or `reason`), "failed" (`error`, an
-    APIError) or "cancelled" (`stage`)."""
-    req: GenRequest
-    outcome: str
-    reason: str | None = None
-    error: Any = None
-    stage: str = "decode"
-
-
-@dataclass
-class PromptLogprobs:
-    req: GenRequest
-    outs: list[TokenOut]
-
-
-@dataclass
-class Started:
-    """`req` was admitted (its `cached_tokens` and `t_start` are known): nothing to do in this
-    process; an engine core in another process sends it on (serve.core)."""
-    req: GenRequest
 
 
 class Output:

@@ -9,8 +9,8 @@ waiting, dropped once the last of them has taken it (the session part then relea
 copied into the cache). The choices of one request (the same
 sequence, queued back to back) are admitted together, so their prompt is prefilled once.
 
-The engine's loop waits here for work (`wait_for_work`), and asks, once per iteration, for the
-next request to start (`next_waiting`) when a batch slot is free. Everything here is guarded by
+The engine's loop waits here for work (`wait_for_work`); admission (serve.admission) asks, once
+per iteration, for the next request to start (`next_waiting`) when a batch slot is free. Everything here is guarded by
 one condition variable, so the API's threads can submit and cancel while the engine runs.
 """
 from __future__ import annotations

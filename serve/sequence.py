@@ -1,4 +1,5 @@
-"""One request's state: the only type the engine's parts share.
+"""One request's state: the only type the engine's parts share (with the records of what happened
+to it that the engine hands the output part: `Token`, `End`, `PromptLogprobs`, `Started`).
 
 A `GenRequest` is made by the API layer (prompt, budget, sampling settings, stops, how events
 reach its client) and carried through the engine's parts: sessions (`serve.sessions`: which
@@ -101,3 +102,43 @@ class GenRequest:
     def sequence(self) -> list[int]:
         """Everything the model must have seen before the next token: prompt and tokens sampled."""
         return self.prompt_ids + self.generated
+
+
+# ------------------------------------------------------------------ what the engine hands the output part
+# Once per iteration, in the order they happened (serve.output turns them into events).
+@dataclass
+class Token:
+    """One sampled token of `req`. `end`: what the engine ended it with (None: it goes on;
+    "eos": an EOS or stop token id, whose text is not output; "stop": its grammar is complete, or its
+    text alone is one of its stop strings;
+    "length": its budget or the context is spent). `logprob`/`top`: when it asked for them."""
+    req: GenRequest
+    token: int
+    end: str | None
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+    sampled_at: float = 0.0
+
+
+@dataclass
+class End:
+    """`req` ended: "done" (its finish reason from its tokens, or `reason`), "failed" (`error`, an
+    APIError) or "cancelled" (`stage`)."""
+    req: GenRequest
+    outcome: str
+    reason: str | None = None
+    error: Any = None
+    stage: str = "decode"
+
+
+@dataclass
+class PromptLogprobs:
+    req: GenRequest
+    outs: list[TokenOut]
+
+
+@dataclass
+class Started:
+    """`req` was admitted (its `cached_tokens` and `t_start` are known): nothing to do in this
+    process; an engine core in another process sends it on (serve.core)."""
+    req: GenRequest

@@ -23,6 +23,12 @@ module decides what a request reuses and keeps the state it may reuse later.
   longer prefix than any resident state) the store restores into a free slot; the checkpoints
   the snapshot carried come back with it.
 
+- **Disk snapshots** (with a store): after a prompt's prefill (once its first token is out),
+  every `store.every` generated tokens, when an idle session is evicted, and at shutdown. The
+  state is read out of the cache between steps; encoding and writing run on the writer thread.
+- **The KV pool** (`make_room`): a prefill chunk or a decode step that needs blocks first takes
+  the pool's unreferenced cached ones, then has idle sessions leave, least recently used first.
+
 Every cache operation goes through `run` (the engine's: sent to the other ranks first under
 tensor parallelism), so checkpoints exist on every rank under the same ids.
 """
@@ -263,6 +269,16 @@ class Sessions:
         self.evict(min(idle, key=lambda s: s.last_used))
         return True
 
+    def make_room(self, need: int, keep=()) -> bool:
+        """Have `need` blocks of the KV pool available: its unreferenced cached blocks count
+        already; then idle sessions leave (least recently used first; to the disk store when
+        there is one), never one of `keep`. False when even that leaves too few."""
+        pool = self.replica.pool
+        while pool.num_available < need:
+            if not self.evict_idle(keep):
+                return False
+        return True
+
     def evict(self, session: Session) -> None:
         """`session` leaves memory: snapshotted to the disk store first when there is one."""
         self.snapshot(session, self.replica.resident.slot(session.slot), session.tokens, session.last_logits, "evicted")
@@ -346,6 +362,15 @@ class Sessions:
         else:
             self._register(session, ck)
         self._trim()
+
+    def take_or_skip(self, session: Session, cache: str, slot: int, position: int, logits, boundary: bool,
+                     pending: bool = False) -> None:
+        """`take`, but a checkpoint costs a device copy: one that fails (out of memory) is skipped,
+        not the request's."""
+        try:
+            self.take(session, cache, slot, position, logits, boundary, pending)
+        except Exception as e:  # noqa: BLE001 - the tensor-parallel group breaking is noticed by the loop
+            log.warning("engine: checkpoint at %d skipped: %s: %s", position, type(e).__name__, e)
 
     def _register(self, session: Session, ck: Checkpoint) -> None:
         session.checkpoints[ck.position] = ck
@@ -469,6 +494,13 @@ class Sessions:
             return False
         session.saved_at = len(tokens)
         return True
+
+    def snapshot_if_due(self, session: Session, batch_slot: int, tokens: list[int], logits) -> None:
+        """A decoding request's periodic snapshot (every `store.every` generated tokens), read
+        from batch slot `batch_slot`, holding `tokens`."""
+        store = self.kv_store
+        if store is not None and store.every > 0 and store.checkpoint_due(len(tokens), session.saved_at):
+            self.snapshot(session, self.replica.batch.slot(batch_slot), tokens, logits, "periodic")
 
     def kv(self, method: str, *args, **kwargs):
         """Call an (optional) store method; its failures are logged, never raised."""
