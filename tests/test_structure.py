@@ -93,7 +93,8 @@ def test_no_import_cycles():
 
 # The engine's parts (issue #22): each imports serve.sequence (the one type they share) and lower
 # modules, never another part or anything above them; the engine imports them all.
-ENGINE_PARTS = ("serve.scheduler", "serve.sessions", "serve.runner", "serve.output")
+ENGINE_PARTS = ("serve.scheduler", "serve.sessions", "serve.runner", "serve.output", "serve.admission", "serve.decoding",
+                "serve.inflight", "serve.recovery")
 ABOVE_PARTS = ("serve.engine", "serve.app", "serve.chat", "serve.cli", "serve.openai_api", "serve.anthropic_api",
                "serve.responses_api", "serve.background", "serve.tp")
 
