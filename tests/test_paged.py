@@ -391,8 +391,9 @@ def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
     assert [t.num_tokens for t in paged.tables] == paged.positions.tolist()
     with pytest.raises(ValueError, match="whole blocks"):
         paged.start_from_cache(1, [1, 2, 3], ck["paged"])
-    with pytest.raises(NotImplementedError, match="fork"):
-        paged.export_sequence(0)
+    for b in range(2):  # a paged sequence exports the static one's state: names, order, values
+        want, got = pair.static.export_sequence(b), paged.export_sequence(b)
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_the_documented_example_shares_a_prompt_and_matches_two_static_sequences(model):
@@ -435,3 +436,110 @@ def test_a_tenant_finds_only_its_own_cached_blocks(small_model):
     tokens = ids[0].tolist()
     assert cache.pool.lookup(tokens, "alice") == a.blocks and cache.pool.lookup(tokens, "bob") == b.blocks
     assert cache.cached_tokens(tokens) == 0 and cache.cached_tokens(tokens, "carol") == 0
+
+
+# --------------------------------------------------------------------------- whole sequences
+def assert_same_state(got, want):
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_export_import_and_copy_round_trip_against_the_static_cache(small_model):
+    """A paged sequence exports what the static cache does after the same forwards; a state
+    imported (into this pool, another pool, or the static cache) continues bit for bit as the
+    static cache's import does; copies within a pool (across views of it too) share blocks."""
+    m, bt = small_model, 8
+    g = torch.Generator().manual_seed(3)
+    vocab = m.config.vocab_size
+    pair = Pair(m, 4, 120, block_tokens=bt, num_blocks=40)
+    static, paged = pair.static, pair.paged
+    pair.run(torch.randint(2, vocab, (4, 37), generator=g), chunk=11)  # 4 full blocks and 5 tokens
+    for b in range(4):
+        assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+    tokens0 = list(paged.table(0).tokens)
+    state0 = static.export_sequence(0, device="cpu")
+    # into this pool, with its tokens (their digests are taken by sequence 0's blocks: private copies)
+    static.import_sequence(3, state0)
+    paged.import_sequence(3, state0, tokens=tokens0)
+    assert set(paged.table(3).blocks).isdisjoint(paged.table(0).blocks)
+    # across views of one cache (a server's "resident" and "batch" caches): a fork, blocks shared
+    resident, batch = paged._view(0, 2), paged._view(2, 2)
+    batch.copy_sequence(0, 1, source=resident)   # global 2 <- global 1
+    static.copy_sequence(2, 1)
+    assert paged.table(2).blocks == paged.table(1).blocks
+    assert all(paged.pool.refcount(b) == 2 for b in paged.table(1).blocks)
+    pair.run(torch.randint(2, vocab, (4, 9), generator=g), chunk=9)
+    ck = {"static": static.take_checkpoint(1), "paged": resident.take_checkpoint(1)}
+    pair.run(torch.randint(2, vocab, (4, 6), generator=g), chunk=3)
+    static.branch_from_checkpoint(2, 1, ck["static"])
+    batch.branch_from_checkpoint(0, 1, ck["paged"], source=resident)
+    assert paged.table(2).blocks[:5] == paged.table(1).blocks[:5]
+    ids = torch.randint(2, vocab, (1, 6), generator=g)
+    with torch.inference_mode():
+        assert torch.equal(m(ids, paged.slot(2)), m(ids, static.slot(2)))
+    pair.run(torch.randint(2, vocab, (4, 5), generator=g), chunk=5)
+    for b in range(4):
+        assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+
+    # into another pool: with tokens its full blocks are found by a later prefix, without they stay private
+    n = int(static.positions[0])
+    state0, tokens0 = static.export_sequence(0), list(paged.table(0).tokens)
+    other = Pair(m, 2, 120, block_tokens=bt, num_blocks=20)
+    other.static.import_sequence(0, state0)
+    other.static.import_sequence(1, state0)
+    other.paged.import_sequence(0, state0, tokens=tokens0, tenant="t")
+    other.paged.copy_sequence(1, 0, source=static)  # from a static cache: export + import, private
+    pool = other.paged.pool
+    assert pool.lookup(tokens0, "t") == other.paged.table(0).blocks[:n // bt] and pool.lookup(tokens0) == []
+    assert all(pool.digest(b) is None for b in other.paged.table(1).blocks) and not other.paged.table(1).digests
+    assert_same_state(other.paged.export_sequence(1), state0)
+    other.run(torch.randint(2, vocab, (2, 20), generator=g), chunk=7)  # continued: equal to the static import's
+    assert not other.paged.table(1).digests  # (nor later: a digest would cover the unknown tokens)
+    # from a paged cache into a static one and into another pool
+    static.copy_sequence(3, 1, source=other.paged)
+    paged.copy_sequence(3, 1, source=other.paged)
+    pair.run(torch.randint(2, vocab, (4, 4), generator=g), chunk=4)
+    for b in range(4):
+        assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+
+
+def test_pool_exhausted_changes_nothing(small_model):
+    """`append_tokens` and `import_sequence` check the whole need before taking a block: a
+    refusal leaves every table and the pool as they were. `blocks_needed` counts a shared block
+    written by several sequences of the batch exactly (copied by all but the last writer)."""
+    m, bt = small_model, 8
+    cache = PagedDS4Cache(m.config, 3, 64, block_tokens=bt, num_blocks=7)
+    ids = torch.randint(2, m.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        m(ids, cache.slot(0))                  # 2 blocks, the second partial
+    cache.fork(1, 0)
+    cache.fork(2, 0)                            # three tables share both blocks
+    pool = cache.pool
+
+    def snapshot():
+        return ([(list(t.blocks), list(t.tokens), list(t.digests)) for t in cache.tables],
+                pool.free_blocks(), pool.cached_blocks(), [pool.refcount(b) for b in range(pool.num_blocks)])
+
+    # one token each: the partial block is copied twice; the last writer keeps it
+    assert cache.blocks_needed(1) == 2 and cache.blocks_needed(1, n=1) == 1
+    # 5 tokens each: each sequence also grows into a new block
+    assert cache.blocks_needed(5) == 2 + 3
+    assert cache.blocks_needed([0, 5, 1]) == 1 + 2  # (sequence 0 still holds the shared block: both writers copy)
+    before = snapshot()
+    with pytest.raises(PoolExhausted):
+        cache.append_tokens(torch.ones(3, 13, dtype=torch.long))  # 2 copies + 6 new blocks > 5 available
+    assert snapshot() == before
+    state = cache.export_sequence(0)
+    big = DS4Cache(m.config, 1, 64)
+    with torch.inference_mode():
+        m(torch.ones(1, 60, dtype=torch.long), big)
+    with pytest.raises(PoolExhausted):
+        cache.import_sequence(2, big.export_sequence(0))  # 8 blocks; 5 free (+0: its table's are shared)
+    assert snapshot() == before
+    with pytest.raises(ValueError, match="tokens"):
+        cache.import_sequence(2, state, tokens=[1, 2, 3])
+    assert snapshot() == before
+    assert cache.blocks_needed(5) == pool.num_available == 5
+    cache.append_tokens(torch.ones(3, 5, dtype=torch.long))  # exactly what is available: fits
+    assert pool.num_available == 0 and len({b for t in cache.tables for b in t.blocks}) == 1 + 3 + 3
