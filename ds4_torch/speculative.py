@@ -341,6 +341,9 @@ class Speculator:
         if idle_rows:  # idle rows keep their state (copies: a captured graph's outputs change in place)
             mtp_before, draft_before = self.mtp_out[:B].clone(), self.draft[:B].clone()
         self.last_sample, self.failed_rows = None, []
+        # A paged cache's tables take the step's tokens before anything runs (their ids stay on
+        # the device: only the shape is read), so PoolExhausted leaves every row as it was.
+        forwards.cache.take_tokens(pending.new_empty(B, T), tentative=True)
         try:
             fault_point("decode")
             with self.grad_off():
@@ -373,7 +376,7 @@ class Speculator:
                     new_pending = torch.where(idle, pending, new_pending)
                     mtp_out = torch.where(idle.view(B, 1, 1, 1), mtp_before, mtp_out)
                 self.draft[:B], self.pending[:B], self.mtp_out[:B] = draft, new_pending, mtp_out
-                read = [(keep - 1).view(B, 1), tokens]
+                read = [(keep - 1).view(B, 1), tokens, fed]  # (fed: the ids a paged cache's tables keep)
                 if usable is not None:
                     read.append(usable.view(B, 1))
                 host = torch.cat(read, dim=1).tolist()  # the one host read
@@ -381,6 +384,9 @@ class Speculator:
         except BaseException:
             self.cache.invalidate(range(B))
             raise
+        for b, row in enumerate(host):  # a paged cache's tables let the rejected tokens go, name the kept
+            forwards.cache.drop_tokens(b, T - (row[0] + 1))
+            forwards.cache.name_tokens(b, row[1 + T:2 + T + row[0]])
         # Per row, the tokens the step kept; None for a row it left as it was (idle), which no
         # trim may touch: a request joining that row later is not the step's.
         self.last = (forwards, undo, mtp_undo, [row[0] + 1 or None for row in host])
@@ -460,6 +466,9 @@ class Speculator:
                 keep[b], mtp_keep[b] = u, max(u - 1, 0)
         if keep == [-1] * len(kept):
             return
+        for b, k in enumerate(keep):  # (a paged cache: before the apply, which clears rows in the kept blocks)
+            if k >= 0:
+                self.cache.drop_tokens(b, kept[b] - k)
         with self.grad_off():
             forwards.rollback(undo, torch.tensor(keep, device=self.device))
             forwards.rollback(mtp_undo, torch.tensor(mtp_keep, device=self.device))
@@ -477,6 +486,7 @@ class Speculator:
             return
         forwards, undo, mtp_undo, kept = self.last
         keep = kept[0] - unused
+        self.cache.drop_tokens(0, unused)
         with self.grad_off():
             forwards.rollback(undo, torch.tensor([keep], device=self.device))
             forwards.rollback(mtp_undo, torch.tensor([max(keep - 1, 0)], device=self.device))
