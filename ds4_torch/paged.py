@@ -22,8 +22,9 @@ live in one pool of `num_blocks` blocks per layer and state, read and written th
   table holds it and it is not registered (registered rows are immutable); otherwise a write
   first copies it (copy on write).
 - `BlockTable`: one sequence's blocks in order, its tokens, and the digests of its full blocks.
-  `append` returns the block copies the caller must make before writing rows; `fork` shares
-  every block; `truncate` rewinds; `free` releases.
+  `append` returns the block copies the caller must make before writing rows (`tentative`: a
+  speculative step's, registered only once final); `drop` gives back a rolled-back tail; `fork`
+  shares every block; `truncate` rewinds; `free` releases.
 - `PagedDS4Cache`: see its docstring. Two sequences sharing a prompt's rows:
 
       cache = PagedDS4Cache(model.config, batch_size=2, max_context=8192)  # blocks of 256 tokens

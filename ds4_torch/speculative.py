@@ -17,7 +17,10 @@ Rejected tokens are taken back in place with `cache.Rollback` (the forwards reco
 overwrite: ring rows, the compressor and indexer frontiers at every candidate end, rows a token
 may close): no whole-state copy, no re-feeding of accepted tokens, and, per sequence of a
 batch, its own acceptance from a tensor. The one host read of a step is the emitted tokens
-(the caller needs them); positions, acceptance and the rollback stay on the device.
+(the caller needs them); positions, acceptance and the rollback stay on the device. Over a
+`paged.PagedDS4Cache` the verify forward takes its tokens tentatively (only the shape is read)
+and the block tables are settled from that host read (`drop_tokens` / `name_tokens`); a `trim`
+drops before its rollback.
 
 The MTP layer's cache (`cache.mtp`, its own positions) only ever keeps positions fed with the
 main model's hidden streams and true tokens: its one-token drafting passes are rolled back the
