@@ -65,39 +65,62 @@ class RefPool:
 class RefTable:
     def __init__(self, pool, tenant):
         self.pool, self.tenant, self.blocks, self.tokens = pool, tenant, [], []
+        self.offered = 0  # full blocks offered for registration so far (their tokens final and known)
 
     def from_prefix(self, tokens):
         self.blocks = self.pool.lookup(self.tenant, tokens)
         for b in self.blocks:
             self.pool.ref[b] += 1
         self.tokens = list(tokens[:len(self.blocks) * self.pool.bt])
+        self.offered = len(self.blocks)
 
-    def append(self, tokens):
+    def own(self, k):
+        p = self.pool
+        if k < len(self.blocks) and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None):
+            new = p.allocate()
+            p.decref(self.blocks[k])
+            old, self.blocks[k] = self.blocks[k], new
+            return [(old, new)]
+        return []
+
+    def append(self, tokens, tentative=False):
         p, bt, n = self.pool, self.pool.bt, len(self.tokens)
         k = n // bt
         shared = n < len(self.blocks) * bt and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None)
         need = math.ceil((n + len(tokens)) / bt) - len(self.blocks) + (1 if tokens and shared else 0)
         if need > p.available():
             raise PoolExhausted
-        copies = []
-        if tokens and shared:
-            new = p.allocate()
-            copies.append((self.blocks[k], new))
-            p.decref(self.blocks[k])
-            self.blocks[k] = new
+        copies = self.own(k) if tokens else []
         self.tokens += tokens
         while len(self.blocks) * bt < len(self.tokens):
             self.blocks.append(p.allocate())
-        for k in range(n // bt, len(self.tokens) // bt):  # the blocks this append filled
+        self.register((n if tentative else len(self.tokens)) // bt)
+        return copies
+
+    def register(self, full):  # a tentative append's blocks wait until final; an unknown id stops the chain
+        p, bt = self.pool, self.pool.bt
+        for k in range(self.offered, full):
+            if None in self.tokens[k * bt:(k + 1) * bt]:
+                return
             key = (self.tenant, tuple(self.tokens[:(k + 1) * bt]))
             b = self.blocks[k]
             if p.key[b] is None and p.find(key) is None:
                 p.key[b] = key
-        return copies
+            self.offered = k + 1
+
+    def drop(self, n):
+        p, keep = self.pool, len(self.tokens) - n
+        k = keep // p.bt
+        released = sum(1 for b in self.blocks[math.ceil(keep / p.bt):] if p.ref[b] == 1)
+        if keep % p.bt and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None) \
+                and p.available() + released < 1:
+            raise PoolExhausted
+        self.truncate(keep)
+        return self.own(keep // self.pool.bt) if keep % self.pool.bt else []
 
     def fork(self):
         other = RefTable(self.pool, self.tenant)
-        other.blocks, other.tokens = list(self.blocks), list(self.tokens)
+        other.blocks, other.tokens, other.offered = list(self.blocks), list(self.tokens), self.offered
         for b in self.blocks:
             self.pool.ref[b] += 1
         return other
@@ -107,6 +130,7 @@ class RefTable:
         for b in reversed(self.blocks[keep:]):
             self.pool.decref(b)
         del self.blocks[keep:], self.tokens[n:]
+        self.offered = min(self.offered, n // self.pool.bt)
 
 
 def check_invariants(pool: BlockPool, tables, content):
@@ -150,8 +174,8 @@ def test_random_operations_match_the_reference(seed):
     live: list[tuple[BlockTable, RefTable]] = []
     stems = [[rng.randrange(3) for _ in range(20)] for _ in range(3)]  # shared prefixes, divergent tails
     tenants = [None, None, "a", "b"]
-    hits = evicted = cows = 0
-    for step in range(400):
+    hits = evicted = cows = spec = 0
+    for step in range(500):
         op = rng.random()
         if op < 0.25 and len(live) < 6:  # a new sequence, from the cache's longest prefix
             tenant = rng.choice(tenants)
@@ -161,7 +185,7 @@ def test_random_operations_match_the_reference(seed):
             r.from_prefix(prompt)
             hits += len(t.blocks)
             live.append((t, r))
-        elif op < 0.6 and live:  # extend
+        elif op < 0.5 and live:  # extend
             t, r = rng.choice(live)
             extra = [rng.randrange(3) for _ in range(rng.randrange(1, 2 * bt + 2))]
             start = len(t.tokens)
@@ -174,6 +198,37 @@ def test_random_operations_match_the_reference(seed):
             assert copies == r.append(extra)
             cows += len(copies)
             write(content, t, start, copies)
+        elif op < 0.6 and live:  # a speculative step: unknown ids, some taken back, the rest named
+            t, r = rng.choice(live)
+            k, start = rng.randrange(1, bt + 2), len(t.tokens)
+            try:
+                copies = t.append([None] * k, tentative=True)
+            except PoolExhausted:
+                with pytest.raises(PoolExhausted):
+                    r.append([None] * k, tentative=True)
+                continue
+            assert copies == r.append([None] * k, tentative=True)
+            write(content, t, start, copies)
+            dropped = rng.randrange(k + 1)
+            copies = t.drop(dropped)
+            assert copies == r.drop(dropped)
+            write(content, t, len(t.tokens), copies)
+            ids = [rng.randrange(3) for _ in range(k - dropped)]
+            t.name_tokens(ids)
+            r.tokens[start:] = ids
+            write(content, t, start, [])  # (the rows there are now known to be those of `ids`)
+            spec += 1
+        elif op < 0.65 and live:  # a later trim: give back a tail
+            t, r = rng.choice(live)
+            dropped = rng.randrange(len(t.tokens) + 1)
+            try:
+                copies = t.drop(dropped)
+            except PoolExhausted:
+                with pytest.raises(PoolExhausted):
+                    r.drop(dropped)
+                continue
+            assert copies == r.drop(dropped)
+            write(content, t, len(t.tokens), copies)
         elif op < 0.7 and live:  # fork
             t, r = rng.choice(live)
             live.append((t.fork(), r.fork()))
@@ -194,7 +249,7 @@ def test_random_operations_match_the_reference(seed):
             assert (pool.digest(b) is not None) == (ref.key[b] is not None)
         check_invariants(pool, [t for t, _ in live], content)
     evicted = pool.evictions
-    assert hits and evicted and cows  # the run exercised sharing, reclaiming and copy on write
+    assert hits and evicted and cows and spec, (hits, evicted, cows, spec)  # sharing, reclaiming, copies, speculation
 
 
 def test_shared_prefix_is_stored_once_and_copied_only_where_written():
