@@ -379,6 +379,7 @@ class PagedDS4Cache(DS4Cache):
         self.pool = BlockPool(num_blocks, block_tokens)
         self.all_tables = [BlockTable(self.pool) for _ in range(batch_size)]  # (views index it from _offset)
         self._slots: dict[int, torch.Tensor] = {}  # rate -> [B, C+1], shared by that rate's states
+        self._mapped = [[] for _ in range(batch_size)]  # the blocks each sequence's slots map (views share it)
         super().__init__(config, batch_size, max_context, dtype, device, kv_rows)
         self._root = self  # views keep it: what spans views runs here, by global index
 
@@ -408,17 +409,27 @@ class PagedDS4Cache(DS4Cache):
 
     # ------------------------------------------------------------------ tables -> slots
     def _refresh(self, indices) -> None:
-        """Rebuild the slots of sequences `indices` from their tables."""
-        for rate, slots in self._slots.items():
-            per_block = self.pool.block_tokens // rate
-            scratch, C = self.pool.num_blocks * per_block, slots.shape[1] - 1
-            w = torch.arange(C, dtype=torch.long)
-            for b in indices:
-                blocks = torch.tensor(self.table(b).blocks + [0], dtype=torch.long)  # (+1: never empty)
-                k = w // per_block
-                held = k < len(self.table(b).blocks)
-                row = torch.where(held, blocks[k.clamp(max=len(blocks) - 1)] * per_block + w % per_block, scratch)
-                slots[b, :C] = row.to(slots.device)
+        """Bring the slots of sequences `indices` up to their tables: only the rows of blocks that
+        changed since the last refresh are written (a decode step that stays in its last block
+        writes none)."""
+        for b in indices:
+            blocks, mapped = self.table(b).blocks, self._mapped[self._offset + b]
+            first = next((k for k, (x, y) in enumerate(zip(blocks, mapped)) if x != y), min(len(blocks), len(mapped)))
+            end = max(len(blocks), len(mapped))
+            if first == end:
+                continue
+            held = torch.tensor(blocks[first:] + [0], dtype=torch.long)  # (+1: never empty)
+            for rate, slots in self._slots.items():
+                per_block, C = self.pool.block_tokens // rate, slots.shape[1] - 1
+                lo, hi = min(first * per_block, C), min(end * per_block, C)
+                if lo == hi:
+                    continue
+                w = torch.arange(lo, hi, dtype=torch.long)
+                k = w // per_block - first
+                row = torch.where(k < len(blocks) - first, held[k.clamp(max=len(held) - 1)] * per_block + w % per_block,
+                                  self.pool.num_blocks * per_block)  # (past the table: the scratch row)
+                slots[b, lo:hi] = row.to(slots.device)
+            mapped[:] = blocks
 
     def _copy_blocks(self, copies) -> None:
         """Copy whole blocks (source, destination) in every pool: a copy on write."""

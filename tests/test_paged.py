@@ -353,6 +353,18 @@ def small_model():
     return m.eval()
 
 
+def assert_slots_follow_tables(cache):
+    """Each sequence's slot map is what its table says, row by row (kept up to date incrementally)."""
+    bt = cache.pool.block_tokens
+    for rate, slots in cache._slots.items():
+        per_block, scratch = bt // rate, cache.pool.num_blocks * (bt // rate)
+        for b in range(cache.batch_size):
+            blocks = cache.table(b).blocks
+            want = [blocks[w // per_block] * per_block + w % per_block if w // per_block < len(blocks) else scratch
+                    for w in range(slots.shape[1] - 1)] + [scratch]  # (row C: always the scratch row)
+            assert slots[b].tolist() == want, (rate, b)
+
+
 class Pair:
     """The same operations on a static and a paged cache; every forward's logits compared bit
     for bit."""
@@ -370,6 +382,7 @@ class Pair:
             self.paged.append_tokens(ids)
             got = self.model(ids, self.paged)
         assert torch.equal(got, want), f"forward {self.forwards}: max diff {(got - want).abs().max()}"
+        assert_slots_follow_tables(self.paged)
         self.forwards += 1
 
     def run(self, ids, chunk):  # [B, T] in chunks, then returns
@@ -557,6 +570,7 @@ def test_export_import_and_copy_round_trip_against_the_static_cache(small_model)
     pair.run(torch.randint(2, vocab, (4, 4), generator=g), chunk=4)
     for b in range(4):
         assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+    assert_slots_follow_tables(other.paged)
 
 
 def test_pool_exhausted_changes_nothing(small_model):

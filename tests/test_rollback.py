@@ -125,6 +125,7 @@ def test_a_paged_cache_rolls_back_as_the_static_one(model, T):
     cleared rows are in, leaves the fork as it was; the kept tokens' blocks are registered once
     final."""
     from ds4_torch.paged import PagedDS4Cache
+    from test_paged import assert_slots_follow_tables
 
     g = torch.Generator().manual_seed(10 + T)
     B, ctx, bt = 3, 60, 6
@@ -137,6 +138,7 @@ def test_a_paged_cache_rolls_back_as_the_static_one(model, T):
 
     def same():
         assert paged.positions.tolist() == static.positions.tolist() == [len(h) for h in history]
+        assert_slots_follow_tables(paged)
         for b in range(B):
             assert paged.table(b).tokens == history[b]
             got, want = paged.export_sequence(b), static.export_sequence(b)

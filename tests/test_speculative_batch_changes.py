@@ -19,6 +19,7 @@ import torch
 from ds4_torch.paged import PagedDS4Cache
 from ds4_torch.sampling import BatchSampler, SamplingParams
 from ds4_torch.speculative import Speculator
+from test_paged import assert_slots_follow_tables
 from test_speculative import model, plain_decode  # noqa: F401 - `model`: the small random MTP model fixture
 
 torch.set_num_threads(1)
@@ -87,6 +88,7 @@ class Batch:
         out = op(self.twin)
         assert self.cache.positions.tolist() == self.twin.cache.positions.tolist()
         assert [t.num_tokens for t in self.cache.tables] == self.cache.positions.tolist()
+        assert_slots_follow_tables(self.cache)
         for b, p in enumerate(self.rows):
             assert self.tokens[p] == self.twin.tokens[p]
             assert torch.equal(torch.cat(self.logits[p]), torch.cat(self.twin.logits[p])), f"prompt {p}"
