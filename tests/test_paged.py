@@ -562,11 +562,19 @@ def test_export_import_and_copy_round_trip_against_the_static_cache(small_model)
     assert pool.lookup(tokens0, "t") == other.paged.table(0).blocks[:n // bt] and pool.lookup(tokens0) == []
     assert all(pool.digest(b) is None for b in other.paged.table(1).blocks) and not other.paged.table(1).digests
     assert_same_state(other.paged.export_sequence(1), state0)
-    other.run(torch.randint(2, vocab, (2, 20), generator=g), chunk=7)  # continued: equal to the static import's
+    other.run(torch.randint(2, vocab, (2, 12), generator=g), chunk=7)  # continued: equal to the static import's
+    ck = {"static": other.static.take_checkpoint(0), "paged": other.paged.take_checkpoint(0)}
+    other.run(torch.randint(2, vocab, (2, 8), generator=g), chunk=7)
     assert not other.paged.table(1).digests  # (nor later: a digest would cover the unknown tokens)
-    # from a paged cache into a static one and into another pool
+    # from a paged cache into a static one and into another pool: a copy, and a branch from a checkpoint
     static.copy_sequence(3, 1, source=other.paged)
     paged.copy_sequence(3, 1, source=other.paged)
+    static.branch_from_checkpoint(2, 0, ck["static"], source=other.paged)
+    paged.branch_from_checkpoint(2, 0, ck["paged"], source=other.paged)
+    assert int(paged.positions[2]) == int(ck["paged"]["position"]) < int(paged.positions[3])
+    ids = torch.randint(2, vocab, (1, 8), generator=g)  # sequence 2 alone, then with the others
+    with torch.inference_mode():
+        assert torch.equal(m(ids, paged.slot(2)), m(ids, static.slot(2)))
     pair.run(torch.randint(2, vocab, (4, 4), generator=g), chunk=4)
     for b in range(4):
         assert_same_state(paged.export_sequence(b), static.export_sequence(b))
