@@ -183,3 +183,29 @@ def test_trim_of_a_row_that_ended_in_place_leaves_the_others(model, truth, mode,
     batch.rejoin(0, batch.tokens[0][-1])
     batch.run_to_end()
     check_plain(batch, truth, [0, 1, 3])
+
+
+@torch.no_grad()
+def test_a_step_the_pool_cannot_supply_changes_nothing(model, truth):
+    """A speculative step over a paged cache whose pool is full is refused before it runs
+    (PoolExhausted): no row moves or is invalidated; once blocks are freed the same row goes on
+    as plain greedy decoding."""
+    from ds4_torch.decode import prefill
+    from ds4_torch.paged import PoolExhausted
+
+    cache = PagedDS4Cache(model.config, 2, 64, block_tokens=BLOCK, num_blocks=8)
+    sampler = BatchSampler(1, model.config.vocab_size, model.device)
+    sampler.admit(0, SamplingParams())
+    spec = Speculator(model, cache, sampler, 2, batch=1)
+    first, _ = spec.start_row(0, PROMPTS[2], 4)                        # 12 tokens: 2 blocks
+    prefill(model, cache.slot(1), torch.arange(1, 37).view(1, -1), 8)  # 36 tokens: the other 6
+    before = (cache.positions.tolist(), [list(t.blocks) for t in cache.tables], list(spec.positions))
+    with pytest.raises(PoolExhausted):
+        spec.step_batch([3])
+    assert (cache.positions.tolist(), [list(t.blocks) for t in cache.tables], list(spec.positions)) == before
+    assert not cache.is_invalid(0)
+    cache.reset(1)
+    tokens = [first]
+    while len(tokens) < NEW:
+        tokens += spec.step_batch([3])[0][0]
+    assert tokens[:NEW] == truth[2][0]
