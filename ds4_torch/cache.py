@@ -8,6 +8,9 @@ C = ceil(max_context / m), dI = index_head_dim, s = bytes per element of the cac
   - `rows`      [B, C+1, D]    compressed rows; row w pools window w (positions w*m .. w*m+m-1).
                                Row C is a scratch row: predicated writes of windows that did not
                                close land there, so no write ever needs a branch or a resize.
+                               With fp8 rows (`kv_rows`, `kv_format.row_parts`): `rows` [B, C+1,
+                               D-r] float8_e4m3fn, `row_scales` [B, C+1, ceil((D-r)/64)] uint8
+                               and, when r > 0 RoPE channels are kept, `row_rope` [B, C+1, r].
   - `open_kv`, `open_gate` [B, m, Dc]  projections of the open window (slot = position % m),
                                gates already carry the position bias. Dc = 2D for CSA (Ca | Cb
                                halves), D for HCA.
@@ -18,9 +21,11 @@ C = ceil(max_context / m), dI = index_head_dim, s = bytes per element of the cac
 - `positions`   [B] int64      tokens consumed per sequence. Everything else (compressed row
                                counts, ring slots, emit phases) is derived from it.
 
-nbytes = 8*B + sum over layers of s*B*[ W*D
-         + HCA: (C+1)*D + 2*m*D
-         + CSA: (C+1)*D + 2*m*2D + 2*m*D  +  (C+1)*dI + 2*m*2dI + 2*m*dI ]
+nbytes = 8*B + sum over layers of B*[ s*W*D
+         + HCA: (C+1)*R(D, r) + s*2*m*D
+         + CSA: (C+1)*R(D, r) + s*(2*m*2D + 2*m*D)  +  (C+1)*R(dI, 0) + s*(2*m*2dI + 2*m*dI) ]
+where a stored row of d channels takes R(d, r) = s*d bytes in full rows and (d-r) + ceil((d-r)/64)
++ s*r in fp8 rows (r: the RoPE channels kept, qk_rope_head_dim with "fp8-keep-rope", else 0).
 (`DS4Cache.nbytes` sums the real tensors; a test checks it against this formula.)
 
 One sequence's live state (`export_sequence` / `import_sequence` / `copy_sequence`) is what a
@@ -28,7 +33,8 @@ decode step needs to continue it after N tokens, and nothing more; its names are
 
     position                         int64, shape []
     layers.{i}.window                [W, D]
-    layers.{i}.compressor.rows       [N // m, D]     only the rows written so far
+    layers.{i}.compressor.rows       [N // m, D]     only the rows written so far (fp8 rows: the
+                                                     parts above, `row_scales` and `row_rope` after it)
     layers.{i}.compressor.open_kv    [m, Dc]         (open_gate the same)
     layers.{i}.compressor.prev_kv    [m, D]          CSA only (prev_gate the same)
     layers.{i}.indexer.*             CSA only, as the compressor with D -> dI
@@ -55,6 +61,7 @@ sequence with the same first p tokens is the caller's job. Size: `checkpoint_nby
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,23 +69,27 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CSA, HCA, SLIDING, DS4Config
-from .kv_format import round_trip_rows, row_format
+from .kv_format import ROW_PARTS, quantize_rows, row_format, row_parts, rows_from_parts
 
 
 @dataclass
 class CompressorState:
+    # Compressed rows, stored as `kv_format.row_parts` says: full rows: `rows` [B, C+1, D] in the
+    # cache dtype; fp8 rows: `rows` [B, C+1, D - r] float8_e4m3fn, `row_scales` [B, C+1, G] uint8
+    # (e8m0, one per 64 channels) and, with r RoPE channels kept, `row_rope` [B, C+1, r] in the
+    # cache dtype. Written by `write_rows`, read (dequantized) by `visible`: nothing else in the
+    # model touches them.
     rows: torch.Tensor
     open_kv: torch.Tensor
     open_gate: torch.Tensor
     prev_kv: torch.Tensor | None = None
     prev_gate: torch.Tensor | None = None
-    # FP8 rows (`kv_format`): None keeps rows as computed; n: they are stored as an fp8 store
-    # gives them back, the last n (RoPE) channels untouched.
-    fp8_rope_kept: int | None = None
-    # Paged rows (`paged.PagedDS4Cache`): `rows` is then a pool [blocks * rows_per_block + 1, D]
-    # shared by every sequence (its last row a scratch row) and `slots` [B, C+1] int64 the pool
-    # row of each sequence's row w (C: the scratch row; rows past a sequence's blocks point there
-    # too). None: `rows` is [B, C+1, D], the sequence's own.
+    row_scales: torch.Tensor | None = None
+    row_rope: torch.Tensor | None = None
+    # Paged rows (`paged.PagedDS4Cache`): every row part is then a pool [blocks * rows_per_block
+    # + 1, width] shared by every sequence (its last row a scratch row) and `slots` [B, C+1] int64
+    # the pool row of each sequence's row w (C: the scratch row; rows past a sequence's blocks
+    # point there too). None: the parts are [B, C+1, width], the sequence's own.
     slots: torch.Tensor | None = None
 
     @property
@@ -86,32 +97,81 @@ class CompressorState:
         """Rows a sequence can hold (C)."""
         return (self.rows if self.slots is None else self.slots).shape[1] - 1
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The cache dtype: what `visible` returns."""
+        return self.open_kv.dtype
+
+    @property
+    def fp8_rope_kept(self) -> int | None:
+        """None for full rows; for fp8 rows, the RoPE channels kept in the cache dtype."""
+        if self.row_scales is None:
+            return None
+        return 0 if self.row_rope is None else self.row_rope.shape[-1]
+
+    def row_parts(self) -> dict[str, torch.Tensor]:
+        """The tensors holding the rows, by `kv_format.row_parts` name, in its order."""
+        return {name: t for name in ROW_PARTS if (t := getattr(self, name)) is not None}
+
     def visible(self, n: int) -> torch.Tensor:
-        """Every sequence's rows [0, n), [B, n, D] (paged: gathered from the pool)."""
-        return self.rows[:, :n] if self.slots is None else self.rows[self.slots[:, :n]]
+        """Every sequence's rows [0, n), [B, n, D] in the cache dtype (paged: gathered from the
+        pool; fp8: dequantized)."""
+        parts = {name: t[:, :n] if self.slots is None else t[self.slots[:, :n]]
+                 for name, t in self.row_parts().items()}
+        return rows_from_parts(parts, self.dtype)
 
     def row_index(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows of `rows.view(-1, D)` of the flat indices b * (C+1) + w (`WindowPlan.row_index`)."""
+        """Rows of a flattened row part (`t.view(-1, width)`) of the flat indices b * (C+1) + w
+        (`WindowPlan.row_index`)."""
         return index if self.slots is None else self.slots.view(-1)[index]
 
-    def stored_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` as this state stores them: through fp8 when it is an fp8 state (from the
-        computed values, as a real fp8 store would quantize them), in the rows' dtype."""
-        if self.fp8_rope_kept is not None:
-            rows = round_trip_rows(rows, self.fp8_rope_kept)
-        return rows if rows.dtype == self.rows.dtype else rows.to(self.rows.dtype)
+    def write_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store `rows` [N, D] (as computed, any floating dtype) at the flat indices `index` [N]
+        (b * (C+1) + w): cast to the cache dtype, or quantized to fp8 from the computed values."""
+        kept = self.fp8_rope_kept
+        values = (rows,) if kept is None else quantize_rows(rows, kept)
+        at = self.row_index(index)
+        for dst, src in zip(self.row_parts().values(), values):
+            _flat_bytes(dst).index_copy_(0, at, _flat_bytes(src.to(dst.dtype)))
+
+    def clear_rows(self, index: torch.Tensor) -> None:
+        """Zero (every part, scales too: as allocated) the rows at the flat indices `index`."""
+        at = self.row_index(index)
+        for t in self.row_parts().values():
+            _flat_bytes(t).index_fill_(0, at, 0)
+
+    def allocate_rows(self, *lead: int) -> None:
+        """Every row part replaced by zeros of shape [*lead, width] (a paged cache's pool)."""
+        for name, t in self.row_parts().items():
+            setattr(self, name, t.new_zeros(*lead, t.shape[-1]))
+
+    def batch_view(self, start: int, n: int) -> "CompressorState":
+        """Sequences [start, start + n) as a state sharing this one's storage (a paged state's
+        pools are every sequence's: only its slots are sliced)."""
+        pool = set(ROW_PARTS) if self.slots is not None else set()
+        return dataclasses.replace(self, **{
+            f.name: t if t is None or f.name in pool else t[start:start + n]
+            for f in dataclasses.fields(self) for t in [getattr(self, f.name)]})
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.rows, self.open_kv, self.open_gate, self.prev_kv, self.prev_gate) if t is not None]
+        return [*self.row_parts().values()] + [
+            t for t in (self.open_kv, self.open_gate, self.prev_kv, self.prev_gate) if t is not None]
 
     def reset(self, batch_index=None) -> None:
         sel = slice(None) if batch_index is None else batch_index
-        rows = self.rows if self.slots is None else None  # a pool's rows are its blocks' (paged.py)
-        for t in (rows, self.open_kv, self.open_gate, self.prev_kv):
+        rows = [*self.row_parts().values()] if self.slots is None else []  # a pool's rows are its blocks' (paged.py)
+        for t in (*rows, self.open_kv, self.open_gate, self.prev_kv):
             if t is not None:
                 t[sel] = 0
         if self.prev_gate is not None:
             self.prev_gate[sel] = float("-inf")
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` [..., width] as [rows, width], fp8 as its bytes (index_copy_ and index_fill_ have no
+    float8 kernels)."""
+    flat = t.view(-1, t.shape[-1])  # (a view: writes must reach t)
+    return flat.view(torch.uint8) if flat.dtype == torch.float8_e4m3fn else flat
 
 
 @dataclass
@@ -131,12 +191,14 @@ class LayerCache:
 
 
 def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device, fp8_rope_kept=None) -> CompressorState:
+    """`fp8_rope_kept`: how rows are stored (`kv_format.row_parts`)."""
     width = 2 * dim if overlap else dim
+    rows = {name: torch.zeros(batch, capacity + 1, w, dtype=d, device=device)
+            for name, d, w in row_parts(dim, dtype, fp8_rope_kept)}
     state = CompressorState(
-        rows=torch.zeros(batch, capacity + 1, dim, dtype=dtype, device=device),
         open_kv=torch.zeros(batch, rate, width, dtype=dtype, device=device),
         open_gate=torch.zeros(batch, rate, width, dtype=dtype, device=device),
-        fp8_rope_kept=fp8_rope_kept,
+        **rows,
     )
     if overlap:
         state.prev_kv = torch.zeros(batch, rate, dim, dtype=dtype, device=device)
@@ -144,12 +206,19 @@ def _compressor_state(batch, capacity, rate, dim, overlap, dtype, device, fp8_ro
     return state
 
 
-_STATE_FIELDS = ("rows", "open_kv", "open_gate", "prev_kv", "prev_gate")
+_FRONTIER_FIELDS = ("open_kv", "open_gate", "prev_kv", "prev_gate")
 
 
-def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def is_row_part(name: str) -> bool:
+    """Whether a state's tensor `name` holds compressed rows (`kv_format.ROW_PARTS`)."""
+    return name.rsplit(".", 1)[-1] in ROW_PARTS
+
+
+def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype, kv_rows: str = "full"
+                  ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor of one sequence's state after `n` tokens, in the
-    order `DS4Cache.export_sequence` returns them."""
+    order `DS4Cache.export_sequence` returns them, rows stored as `kv_rows` says."""
+    fmt = row_format(kv_rows)
     W, D, dI = config.sliding_window, config.head_dim, config.index_head_dim
     out = [("position", torch.int64, ())]
     for i, kind in enumerate(config.layer_types):
@@ -159,8 +228,9 @@ def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype) -> list[tuple[s
         m = config.compress_rate(i)
         for part, dim in (("compressor", D),) + ((("indexer", dI),) if kind == CSA else ()):
             width = 2 * dim if kind == CSA else dim
-            out += [(f"layers.{i}.{part}.rows", dtype, (n // m, dim)),
-                    (f"layers.{i}.{part}.open_kv", dtype, (m, width)),
+            out += [(f"layers.{i}.{part}.{name}", d, (n // m, w))
+                    for name, d, w in row_parts(dim, dtype, fmt.fp8_rope_kept(config, part))]
+            out += [(f"layers.{i}.{part}.open_kv", dtype, (m, width)),
                     (f"layers.{i}.{part}.open_gate", dtype, (m, width))]
             if kind == CSA:
                 out += [(f"layers.{i}.{part}.prev_kv", dtype, (m, dim)),
@@ -168,12 +238,25 @@ def sequence_spec(config: DS4Config, n: int, dtype: torch.dtype) -> list[tuple[s
     return out
 
 
+def stored_row_format(state: Mapping[str, torch.Tensor]) -> str | None:
+    """The KV row format (`kv_format.KV_ROW_FORMATS` name) a sequence state's compressed rows are
+    stored in, read off its first compressor's parts; None when it holds no compressor rows."""
+    if not isinstance(state, Mapping):
+        return None
+    rows = next((k for k in state if k.endswith(".compressor.rows")), None)
+    if rows is None or not isinstance(state[rows], torch.Tensor):
+        return None
+    if state[rows].dtype != torch.float8_e4m3fn:
+        return "full"
+    return "fp8-keep-rope" if rows.removesuffix("rows") + "row_rope" in state else "fp8"
+
+
 def checkpoint_spec(config: DS4Config, dtype: torch.dtype, logits: bool = False
                     ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor of a checkpoint (`DS4Cache.take_checkpoint`): a
     sequence's state without its compressed rows, plus the row counts and, with `logits`, the
     next token's logits (any floating dtype; listed as float32)."""
-    out = [s for s in sequence_spec(config, 0, dtype) if not s[0].endswith(".rows")]
+    out = [s for s in sequence_spec(config, 0, dtype) if not is_row_part(s[0])]
     out.append(("row_counts", torch.int64, (config.num_hidden_layers,)))
     if logits:
         out.append(("logits", torch.float32, (config.vocab_size,)))
@@ -323,8 +406,7 @@ class DS4Cache:
         self.max_context = max_context
         self.dtype = dtype
         # How compressed and indexer rows are stored (`kv_format`): "full" in `dtype`; "fp8" /
-        # "fp8-keep-rope" (RoPE channels kept) as an fp8 store gives them back. For now the values
-        # are those of fp8 storage, the memory still that of `dtype`.
+        # "fp8-keep-rope" (RoPE channels kept in `dtype`) as fp8 with a scale byte per 64 channels.
         self.kv_rows = row_format(kv_rows)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -339,11 +421,11 @@ class DS4Cache:
             compressor = indexer = None
             if kind != SLIDING:
                 capacity = self.capacity(rate)
-                fp8 = self.kv_rows.fp8
                 compressor = self._compressor_state(capacity, rate, config.head_dim, kind == CSA,
-                                                    self.kv_rows.rope_kept(config) if fp8 else None)
+                                                    self.kv_rows.fp8_rope_kept(config, "compressor"))
                 if kind == CSA:
-                    indexer = self._compressor_state(capacity, rate, config.index_head_dim, True, 0 if fp8 else None)
+                    indexer = self._compressor_state(capacity, rate, config.index_head_dim, True,
+                                                     self.kv_rows.fp8_rope_kept(config, "indexer"))
             self.layers.append(LayerCache(kind, rate, window, compressor, indexer))
         # The MTP layers' attention state: a cache of their own (positions of their own: while
         # speculating they run ahead of the main layers), in this one's tensors, resets and views.
@@ -387,8 +469,8 @@ class DS4Cache:
             self.mtp.reset(batch_index)
 
     def sequence_spec(self, n: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """`sequence_spec` for this cache's config and dtype."""
-        return sequence_spec(self.config, n, self.dtype)
+        """`sequence_spec` for this cache's config, dtype and row format."""
+        return sequence_spec(self.config, n, self.dtype, self.kv_rows)
 
     def _sequence_views(self, index: int, n: int) -> dict[str, torch.Tensor]:
         """Views (no copies) of sequence `index`'s state as if it held `n` tokens, in spec order."""
@@ -398,10 +480,13 @@ class DS4Cache:
             for part, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
                 if state is None:
                     continue
-                for name in _STATE_FIELDS:
+                if state.slots is None:  # (paged rows have no view)
+                    for name, t in state.row_parts().items():
+                        out[f"layers.{i}.{part}.{name}"] = t[index, :n // layer.rate]
+                for name in _FRONTIER_FIELDS:
                     t = getattr(state, name)
-                    if t is not None and not (name == "rows" and state.slots is not None):  # paged: no view
-                        out[f"layers.{i}.{part}.{name}"] = t[index, :n // layer.rate] if name == "rows" else t[index]
+                    if t is not None:
+                        out[f"layers.{i}.{part}.{name}"] = t[index]
         return out
 
     def _sequence_state(self, index: int, n: int) -> dict[str, torch.Tensor]:
@@ -435,8 +520,17 @@ class DS4Cache:
         closes, and positions advance with it), or entirely when the slot was invalidated (a
         failed step may have written rows without advancing the position)."""
         self._check_index(index)
-        n = check_layout("state", state, self.max_context, self.sequence_spec)
+        n = self._check_state(state)
         self._write_sequence(index, state, n)
+
+    def _check_state(self, state: Mapping[str, torch.Tensor]) -> int:
+        """The position of sequence state `state` once its row format and layout are checked (a
+        ValueError names the first problem)."""
+        stored = stored_row_format(state)
+        if stored is not None and stored != self.kv_rows.name:
+            raise ValueError(f"the state's compressed rows are stored as {stored!r}, this cache's as "
+                             f"{self.kv_rows.name!r}: a state imports only into a cache of its KV row format")
+        return check_layout("state", state, self.max_context, self.sequence_spec)
 
     def _write_sequence(self, index: int, state: Mapping[str, torch.Tensor], n: int) -> None:
         """Sequence `index` takes the (already checked) tensors of `state` and position `n`; a
@@ -450,8 +544,9 @@ class DS4Cache:
                 # the previous sequence's rows past the new count (all of them when unknown), and
                 # the scratch row, so no stale row survives
                 stop = None if old is None else max(n, old) // layer.rate
-                s.rows[index, n // layer.rate:stop].zero_()
-                s.rows[index, -1].zero_()
+                for t in s.row_parts().values():
+                    t[index, n // layer.rate:stop].zero_()
+                    t[index, -1].zero_()
         self.positions[index] = n
         self.invalid.discard(self._offset + index)
 
@@ -490,7 +585,7 @@ class DS4Cache:
         self._check_index(index)
         self.check_usable_index(index)
         views = self._sequence_views(index, 0)
-        out = {name: t.clone() for name, t in views.items() if not name.endswith(".rows")}
+        out = {name: t.clone() for name, t in views.items() if not is_row_part(name)}
         zero_stale_slots(self.config, out, out["position"])
         out["row_counts"] = row_counts(self.layer_rates, out["position"])
         if logits is not None:
@@ -564,7 +659,7 @@ class DS4Cache:
         held = int(source.positions[src_index])
         if n > held:
             raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only {held} tokens")
-        rows = {k: v for k, v in source._sequence_state(src_index, n).items() if k.endswith(".rows")}
+        rows = {k: v for k, v in source._sequence_state(src_index, n).items() if is_row_part(k)}
         state = {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}
         self.import_sequence(dst_index, {**state, **rows})
 
@@ -585,17 +680,9 @@ class DS4Cache:
         view._offset = self._offset + start
         view.positions = self.positions[start:start + n]
         # `invalid` is shared: a failure in the view invalidates the parent's rows (by their index there).
-        def part(t):
-            return t[start:start + n] if t is not None else None
-
-        def state_view(s):  # a paged state's pool is every sequence's: only its slots are sliced
-            rows = part(s.rows) if s.slots is None else s.rows
-            return CompressorState(rows, *map(part, (s.open_kv, s.open_gate, s.prev_kv, s.prev_gate)),
-                                   s.fp8_rope_kept, part(s.slots))
-
         view.layers = [
             LayerCache(layer.kind, layer.rate, layer.window[start:start + n],
-                       *[state_view(s) if s is not None else None for s in (layer.compressor, layer.indexer)])
+                       *[s.batch_view(start, n) if s is not None else None for s in (layer.compressor, layer.indexer)])
             for layer in self.layers
         ]
         view.mtp = self.mtp._view(start, n) if self.mtp is not None else None
@@ -791,5 +878,5 @@ class Rollback:
                 clear = (closing < (start + T)[:, None]) & (closing >= (start + keep)[:, None]) & (w < C)
                 clear &= active[:, None]
                 cleared[rate] = (batch[:, None] * (C + 1) + torch.where(clear, w, C)).view(-1)
-            state.rows.view(-1, state.rows.shape[-1]).index_fill_(0, state.row_index(cleared[rate]), 0)
+            state.clear_rows(cleared[rate])
         self.cache.positions.copy_(torch.where(active, start + keep, self.cache.positions))

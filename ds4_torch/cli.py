@@ -103,7 +103,7 @@ def cmd_info(args) -> int:
     per_token = model.kv_bytes_per_token(args.ctx)
     print(f"KV cache ({args.dtype}) at context {args.ctx}: {per_token:,.1f} bytes/token; "
           f"total for batch 1: {cache.nbytes:,} bytes ({cache.nbytes / 2**20:.2f} MiB)")
-    _print_kv_formats(cfg, DTYPES[args.dtype], args.dtype)
+    _print_kv_formats(cfg, DTYPES[args.dtype], args.dtype, args.ctx)
     held = _print_weight_memory(args, parameters, cache.nbytes)
     if args.kv_table:
         _print_session_table(args, cfg, held)
@@ -112,19 +112,23 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _print_kv_formats(cfg, dtype, dtype_name: str) -> None:
-    """Compressed-row bytes per token of context for each KV row format (ds4_torch.kv_format)."""
-    from .footprint import kv_bytes_per_token, sequence_fixed_bytes
+def _print_kv_formats(cfg, dtype, dtype_name: str, ctx: int) -> None:
+    """Compressed-row bytes per token of context for each KV row format (ds4_torch.kv_format),
+    and what a static cache of `ctx` tokens in that format allocates per token."""
+    from .footprint import cache_bytes, kv_bytes_per_token, sequence_fixed_bytes
     from .kv_format import KV_ROW_FORMATS
 
     full = kv_bytes_per_token(cfg, "full", dtype)
     print(f"KV bytes per token of context (compressed and indexer rows, all layers; the window ring and open "
-          f"windows, {sequence_fixed_bytes(cfg, dtype):,} bytes per sequence in {dtype_name}, not included):")
+          f"windows, {sequence_fixed_bytes(cfg, dtype):,} bytes per sequence in {dtype_name}, not included), and "
+          f"per token of a static cache of context {ctx} (`new_cache(kv_rows=...)`, all included):")
     for name in KV_ROW_FORMATS:
         b = kv_bytes_per_token(cfg, name, dtype)
         label = dtype_name if name == "full" else {"fp8": "fp8 (every channel)",
                                                    "fp8-keep-rope": f"fp8, RoPE channels in {dtype_name}"}[name]
-        print(f"  {label:<32} {b:>10,.2f}  ({b / full:.3f}x)" if full else f"  {label:<32} {b:>10,.2f}")
+        ratio = f"  ({b / full:.3f}x)" if full else ""
+        static = cache_bytes(cfg, ctx, 1, dtype, name) / ctx
+        print(f"  {label:<32} {b:>10,.2f}{ratio}   static cache: {static:,.2f}")
 
 
 def _print_session_table(args, cfg, held: int) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .config import CSA, SLIDING, DS4Config
-from .kv_format import FP8_GROUP, KVRowFormat, row_format
+from .kv_format import KVRowFormat, row_format, row_parts
 
 __all__ = ["weight_bytes_per_rank", "has_weights", "cache_bytes", "free_memory", "fitting_context", "row_bytes",
            "kv_bytes_per_token", "layer_bytes_per_token", "sequence_fixed_bytes", "static_sequence_bytes",
@@ -69,12 +69,12 @@ def weight_bytes_per_rank(path, dtype: torch.dtype, quantized: str = "dequantize
     return out
 
 
-def cache_bytes(config, context: int, sequences: int, dtype: torch.dtype) -> int:
-    """Bytes of a `DS4Cache` for `sequences` sequences of `context` tokens (built on the meta
-    device: nothing is allocated), the MTP layer's cache included."""
+def cache_bytes(config, context: int, sequences: int, dtype: torch.dtype, kv_rows: str = "full") -> int:
+    """Bytes of a `DS4Cache` for `sequences` sequences of `context` tokens, rows stored as
+    `kv_rows` (built on the meta device: nothing is allocated), the MTP layer's cache included."""
     from .cache import DS4Cache
 
-    return DS4Cache(config, sequences, context, dtype=dtype, device="meta").nbytes
+    return DS4Cache(config, sequences, context, dtype=dtype, device="meta", kv_rows=kv_rows).nbytes
 
 
 def free_memory(device) -> int:
@@ -118,29 +118,25 @@ def fitting_context(config, dtype: torch.dtype, sequences: int, budget: int, gra
 
 
 # --------------------------------------------------------------------------- KV bytes per token
-def row_bytes(dim: int, fmt: KVRowFormat, kept: int, dtype: torch.dtype) -> int:
-    """Bytes of one stored row of `dim` channels: `dtype` for a full row; for fp8, one byte per
-    quantized channel and per 64 of them (the scale), plus the `kept` (RoPE) channels in
-    `dtype`."""
-    if not fmt.fp8:
-        return dim * dtype.itemsize
-    q = dim - kept
-    return q + math.ceil(q / FP8_GROUP) + kept * dtype.itemsize
+def row_bytes(dim: int, fp8_rope_kept: int | None, dtype: torch.dtype) -> int:
+    """Bytes of one stored row of `dim` channels (`kv_format.row_parts`: `fp8_rope_kept` None: in
+    `dtype`; else one byte per fp8 channel and per 64 of them (the scale), plus the kept RoPE
+    channels in `dtype`)."""
+    return sum(width * d.itemsize for _, d, width in row_parts(dim, dtype, fp8_rope_kept))
 
 
 def layer_bytes_per_token(config: DS4Config, fmt: str | KVRowFormat, dtype: torch.dtype) -> list[float]:
     """Compressed-row bytes per token of context of each layer (0 for sliding layers): the
     compressed row, plus the indexer row on CSA layers, over the rate."""
     fmt = row_format(fmt)
-    r = fmt.rope_kept(config)  # attention rows only: indexer rows are all fp8 in either fp8 format
     out = []
     for i, kind in enumerate(config.layer_types):
         if kind == SLIDING:
             out.append(0.0)
             continue
-        per_row = row_bytes(config.head_dim, fmt, r, dtype)
+        per_row = row_bytes(config.head_dim, fmt.fp8_rope_kept(config, "compressor"), dtype)
         if kind == CSA:
-            per_row += row_bytes(config.index_head_dim, fmt, 0, dtype)
+            per_row += row_bytes(config.index_head_dim, fmt.fp8_rope_kept(config, "indexer"), dtype)
         out.append(per_row / config.compress_rate(i))
     return out
 
@@ -171,14 +167,13 @@ def static_sequence_bytes(config: DS4Config, max_context: int, fmt: str | KVRowF
     fmt = row_format(fmt)
     total = sequence_fixed_bytes(config, dtype)
     for cfg in [config] + ([config.mtp_config()] if config.num_nextn_predict_layers else []):
-        r = fmt.rope_kept(cfg)
         for i, kind in enumerate(cfg.layer_types):
             if kind == SLIDING:
                 continue
             rows = math.ceil(max_context / cfg.compress_rate(i)) + 1
-            total += rows * row_bytes(cfg.head_dim, fmt, r, dtype)
+            total += rows * row_bytes(cfg.head_dim, fmt.fp8_rope_kept(cfg, "compressor"), dtype)
             if kind == CSA:
-                total += rows * row_bytes(cfg.index_head_dim, fmt, 0, dtype)
+                total += rows * row_bytes(cfg.index_head_dim, fmt.fp8_rope_kept(cfg, "indexer"), dtype)
     return total
 
 

@@ -9,16 +9,22 @@ every channel in fp8). A group's scale is the smallest power of two s with max|x
 (e4m3's largest value), so the largest value of each group keeps e4m3's full 3-bit mantissa,
 and dividing by s is exact. Round-trip error per value: |x - x'| <= max(|x| / 16, s / 1024)
 (half an e4m3 ulp, relative 2^-4 for normals; 2^-10 * s in e4m3's subnormal range).
-Dequantized values (e4m3 * 2^k) are exact in bf16, fp16 (within range) and fp32, so a cache that
-keeps rows in the model dtype after a quantize -> dequantize round trip (`DS4Cache(...,
-kv_rows="fp8")`) computes exactly what one storing fp8 and dequantizing where it loads would.
-Non-finite values become NaN (e4m3fn has no infinity); the other values of their group keep
-the scale of the finite ones.
+Dequantized values (e4m3 * 2^k) are exact in bf16, fp16 (within range) and fp32, so a cache
+storing fp8 and dequantizing where it reads computes exactly what one keeping the round trip's
+values (`round_trip_rows`) in the model dtype would. Non-finite values become NaN (e4m3fn has no
+infinity); the other values of their group keep the scale of the finite ones.
+
+Storage (`row_parts`): a cache (`DS4Cache(..., kv_rows="fp8")`) holds a row as up to three
+tensors of one row each: `rows` (the e4m3 channels, float8_e4m3fn), `row_scales` (uint8) and,
+with RoPE channels kept, `row_rope` (the model dtype); a full row is `rows` alone. Exported
+sequences and disk snapshots carry the same parts under the same names, so a state says its own
+format.
 
 Sizes (bytes per token of each format, sessions that fit) are in `footprint`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +33,7 @@ from .config import DS4Config
 from .quant import scale_to_float
 
 __all__ = ["FP8_GROUP", "E4M3_MAX", "KVRowFormat", "KV_ROW_FORMATS", "row_format", "quantize_rows",
-           "dequantize_rows", "round_trip_rows"]
+           "dequantize_rows", "round_trip_rows", "ROW_PARTS", "row_parts", "rows_from_parts"]
 
 FP8_GROUP = 64  # channels per power-of-two scale
 E4M3_MAX = 448.0
@@ -47,6 +53,14 @@ class KVRowFormat:
     def rope_kept(self, config: DS4Config) -> int:
         """Trailing channels of a row left in the model dtype."""
         return config.qk_rope_head_dim if self.fp8 and self.keep_rope else 0
+
+    def fp8_rope_kept(self, config: DS4Config, part: str) -> int | None:
+        """How a compressor's (`part` "compressor") or indexer's ("indexer") rows are stored
+        (`row_parts`' argument): None in the cache dtype, else fp8 with that many RoPE channels
+        kept."""
+        if not self.fp8:
+            return None
+        return self.rope_kept(config) if part == "compressor" else 0
 
 
 KV_ROW_FORMATS = {
@@ -97,15 +111,39 @@ def quantize_rows(rows: torch.Tensor, rope_dim: int = 0) -> tuple[torch.Tensor, 
     return values, scales, rope
 
 
-def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor,
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor | None,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The rows `quantize_rows` took apart, [..., D] in `dtype` (default: rope's)."""
+    """The rows `quantize_rows` took apart, [..., D] in `dtype` (default: rope's; rope None: no
+    RoPE channels kept, `dtype` required)."""
     g, n = _groups(values)
     body = (g * scale_to_float(scales)[..., None]).flatten(-2)[..., :n]
     dtype = rope.dtype if dtype is None else dtype
-    return torch.cat([body.to(dtype), rope.to(dtype)], dim=-1)
+    return body.to(dtype) if rope is None else torch.cat([body.to(dtype), rope.to(dtype)], dim=-1)
 
 
 def round_trip_rows(rows: torch.Tensor, rope_dim: int = 0) -> torch.Tensor:
     """`rows` as an fp8 store gives them back (quantized, then dequantized to rows' dtype)."""
     return dequantize_rows(*quantize_rows(rows, rope_dim), dtype=rows.dtype)
+
+
+# --------------------------------------------------------------------------- how a cache stores rows
+ROW_PARTS = ("rows", "row_scales", "row_rope")  # every name a stored row's parts can have, in order
+
+
+def row_parts(dim: int, dtype: torch.dtype, fp8_rope_kept: int | None) -> list[tuple[str, torch.dtype, int]]:
+    """(name, dtype, channels) of each tensor a cache stores a row of `dim` channels in:
+    `fp8_rope_kept` None: `rows` in `dtype`; n: `rows` (float8_e4m3fn, dim - n), `row_scales`
+    (uint8, one per 64 of those) and, when n > 0, `row_rope` (`dtype`, the last n channels)."""
+    if fp8_rope_kept is None:
+        return [("rows", dtype, dim)]
+    q = dim - fp8_rope_kept
+    out = [("rows", torch.float8_e4m3fn, q), ("row_scales", torch.uint8, math.ceil(q / FP8_GROUP))]
+    return out + ([("row_rope", dtype, fp8_rope_kept)] if fp8_rope_kept else [])
+
+
+def rows_from_parts(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The rows [..., D] in `dtype` that stored `parts` (`row_parts` names -> tensors [..., width])
+    hold: `rows` itself when full, else dequantized."""
+    if "row_scales" not in parts:
+        return parts["rows"]
+    return dequantize_rows(parts["rows"], parts["row_scales"], parts.get("row_rope"), dtype)

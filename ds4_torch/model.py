@@ -296,7 +296,7 @@ class Compressor(nn.Module):
 
     def update(self, state: CompressorState, x, plan: WindowPlan, ops: AttentionOps):
         """Feed T new tokens (x [B,T,hidden]) into `state`: write every window that closes into
-        `state.rows` and keep the open one in the frontier."""
+        `state` (`write_rows`) and keep the open one in the frontier."""
         kv = self.kv_proj(x)
         gate = self.gate_proj(x) + cast(F.embedding(plan.slot, self.position_bias), x.dtype)
         if plan.T == 1:
@@ -324,8 +324,7 @@ class Compressor(nn.Module):
         else:
             pool_kv, pool_gate = open_kv, open_gate
         row = self._pool(pool_kv[:, None], pool_gate[:, None], plan, ops)  # [B, 1, D]
-        state.rows.view(-1, row.shape[-1]).index_copy_(0, state.row_index(plan.row_index),
-                                                        state.stored_rows(row.view(B, -1)))
+        state.write_rows(plan.row_index, row.view(B, -1))
         if self.overlap:  # a window that closed hands its Ca half to the next one
             state.prev_kv.copy_(torch.where(plan.closes, open_kv[..., :d], state.prev_kv))
             state.prev_gate.copy_(torch.where(plan.closes, open_gate[..., :d], state.prev_gate))
@@ -349,8 +348,7 @@ class Compressor(nn.Module):
             pool_kv, pool_gate = gather(own_kv, plan.cur_index), gather(own_gate, plan.cur_index)
         rows = self._pool(pool_kv, pool_gate, plan, ops)  # [B, J, D]
         # Windows that did not close (or would not fit) go to the scratch row: no branch, no overflow.
-        D = rows.shape[-1]
-        state.rows.view(-1, D).index_copy_(0, state.row_index(plan.row_index), state.stored_rows(rows.reshape(-1, D)))
+        state.write_rows(plan.row_index, rows.reshape(-1, rows.shape[-1]))
 
         if plan.undo is not None:  # the frontier at every candidate end (Rollback.apply); the last is this one's
             saved = {"open_kv": torch.where(plan.cand_keep_new, gather(own_kv, plan.cand_open_source),

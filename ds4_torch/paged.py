@@ -51,10 +51,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .cache import CompressorState, DS4Cache, _compressor_state
+from .cache import CompressorState, DS4Cache, _compressor_state, _flat_bytes
 from .config import DS4Config
 
-__all__ = ["PoolExhausted", "chain_digest", "BlockPool", "BlockTable", "PagedDS4Cache"]
+__all__ = ["PoolExhausted", "chain_digest", "block_nbytes", "pool_blocks", "BlockPool", "BlockTable", "PagedDS4Cache"]
 
 DEFAULT_BLOCK_TOKENS = 256
 
@@ -75,6 +75,22 @@ def chain_digest(parent: bytes | None, tenant: str | None, tokens: Sequence[int]
     return h.digest()
 
 
+def block_nbytes(config: DS4Config, dtype: torch.dtype, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 kv_rows: str = "full") -> int:
+    """Bytes one block of `block_tokens` tokens takes in a `PagedDS4Cache` of `config` (every
+    layer's compressed and indexer rows; the `block_nbytes` of a real one): what a pool of a
+    given size in bytes is divided by."""
+    from .footprint import layer_bytes_per_token
+
+    return round(block_tokens * sum(layer_bytes_per_token(config, kv_rows, dtype)))
+
+
+def pool_blocks(config: DS4Config, dtype: torch.dtype, memory_bytes: float, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                kv_rows: str = "full") -> int:
+    """Blocks of a pool of `memory_bytes`."""
+    return int(memory_bytes // block_nbytes(config, dtype, block_tokens, kv_rows))
+
+
 class BlockPool:
     """`num_blocks` blocks of `block_tokens` tokens: reference counts, a free list, and full
     blocks cached under their chain digest (see the module docstring)."""
@@ -92,6 +108,8 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}       # digest -> registered block
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; oldest first
         self.evictions = 0  # cached blocks reclaimed so far
+        self.num_shared = 0  # blocks held by more than one table (kept as counts change: a gauge reads it)
+        self.peak_used = 0   # the most blocks held at once (`num_used`) so far
 
     # ------------------------------------------------------------------ state
     def refcount(self, block: int) -> int:
@@ -110,6 +128,11 @@ class BlockPool:
     def num_cached(self) -> int:
         """Registered blocks no table holds: kept for reuse, reclaimed when nothing is free."""
         return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some table holds."""
+        return self.num_blocks - len(self._free) - len(self._cached)
 
     @property
     def num_available(self) -> int:
@@ -140,6 +163,7 @@ class BlockPool:
         else:
             raise PoolExhausted(f"all {self.num_blocks} KV blocks of {self.block_tokens} tokens are in use")
         self._refcounts[block] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return block
 
     def incref(self, block: int) -> None:
@@ -147,13 +171,18 @@ class BlockPool:
             if block not in self._cached:
                 raise ValueError(f"block {block} is free: allocate it instead")
             del self._cached[block]  # reused: no longer a reclaim candidate
+            self.peak_used = max(self.peak_used, self.num_used)
         self._refcounts[block] += 1
+        if self._refcounts[block] == 2:
+            self.num_shared += 1
 
     def decref(self, block: int) -> None:
         count = self._refcounts[block]
         if count <= 0:
             raise ValueError(f"block {block} is not held")
         self._refcounts[block] = count - 1
+        if count == 2:
+            self.num_shared -= 1
         if count == 1:
             if block in self._digest_of:
                 self._cached[block] = None  # the most recently released: reclaimed last
@@ -341,11 +370,12 @@ class BlockTable:
 # --------------------------------------------------------------------------- the paged cache
 class PagedDS4Cache(DS4Cache):
     """A `DS4Cache` whose compressed and indexer rows live in blocks of one `BlockPool` shared by
-    its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, `rows`
-    is the pool [num_blocks * bt / m + 1, D] (the last row a scratch row) and `slots` [B, C+1]
-    int64 the pool row of each sequence's row w, rebuilt in place from the tables (a captured
-    graph, which reads them as inputs, sees a sequence's new blocks); the model's reference path
-    writes and gathers through it (`CompressorState.row_index` / `visible`), so its logits are
+    its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, each
+    row part (`CompressorState.row_parts`: `rows`, and for fp8 rows their scales and kept RoPE
+    channels) is a pool [num_blocks * bt / m + 1, width] (the last row a scratch row) and `slots`
+    [B, C+1] int64 the pool row of each sequence's row w, rebuilt in place from the tables (a
+    captured graph, which reads them as inputs, sees a sequence's new blocks); the model writes
+    and gathers through it (`CompressorState.write_rows` / `visible`), so its logits are
     the static cache's, bit for bit. The window ring, open windows and positions stay per
     sequence, as in `DS4Cache` (checkpoints take them as usual).
 
@@ -387,7 +417,7 @@ class PagedDS4Cache(DS4Cache):
         per_block = self.pool.block_tokens // rate
         scratch = self.pool.num_blocks * per_block
         state = _compressor_state(self.batch_size, 0, rate, dim, overlap, self.dtype, self.device, fp8_rope_kept)
-        state.rows = torch.zeros(scratch + 1, dim, dtype=self.dtype, device=self.device)
+        state.allocate_rows(scratch + 1)
         if rate not in self._slots:
             self._slots[rate] = torch.full((self.batch_size, capacity + 1), scratch, dtype=torch.long,
                                            device=self.device)
@@ -395,8 +425,16 @@ class PagedDS4Cache(DS4Cache):
         return state
 
     def tensors(self) -> list[torch.Tensor]:
-        """The state's tensors, the slot maps last (graph inputs: read in place at every replay)."""
+        """The state's tensors (the pools', every sequence's own state), the slot maps last: graph
+        inputs, read in place at every replay (and counted by `nbytes`)."""
         return super().tensors() + list(self._slots.values())
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every layer's pools (its compressed and indexer rows)."""
+        rows = sum(t[:-1].numel() * t.element_size() for layer in self.layers for s in layer.states
+                   for t in s.row_parts().values())  # (fp8 rows: their scales and kept RoPE channels too)
+        return rows // self.pool.num_blocks
 
     def table(self, index: int) -> BlockTable:
         """Sequence `index`'s block table."""
@@ -436,9 +474,10 @@ class PagedDS4Cache(DS4Cache):
         for layer in self.layers:
             for state in layer.states:
                 per_block = self.pool.block_tokens // layer.rate
-                blocks = state.rows[:-1].view(-1, per_block, state.rows.shape[-1])  # (less the scratch row)
-                for src, dst in copies:
-                    blocks[dst] = blocks[src]
+                for rows in state.row_parts().values():
+                    blocks = rows[:-1].view(-1, per_block, rows.shape[-1])  # (less the scratch row)
+                    for src, dst in copies:
+                        blocks[dst] = blocks[src]
 
     def blocks_needed(self, new_tokens, n: int | None = None) -> int:
         """Blocks a forward of `new_tokens` tokens (an int, or one count per sequence) over the
@@ -609,7 +648,8 @@ class PagedDS4Cache(DS4Cache):
         for i, layer in enumerate(self.layers):
             for part, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
                 if state is not None:
-                    out[f"layers.{i}.{part}.rows"] = state.rows[state.slots[index, :n // layer.rate]]
+                    for name, t in state.row_parts().items():
+                        out[f"layers.{i}.{part}.{name}"] = t[state.slots[index, :n // layer.rate]]
         return {name: out[name] for name, _, _ in self.sequence_spec(n)}
 
     def import_sequence(self, index: int, state, tokens=None, tenant: str | None = None) -> None:
@@ -619,10 +659,8 @@ class PagedDS4Cache(DS4Cache):
         is never computed from unknown tokens). Checked before anything changes: a ValueError
         for the state or tokens, PoolExhausted when the pool cannot supply the blocks (counting
         those the sequence's old table gives back)."""
-        from .cache import check_layout
-
         self._check_index(index)
-        n = check_layout("state", state, self.max_context, self.sequence_spec)
+        n = self._check_state(state)
         if tokens is not None:
             tokens = [int(t) for t in tokens]
             if len(tokens) != n:
@@ -641,8 +679,10 @@ class PagedDS4Cache(DS4Cache):
         for i, layer in enumerate(self.layers):
             for part, s in (("compressor", layer.compressor), ("indexer", layer.indexer)):
                 if s is not None and n // layer.rate:
-                    rows = state[f"layers.{i}.{part}.rows"]
-                    s.rows.index_copy_(0, s.slots[index, :n // layer.rate], rows.to(s.rows.device, s.rows.dtype))
+                    at = s.slots[index, :n // layer.rate]
+                    for name, t in s.row_parts().items():
+                        rows = state[f"layers.{i}.{part}.{name}"].to(t.device)
+                        _flat_bytes(t).index_copy_(0, at, _flat_bytes(rows))
 
     def _restore_checkpoint(self, index: int, checkpoint) -> None:
         super()._restore_checkpoint(index, checkpoint)

@@ -1,11 +1,13 @@
 """FP8 compressed rows against the full-precision cache: prompt logprobs on held-out text.
 
 The embedded model reads the held-out text (default: the last 10% of a Tiny Shakespeare file,
-the split its training held out) in segments of `--length` tokens, prefilled in chunks of
-`--chunk`, once per KV row format (`ds4_torch.kv_format`: "full", "fp8", "fp8-keep-rope"). Every
-compressed and indexer row passes through fp8 as it is written, so later chunks (and later
-queries of the same chunk) read the rounded rows. For each fp8 format: the mean |NLL
-difference| per token against "full" (nats) and the top-1 agreement of the next-token argmax.
+the split its training held out) in segments of `--length` tokens (the first `--segments` of
+them; default all), prefilled in chunks of `--chunk`, once per KV row format
+(`ds4_torch.kv_format`: "full", "fp8", "fp8-keep-rope"). An fp8 cache stores every compressed and
+indexer row as fp8 when it is written and dequantizes it where it is read, so later chunks (and
+later queries of the same chunk) read the rounded rows. For each fp8 format: the mean |NLL
+difference| per token against "full" (nats), the top-1 agreement of the next-token argmax, and
+the bytes per token of the caches it used.
 
     PYTHONPATH=. python examples/measure_kv_fp8.py --text /path/to/tinyshakespeare.txt
 """
@@ -20,14 +22,15 @@ import torch
 from ds4_torch.default_model import build_default_model, default_tokenizer
 
 
-def prompt_logprobs(model, ids: torch.Tensor, kv_rows: str, chunk: int) -> torch.Tensor:
-    """Log-probabilities [B, L, vocab] of every next token, prefilling `ids` [B, L] in chunks."""
+def prompt_logprobs(model, ids: torch.Tensor, kv_rows: str, chunk: int) -> tuple[torch.Tensor, float]:
+    """Log-probabilities [B, L, vocab] of every next token, prefilling `ids` [B, L] in chunks,
+    and the bytes per token of context of the cache it used."""
     B, L = ids.shape
     cache = model.new_cache(B, L, kv_rows=kv_rows)
     out = []
     for s in range(0, L, chunk):
         out.append(torch.log_softmax(model(ids[:, s:s + chunk], cache).float(), dim=-1))
-    return torch.cat(out, dim=1)
+    return torch.cat(out, dim=1), cache.nbytes / (B * L)
 
 
 def main(argv=None) -> dict:
@@ -36,6 +39,7 @@ def main(argv=None) -> dict:
                    help="the text (default: Tiny Shakespeare in ../shared/data beside the repository)")
     p.add_argument("--held-out", type=float, default=0.1, help="the last fraction of the text read (default 0.1)")
     p.add_argument("--length", type=int, default=4096, help="tokens per segment (default 4096)")
+    p.add_argument("--segments", type=int, default=None, help="segments read (default: every one)")
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk (default 32)")
     p.add_argument("--formats", default="fp8,fp8-keep-rope")
     args = p.parse_args(argv)
@@ -45,21 +49,26 @@ def main(argv=None) -> dict:
     text = text[int(len(text) * (1 - args.held_out)):]
     tokens = default_tokenizer().encode(text)
     n = len(tokens) // args.length
+    if args.segments is not None:
+        n = min(n, args.segments)
     if n == 0:
         raise SystemExit(f"the held-out text has {len(tokens)} tokens, fewer than --length {args.length}")
     ids = torch.tensor(tokens[:n * args.length]).view(n, args.length)
     model = build_default_model()
     targets = ids[:, 1:]
     with torch.inference_mode():
-        ref = prompt_logprobs(model, ids, "full", args.chunk)[:, :-1]
+        ref, full_bytes = prompt_logprobs(model, ids, "full", args.chunk)
+        ref = ref[:, :-1]
         ref_nll = -ref.gather(-1, targets[..., None])[..., 0]
         result = {"tokens": int(targets.numel()), "segments": n, "length": args.length, "chunk": args.chunk,
-                  "full_nll": ref_nll.mean().item()}
+                  "full_nll": ref_nll.mean().item(), "full_cache_bytes_per_token": full_bytes}
         for fmt in args.formats.split(","):
-            lp = prompt_logprobs(model, ids, fmt, args.chunk)[:, :-1]
+            lp, cache_bytes = prompt_logprobs(model, ids, fmt, args.chunk)
+            lp = lp[:, :-1]
             nll = -lp.gather(-1, targets[..., None])[..., 0]
             result[fmt] = {"nll": nll.mean().item(), "mean_abs_nll_diff": (nll - ref_nll).abs().mean().item(),
-                           "top1_agreement": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+                           "top1_agreement": (lp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                           "cache_bytes_per_token": cache_bytes}
     print(json.dumps(result, indent=1))
     return result
 

@@ -83,6 +83,9 @@ class ServerConfig:
     api_key: str | tuple[str, ...] | None = None   # one key, or several: each its own tenant (no reuse across them)
     checkpoint_interval: int = 256        # a cache checkpoint every N tokens of prefill and decode (0: none)
     checkpoint_memory_mb: float = 1024    # memory for checkpoints (LRU; message boundaries kept longest)
+    kv_cache_mb: float | None = None      # the KV pool (None: blocks for every slot at ctx)
+    kv_block_tokens: int = 256            # tokens of context per KV block
+    kv_rows: str = "full"                 # how compressed rows are stored (ds4_torch.kv_format): --kv-dtype
     speculative_tokens: int = 0           # MTP drafts verified per decode step (0: no speculation)
     speculative_max_batch: int | None = None  # speculate only while at most this many decode (None: always)
     speculative_policy: str = "always"    # "always", or "auto": the kind of step measured faster (serve.speculation)

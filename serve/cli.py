@@ -11,7 +11,7 @@ from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, 
                                positive_int, resolve_device)
 
 from .setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
-                    REPLAY_SHARE, _api_key, attach_kv_store, choose_context, load, load_api_side)  # (imported from here)
+                    REPLAY_SHARE, _api_key, attach_kv_store, choose_kv_pool, load, load_api_side)  # (imported from here)
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
@@ -21,9 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--ctx", type=positive_int, default=None,
-                   help="context length of the live KV cache: prompt + completion (default: the model's maximum "
-                        "when the caches of --max-sessions sessions and the batch fit in half of the memory left "
-                        "after the weights, else the largest that fits; the choice is logged)")
+                   help="the most tokens one request may hold: prompt + completion (default: the model's maximum, "
+                        "at most what the KV pool holds for one request; logged)")
+    p.add_argument("--kv-cache-mb", type=positive_float, default=None, metavar="MB",
+                   help="the KV pool, in MiB: the compressed rows of every running and resident sequence, in blocks "
+                        "shared by sequences with the same prefix (default: half of the memory left after the "
+                        "weights, less the slots' own state, at most what every slot at --ctx would hold; logged)")
+    p.add_argument("--kv-dtype", choices=("full", "fp8", "fp8-keep-rope"), default="full",
+                   help="how the pool stores compressed and indexer rows: full (the model's --dtype), fp8 (e4m3 with a "
+                        "power-of-two scale per 64 values: about half the bytes per token of bf16), fp8-keep-rope "
+                        "(the same, an attention row's RoPE channels kept in --dtype) (default full)")
+    p.add_argument("--kv-block-tokens", type=positive_int, default=256, metavar="N",
+                   help="tokens of context per KV block: a multiple of the model's compression rates (default 256)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256,
                    help="tokens per prefill chunk; disconnects are noticed between chunks (default 256)")
     p.add_argument("--decode-mode", choices=("auto", "eager", "graph"), default="auto",
@@ -46,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences decoding together in one batched step (default 8)")
     p.add_argument("--max-sessions", type=positive_int, default=None,
-                   help="conversations kept resident in memory, each a KV cache slot at --ctx "
-                        "(default max(--max-batch, 16); the cache memory is logged at start)")
+                   help="conversations kept resident in memory: each holds KV blocks for its tokens (what the pool "
+                        "cannot hold leaves, least recently used first, to --kv-disk-dir when set) and a slot of its "
+                        "own (window ring, open windows: sized by the model, not --ctx) (default max(--max-batch, "
+                        "16); the cache memory is logged at start)")
     p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
     p.add_argument("--api-key", metavar="KEY", action="append", default=None,

@@ -117,6 +117,7 @@ from .sequence import GenRequest, TokenOut  # noqa: F401 - the engine's request 
 from .speculation import SpeculationPolicy
 from .sessions import (DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_CHECKPOINT_MEMORY_MB, Session, Sessions,
                        SnapshotWriter as _SnapshotWriter)
+from ds4_torch.paged import DEFAULT_BLOCK_TOKENS, pool_blocks
 
 log = logging.getLogger("ds4.serve")
 
@@ -137,6 +138,19 @@ def cache_slots(max_batch: int, max_sessions: int | None) -> tuple[int, int]:
     power-of-two bucket with scratch rows, so the batch gets room for the largest."""
     sessions = max(max_batch, DEFAULT_MIN_SESSIONS) if max_sessions is None else max_sessions
     return sessions, 1 << (max_batch - 1).bit_length()
+
+
+def kv_pool_blocks(model, ctx: int, slots: int, kv_cache_mb: float | None, block_tokens: int,
+                   kv_rows: str = "full") -> int:
+    """Blocks of the engine's KV pool: `kv_cache_mb` of them, or (None) as many as static caches
+    of every slot at `ctx` would hold (what a notebook's or a test's engine expects)."""
+    if kv_cache_mb is None:
+        return slots * -(-ctx // block_tokens)
+    blocks = pool_blocks(model.config, model.dtype, kv_cache_mb * 2**20, block_tokens, kv_rows)
+    if blocks < 2:
+        raise ValueError(f"kv_cache_mb {kv_cache_mb} holds {blocks} KV block(s) of {block_tokens} tokens; at least "
+                         f"2 are needed")
+    return blocks
 
 
 class KVStore(Protocol):
@@ -194,7 +208,9 @@ class Engine:
                  metrics: Metrics | None = None, kv_store: KVStore | None = None, eos_ids=None, peers=None,
                  checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0,
-                 speculative_max_batch: int | None = None, speculative_policy: str = "always"):
+                 speculative_max_batch: int | None = None, speculative_policy: str = "always",
+                 kv_cache_mb: float | None = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 kv_rows: str = "full"):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_draft_tokens(model, speculative_tokens)
@@ -227,8 +243,20 @@ class Engine:
         # tokens it took, their logits [k, V], held before it), so a stop string the output part
         # finds among them can give the rest back (`_trim_at_stops`).
         self._last_step: dict[GenRequest, tuple[int, int, torch.Tensor, int]] = {}
-        self.runner = Runner(model, ctx=ctx, sessions=max_sessions, batch_slots=batch_slots,
-                             decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens)
+        kv_blocks = kv_pool_blocks(model, ctx, max_sessions + batch_slots, kv_cache_mb, kv_block_tokens, kv_rows)
+        # --ctx is a cap per request: a sequence holds at most every block but one (the copy a
+        # session's partly filled last block takes when it joins the batch).
+        self.ctx = min(ctx, (kv_blocks - 1) * kv_block_tokens)
+        if self.ctx < ctx:
+            log.warning("engine: the KV pool (%d blocks of %d tokens) holds at most %d tokens of one request: "
+                        "--ctx %d lowered to %d", kv_blocks, kv_block_tokens, self.ctx, ctx, self.ctx)
+        self.runner = Runner(model, ctx=self.ctx, sessions=max_sessions, batch_slots=batch_slots,
+                             decode_mode=decode_mode, peers=peers, speculative_tokens=speculative_tokens,
+                             kv_blocks=kv_blocks, kv_block_tokens=kv_block_tokens, kv_rows=kv_rows)
+        pool = self.runner.pool
+        self.metrics.kv_blocks_total.set(pool.num_blocks)
+        self.metrics.kv_block_tokens.set(pool.block_tokens)
+        self.metrics.kv_block_bytes.set(self.replica.kv.block_nbytes)
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
                                  kv_store=kv_store, peers=peers)
@@ -241,6 +269,7 @@ class Engine:
 
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
+        self._pool_short = False  # this iteration's decode step had to preempt: admit no one
 
         self.degraded: str | None = None        # reason, while the last request failed for good
         self.chunk_delay = 0.0                  # test hook: seconds slept after each prefill chunk
@@ -273,15 +302,21 @@ class Engine:
                    max_sessions=config.max_sessions, metrics=metrics, kv_store=kv_store, peers=peers,
                    checkpoint_interval=config.checkpoint_interval, checkpoint_memory_mb=config.checkpoint_memory_mb,
                    speculative_tokens=config.speculative_tokens, speculative_max_batch=config.speculative_max_batch,
-                   speculative_policy=config.speculative_policy)
+                   speculative_policy=config.speculative_policy, kv_cache_mb=config.kv_cache_mb,
+                   kv_block_tokens=config.kv_block_tokens, kv_rows=config.kv_rows)
 
     def describe(self) -> str:
         """What the start-up log line says about the engine: decode mode, batch, sessions, cache."""
         spec = f", speculating {self.speculative_tokens} MTP draft token(s) per step" if self.speculative_tokens else ""
-        return (f"ctx {self.ctx}, prefill chunk {self.prefill_chunk}, decode mode {self.decoder.mode}{spec}, max batch "
-                f"{self.max_batch}, {self.max_sessions} resident sessions, max queue {self.max_queue}; KV cache "
-                f"{self.cache_bytes / 2**20:.1f} MiB ({self.resident.batch_size} resident + {self.batch.batch_size} "
-                f"batch slots x {self.resident.nbytes / self.resident.batch_size / 2**20:.2f} MiB at ctx {self.ctx})")
+        pool, kv = self.runner.pool, self.replica.kv
+        per_token = kv.block_nbytes / pool.block_tokens
+        return (f"ctx {self.ctx} per request, prefill chunk {self.prefill_chunk}, decode mode {self.decoder.mode}{spec}, "
+                f"max batch {self.max_batch}, {self.max_sessions} resident sessions, max queue {self.max_queue}; KV "
+                f"pool {pool.num_blocks * kv.block_nbytes / 2**20:.1f} MiB: {pool.num_blocks} blocks of "
+                f"{pool.block_tokens} tokens ({kv.block_nbytes:,} bytes each, {per_token:,.1f} bytes per token), "
+                f"{pool.num_blocks * pool.block_tokens:,} tokens in all, rows {kv.kv_rows.name}; per slot (window ring, open windows, block "
+                f"table) {(self.cache_bytes - pool.num_blocks * kv.block_nbytes) / kv.batch_size / 2**20:.2f} MiB "
+                f"x {self.resident.batch_size} resident + {self.batch.batch_size} batch slots")
 
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of the engine's metrics (the app's registry: one process)."""
@@ -332,8 +367,8 @@ class Engine:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes of both caches: `max_sessions` resident slots and the batch slots, at `ctx`."""
-        return self.resident.nbytes + self.batch.nbytes
+        """Bytes of the KV cache: the pool's blocks and every slot's own state (resident and batch)."""
+        return self.replica.kv.nbytes
 
     def structured_outputs(self):
         """The `ds4_torch.structured.StructuredOutputs` for this model's tokenizer (built on first use):
@@ -350,6 +385,10 @@ class Engine:
         if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {req.max_tokens!r}")
         req.sampling.check(vocab_size=self.model.config.vocab_size, max_tokens=req.max_tokens)
+        if len(req.prompt_ids) >= self.ctx:  # (the API checks its --ctx first; the pool may hold fewer)
+            raise APIError(400, f"This model's maximum context length is {self.ctx} tokens (what the KV pool holds "
+                                f"for one request). However, your prompt is {len(req.prompt_ids)} tokens, which "
+                                f"leaves no room for a completion", param="messages", code="context_length_exceeded")
         k = req.prompt_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"prompt_logprobs must be an integer >= 0, got {k!r}")
@@ -518,6 +557,10 @@ class Engine:
                 self.decode_only_s += took
 
     def _update_gauges(self) -> None:
+        pool, m = self.runner.pool, self.metrics
+        m.kv_blocks_used.set(pool.num_used)
+        m.kv_blocks_shared.set(pool.num_shared)
+        m.kv_blocks_cached.set(pool.num_cached)
         self.metrics.running.set(len(self.running) + (self.prefilling is not None))
         self.metrics.resident_sessions.set(sum(1 for s in self.sessions if s.tokens))
         self.metrics.cache_tokens.set(sum(len(s.tokens) for s in self.sessions))
@@ -554,7 +597,7 @@ class Engine:
     def _prefill_step(self) -> None:
         req = self.prefilling
         if req is None:
-            if len(self.running) >= self.max_batch:
+            if len(self.running) >= self.max_batch or (self._pool_short and self.running):
                 return
             req = self.scheduler.next_waiting()
             if req is None:
@@ -568,6 +611,8 @@ class Engine:
         start = len(session.tokens)
         # A chunk ends where a checkpoint is due: its end state is the checkpoint's.
         piece = seq[start:self.sessions.next_stop(req, start, min(len(seq), start + self.prefill_chunk))]
+        if not self._make_room(self.resident.table(session.slot).blocks_needed(len(piece)), session):
+            return  # the pool is held by decoding requests: this prompt waits (they end, or are preempted)
         try:
             if session.restored is not None:
                 fault_point("restore")
@@ -684,7 +729,52 @@ class Engine:
         self.running.append(req)
 
     # ------------------------------------------------------------------ decode
+    # ------------------------------------------------------------------ the KV pool
+    def _make_room(self, need: int, *keep: Session) -> bool:
+        """Have `need` blocks available: the pool's unreferenced cached blocks count already; then
+        idle sessions leave (least recently used first; to the disk store when there is one).
+        False when even that leaves too few."""
+        pool = self.runner.pool
+        while pool.num_available < need:
+            if not self.sessions.evict_idle(keep):
+                return False
+        return True
+
+    def _decode_room(self) -> None:
+        """Before a decode step: room for every running row's next tokens (1, or 1 + the drafts
+        speculating). What idle sessions cannot free is taken from the request prefilling, then
+        from the requests that joined the batch last (preempted: set aside and resumed from what
+        they had sent, as a retry is); the longest-running keep going."""
+        tokens = 1 + self.speculative_tokens
+        batch = self.batch
+        while self.running:
+            need = sum(batch.table(r.decode_slot).blocks_needed(tokens) for r in self.running)
+            keep = [r.session for r in self.running]
+            if self._make_room(need, *keep):
+                return
+            victim = self.prefilling if self.prefilling is not None and self.prefilling.session is not None \
+                else self.running[-1]
+            self._preempt(victim)
+            self._pool_short = True  # no request is admitted in this iteration: it would be preempted next
+
+    def _preempt(self, req: GenRequest) -> None:
+        """Set `req` aside to free the KV blocks it holds: its session leaves (to disk when a store
+        is attached), and it goes back to the front of the queue, to resume after the tokens it
+        has sent (prefilled again, or restored), as a retry does, but counted as no attempt."""
+        log.info("engine: %s preempted: the KV pool cannot hold the running requests' next tokens", req.id)
+        self.metrics.preemptions.inc()
+        session = req.session
+        self._release(req)  # (its batch slot goes back to its session first)
+        if session is not None:
+            self.sessions.evict(session)
+        req.decode_slot, req.pending, req.held = None, None, []
+        self.scheduler.requeue([req])
+
     def _decode_step(self) -> None:
+        self._pool_short = False
+        self._decode_room()
+        if not self.running:
+            return
         self._last_step = {}
         if not self.speculative_tokens:
             self._plain_step()

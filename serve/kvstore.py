@@ -164,13 +164,13 @@ class PendingSnapshot:
 class KVStore:
     """The engine's `KVStore` on disk. See the module docstring for the rules, `serve.snapshot` for the format.
 
-    `model` is fingerprinted once; `ctx` and `dtype` (default: the model's) give the layout of the
-    engine's live cache. `every` > 0: a growing sequence is snapshotted again every `every` tokens
+    `model` is fingerprinted once; `ctx`, `dtype` (default: the model's) and `kv_rows` (the row
+    format, `ds4_torch.kv_format`) give the layout of the engine's live cache. `every` > 0: a growing sequence is snapshotted again every `every` tokens
     (`checkpoint_due`). `min_tokens`: shorter sequences are not worth a file. `registry`: a
     prometheus_client registry for the `ds4_kv_disk_*` metrics (else plain counters only)."""
 
     def __init__(self, directory, space_mb: float, model, *, ctx: int = 4096, dtype: torch.dtype | None = None,
-                 every: int = 0, min_tokens: int = 16, registry=None, quarantine_max: int = 16):
+                 kv_rows: str = "full", every: int = 0, min_tokens: int = 16, registry=None, quarantine_max: int = 16):
         if not space_mb or space_mb <= 0:
             raise ValueError(f"space_mb must be > 0, got {space_mb!r}")
         self.dir = os.path.abspath(os.fspath(directory))
@@ -178,7 +178,7 @@ class KVStore:
         self.budget = int(space_mb * 2**20)
         self.every, self.min_tokens, self.quarantine_max = every, min_tokens, quarantine_max
         self.model_fp = model_fingerprint(model)
-        self.layout = Layout.of(model.config, ctx, dtype or model.dtype)
+        self.layout = Layout.of(model.config, ctx, dtype or model.dtype, kv_rows)
         self.prefix = name_prefix(self.model_fp, self.layout)
         self.counts = _Counts()
         self.prom = _PromMetrics(registry) if registry is not None else None
@@ -503,9 +503,10 @@ class KVStore:
     def _check_cache(self, cache: DS4Cache) -> bool:
         got = Layout.of_cache(cache)
         if got != self.layout:
-            log.error("kvstore: the cache's layout (max_context %d, %s) is not the store's (%d, %s): the store "
-                      "is unused; build it with the engine's ctx and dtype", cache.max_context, cache.dtype,
-                      self.layout.max_context, self.layout.dtype)
+            log.error("kvstore: the cache's layout (max_context %d, %s, %s rows) is not the store's (%d, %s, %s "
+                      "rows): the store is unused; build it with the engine's ctx, dtype and kv_rows",
+                      cache.max_context, cache.dtype, cache.kv_rows.name, self.layout.max_context,
+                      self.layout.dtype, self.layout.kv_rows)
             return False
         return True
 

@@ -49,6 +49,18 @@ class Metrics:
         self.session_evictions = Counter("ds4_session_evictions",
                                          "Idle resident sessions evicted to make room for another conversation",
                                          registry=r)
+        # The paged KV pool (ds4_torch.paged): compressed and indexer rows in blocks of block_tokens tokens.
+        self.kv_blocks_total = Gauge("ds4_kv_blocks_total", "Blocks in the KV pool", registry=r)
+        self.kv_blocks_used = Gauge("ds4_kv_blocks_used", "KV blocks held by a sequence (running or resident)",
+                                    registry=r)
+        self.kv_blocks_shared = Gauge("ds4_kv_blocks_shared", "KV blocks held by more than one sequence (a shared "
+                                      "prefix stored once)", registry=r)
+        self.kv_blocks_cached = Gauge("ds4_kv_blocks_cached", "KV blocks no sequence holds, kept for reuse until "
+                                      "the pool needs them", registry=r)
+        self.kv_block_bytes = Gauge("ds4_kv_block_bytes", "Bytes of one KV block across all layers", registry=r)
+        self.kv_block_tokens = Gauge("ds4_kv_block_tokens", "Tokens of context one KV block covers", registry=r)
+        self.preemptions = Counter("ds4_preemptions", "Requests set aside because the KV pool could not hold their "
+                                   "next tokens (resumed later from what they had sent)", registry=r)
         self.branches = Counter("ds4_branches", "Requests that branched from a checkpoint of another session "
                                 "(its compressed rows copied, the source left as it was)", registry=r)
         self.rewinds = Counter("ds4_rewinds", "Idle sessions rewound in place to a checkpoint (their later tokens "

@@ -8,7 +8,13 @@ the same order, which is what keeps their collectives matched and their caches (
 rank) equal. In a single process the engine calls its replica directly.
 
 Cache names: "resident" (one conversation per slot, kept between requests) and "batch" (the
-sequences decoding together).
+sequences decoding together). Both are views of one `PagedDS4Cache` (`kv`): its first
+`batch_slots` sequences are the batch, the rest the resident slots, and every sequence's
+compressed and indexer rows live in blocks of one pool (`kv.pool`). A slot holds only its window
+ring, open windows and block table; a copy between slots shares the source's blocks (a fork), so
+a session joining or leaving the batch, a fork or a branch copies no rows, and a prefix held by
+several sessions is stored once. Under tensor parallelism every rank runs the same operations in
+the same order, so the ranks' block tables stay identical.
 
 The batched sampler (`ds4_torch.sampling.BatchSampler`, one slot per batch slot) lives here too:
 rank 0's runner samples with it; when speculating, the other ranks need the same drafts, so
@@ -26,6 +32,7 @@ import logging
 import torch
 
 from ds4_torch.decode import make_decoder, prefill
+from ds4_torch.paged import DEFAULT_BLOCK_TOKENS, PagedDS4Cache
 from ds4_torch.sampling import BatchSampler, SamplingParams
 from ds4_torch.speculative import Speculator
 
@@ -38,11 +45,17 @@ MODEL_OPERATIONS = frozenset({"warmup", "prefill", "decode", "join", "speculate"
 
 class Replica:
     def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, kv_blocks: int | None = None,
+                 kv_block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_rows: str = "full"):
         self.model, self.ctx, self.decode_mode = model, ctx, decode_mode
         self.device = model.device
-        self.resident = model.new_cache(batch_size=sessions, max_context=ctx)
-        self.batch = model.new_cache(batch_size=batch_slots, max_context=ctx)
+        self.batch_slots = batch_slots
+        # (kv_blocks None: as many blocks as static caches of every slot at ctx would hold)
+        self.kv = PagedDS4Cache(model.config, batch_slots + sessions, ctx, dtype=model.dtype, device=model.device,
+                                num_blocks=kv_blocks, block_tokens=kv_block_tokens, kv_rows=kv_rows)
+        self.pool = self.kv.pool
+        self.batch = self.kv.narrow(batch_slots)
+        self.resident = self.kv._view(batch_slots, sessions)
         self.decoder = make_decoder(model, self.batch, decode_mode, scratch_padding=True)
         self.checkpoints: dict = {}  # checkpoint id -> `DS4Cache.take_checkpoint` (no logits: rank 0 keeps those)
         self.sampler = BatchSampler(batch_slots, model.config.vocab_size, self.device)
@@ -57,7 +70,13 @@ class Replica:
     def shape(self) -> dict:
         """The constructor's arguments (besides the model): another rank builds the same replica."""
         return dict(ctx=self.ctx, sessions=self.resident.batch_size, batch_slots=self.batch.batch_size,
-                    decode_mode=self.decode_mode, speculative_tokens=self.speculative_tokens)
+                    decode_mode=self.decode_mode, speculative_tokens=self.speculative_tokens,
+                    kv_blocks=self.pool.num_blocks, kv_block_tokens=self.pool.block_tokens,
+                    kv_rows=self.kv.kv_rows.name)
+
+    def _index(self, cache: str, slot: int) -> int:
+        """Slot `slot` of `cache` as a sequence of `kv`."""
+        return slot if cache == "batch" else self.batch_slots + slot
 
     def warmup(self) -> None:
         """Run the model once (first calls pay one-off initialisation), then clear the batch cache.
@@ -108,8 +127,7 @@ class Replica:
 
     def copy(self, dst_cache: str, dst: int, src: int, src_cache: str) -> None:
         """Copy sequence `src` of cache `src_cache` into slot `dst` of cache `dst_cache`."""
-        target = getattr(self, dst_cache)
-        target.copy_sequence(dst, src, None if src_cache == dst_cache else getattr(self, src_cache))
+        self.kv.fork(self._index(dst_cache, dst), self._index(src_cache, src))  # its blocks shared, not copied
         carry = self.carry.get(src) if src_cache == "resident" else None
         self._changed(dst_cache, dst)
         if carry is not None and dst_cache == "resident":
@@ -137,9 +155,8 @@ class Replica:
     def branch_from_checkpoint(self, dst_cache: str, dst: int, src_cache: str, src: int, checkpoint_id) -> None:
         """Slot `dst` of `dst_cache` continues from checkpoint `checkpoint_id`, with the compressed
         rows of sequence `src` of `src_cache` (which is left as it is)."""
-        target = getattr(self, dst_cache)
-        target.branch_from_checkpoint(dst, src, self._checkpoint(checkpoint_id),
-                                      None if src_cache == dst_cache else getattr(self, src_cache))
+        self.kv.branch_from_checkpoint(self._index(dst_cache, dst), self._index(src_cache, src),
+                                       self._checkpoint(checkpoint_id))
         self._changed(dst_cache, dst)
 
     def import_checkpoint(self, checkpoint_id, checkpoint: dict) -> None:
@@ -162,25 +179,18 @@ class Replica:
         return checkpoint
 
     def reset_batch(self) -> str | None:
-        """Drop the batch's device state: captured graphs, batch cache contents, cached
-        allocations. Returns None, or why the batch cache could not even be reallocated."""
+        """Drop the batch's device state: captured graphs, batch slots (their blocks released),
+        cached allocations. Returns None, or why even that failed (the batch slots are views of
+        the pool every resident session uses: they cannot be reallocated alone)."""
         try:
             self.decoder.reset()
             self.batch.reset()
             if self.speculator is not None:
                 self.speculator.reset()
             self.release_allocator()
-        except BaseException as e:  # noqa: BLE001 - the reset itself failed: reallocate
-            log.error("engine: reset failed (%s); reallocating the batch cache", e)
-            try:
-                self.batch = self.model.new_cache(batch_size=self.batch.batch_size, max_context=self.ctx)
-                self.decoder = make_decoder(self.model, self.batch, self.decode_mode, scratch_padding=True)
-                if self.speculator is not None:
-                    self.speculator = Speculator(self.model, self.batch, self.sampler, self.speculative_tokens,
-                                                 batch=self.batch.batch_size, mode=self.decode_mode)
-            except BaseException as e2:  # noqa: BLE001
-                log.error("engine: cannot reallocate the batch cache: %s", e2)
-                return f"cannot reallocate the KV cache: {e2}"
+        except BaseException as e:  # noqa: BLE001 - the device is gone: the engine reports it degraded
+            log.error("engine: reset failed: %s", e)
+            return f"cannot reset the KV cache: {e}"
         return None
 
     # ------------------------------------------------------------------ the sampler's writes

@@ -46,9 +46,11 @@ class Drawn:
 
 class Runner:
     def __init__(self, model, *, ctx: int, sessions: int, batch_slots: int, decode_mode: str, peers=None,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, kv_blocks: int | None = None, kv_block_tokens: int = 256,
+                 kv_rows: str = "full"):
         self.replica = Replica(model, ctx=ctx, sessions=sessions, batch_slots=batch_slots, decode_mode=decode_mode,
-                               speculative_tokens=speculative_tokens)
+                               speculative_tokens=speculative_tokens, kv_blocks=kv_blocks,
+                               kv_block_tokens=kv_block_tokens, kv_rows=kv_rows)
         self.peers = peers
         if peers is not None:
             peers.open(self.replica.shape())
@@ -62,6 +64,7 @@ class Runner:
 
     # The replica's caches and decoder (the app's log line, snapshots, tests).
     resident = property(lambda self: self.replica.resident)
+    pool = property(lambda self: self.replica.pool)
     batch = property(lambda self: self.replica.batch)
     decoder = property(lambda self: self.replica.decoder)
 

@@ -251,10 +251,23 @@ class Sessions:
         if not idle:  # every other slot is busy (max_sessions == max_batch and a fork): take `keep`'s place
             raise RuntimeError("no resident session can be freed")
         victim = min(idle, key=lambda s: s.last_used)
-        self.snapshot(victim, self.replica.resident.slot(victim.slot), victim.tokens, victim.last_logits, "evicted")
-        self.clear(victim)
-        self.metrics.session_evictions.inc()
+        self.evict(victim)
         return victim
+
+    def evict_idle(self, keep=()) -> bool:
+        """Evict the least recently used idle session holding tokens (never one of `keep`), so
+        the KV pool gets its blocks back; False when there is none."""
+        idle = [s for s in self.slots if s.request is None and s.tokens and s not in keep]
+        if not idle:
+            return False
+        self.evict(min(idle, key=lambda s: s.last_used))
+        return True
+
+    def evict(self, session: Session) -> None:
+        """`session` leaves memory: snapshotted to the disk store first when there is one."""
+        self.snapshot(session, self.replica.resident.slot(session.slot), session.tokens, session.last_logits, "evicted")
+        self.clear(session)
+        self.metrics.session_evictions.inc()
 
     def clear(self, session: Session) -> None:
         self.run("reset", "resident", session.slot)

@@ -18,37 +18,66 @@ KV_DISK_DEFAULT_MIN_TOKENS = 32
 API_KEY_ENV = "DS4_TORCH_API_KEY"
 
 
-def choose_context(model, max_sessions: int | None, max_batch: int, group=None) -> int:
-    """The default `--ctx`: the model's maximum when the caches of every session and batch slot
-    fit in half of the memory left after the weights, else the largest context that fits.
-    Under tensor parallelism (`group`), the smallest of the ranks' choices, so all agree."""
-    from ds4_torch.footprint import cache_bytes, fitting_context, free_memory
+KV_MEMORY_SHARE = 0.5  # of the memory left after the weights, what the KV cache may take by default
+
+
+def choose_kv_pool(model, ctx: int | None, max_sessions: int | None, max_batch: int, kv_cache_mb: float | None,
+                   block_tokens: int, group=None, kv_rows: str = "full") -> tuple[float, int]:
+    """(the KV pool's MiB, the per-request --ctx) the server runs with. Default pool: half of the
+    memory left after the weights, less every slot's own state (window ring, open windows, block
+    table), and at most the blocks every slot would hold at the context (the requests' total
+    cannot need more). Default context: the model's maximum; either way at most what the pool
+    holds for one request. Under tensor parallelism (`group`) the smallest of the ranks' pools, so
+    all agree. Both choices are logged."""
+    import math
+
+    from ds4_torch.footprint import free_memory, sequence_fixed_bytes
+    from ds4_torch.paged import block_nbytes, pool_blocks
 
     from .engine import cache_slots
 
+    config, dtype, log = model.config, model.dtype, logging.getLogger("ds4.serve")
     sessions, batch_slots = cache_slots(max_batch, max_sessions)
     slots = sessions + batch_slots
-    free = free_memory(model.device)
-    ctx = fitting_context(model.config, model.dtype, slots, free // 2)
-    if group is not None:
-        import torch
-        import torch.distributed as dist
+    maximum = config.max_position_embeddings
+    context = ctx or maximum
+    block = block_nbytes(config, dtype, block_tokens, kv_rows)
+    rates = {config.compress_rate(i) for i in range(config.num_hidden_layers)} - {0}
+    per_slot = sequence_fixed_bytes(config, dtype) + 8 * sum(math.ceil(context / m) + 1 for m in rates)
+    if kv_cache_mb is None:
+        free = free_memory(model.device)
+        budget = free * KV_MEMORY_SHARE - slots * per_slot
+        blocks = max(0, min(int(budget // block), slots * math.ceil(context / block_tokens)))
+        if group is not None:
+            import torch
+            import torch.distributed as dist
 
-        agreed = torch.tensor([ctx])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        ctx = int(agreed)
-    if ctx == 0:
-        raise UserError(f"the KV caches of {sessions} sessions and {slots - sessions} batch slots do not fit in half "
-                        f"of the {free / 2**20:,.0f} MiB left on {model.device} even at 1024 tokens: lower "
-                        f"--max-sessions / --max-batch or give --ctx")
-    maximum = model.config.max_position_embeddings
-    logging.getLogger("ds4.serve").info(
-        "--ctx %d (%s): KV caches of %d sessions + %d batch slots take %s MiB of the %s MiB left on %s "
-        "after the weights (half of it may go to them)", ctx,
-        "the model's maximum" if ctx == maximum else f"the largest that fits; the model allows {maximum}",
-        sessions, slots - sessions, f"{cache_bytes(model.config, ctx, slots, model.dtype) / 2**20:,.0f}",
-        f"{free / 2**20:,.0f}", model.device)
-    return ctx
+            agreed = torch.tensor([blocks])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+            blocks = int(agreed)
+        if blocks < 2:
+            raise UserError(f"the KV cache of {sessions} sessions and {batch_slots} batch slots does not fit in half of "
+                            f"the {free / 2**20:,.0f} MiB left on {model.device}: lower --max-sessions / --max-batch "
+                            f"or --ctx, or give --kv-cache-mb")
+        kv_cache_mb = blocks * block / 2**20
+        log.info("--kv-cache-mb %.1f: %d blocks of %d tokens (%s bytes each), %s of the %s MiB left on %s after the "
+                 "weights (%d%% may go to the KV cache, less %s MiB for %d slots' own state)", kv_cache_mb, blocks,
+                 block_tokens, f"{block:,}", "every slot at --ctx" if blocks == slots * math.ceil(context / block_tokens)
+                 else "what fits", f"{free / 2**20:,.0f}", model.device, KV_MEMORY_SHARE * 100,
+                 f"{slots * per_slot / 2**20:,.1f}", slots)
+    blocks = pool_blocks(config, dtype, kv_cache_mb * 2**20, block_tokens, kv_rows)
+    if blocks < 2:
+        raise UserError(f"--kv-cache-mb {kv_cache_mb} holds {blocks} KV block(s) of {block_tokens} tokens "
+                        f"({block:,} bytes each); at least 2 are needed")
+    cap = (blocks - 1) * block_tokens  # a sequence's blocks, and the copy of one it shares
+    if ctx is not None and ctx > cap:
+        log.warning("--ctx %d lowered to %d: what the KV pool (%d blocks of %d tokens) holds for one request", ctx, cap,
+                    blocks, block_tokens)
+    context = min(context, cap)
+    if ctx is None:
+        log.info("--ctx %d per request (%s)", context, "the model's maximum" if context == maximum else
+                 f"what the KV pool holds for one request; the model allows {maximum}")
+    return kv_cache_mb, context
 
 
 def load(args, group=None):
@@ -65,11 +94,15 @@ def load(args, group=None):
     if args.speculative_tokens and getattr(model, "mtp", None) is None:
         raise UserError(f"--speculative-tokens {args.speculative_tokens} needs a model with an MTP layer "
                         "(num_nextn_predict_layers >= 1 and mtp.* weights); this one has none")
-    if args.ctx is None:
-        args.ctx = choose_context(model, args.max_sessions, args.max_batch, group)
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and args.ctx > limit:
+    if limit and args.ctx is not None and args.ctx > limit:
         raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
+    rates = sorted({model.config.compress_rate(i) for i in range(model.config.num_hidden_layers)} - {0})
+    if any(args.kv_block_tokens % m for m in rates):
+        raise UserError(f"--kv-block-tokens {args.kv_block_tokens} must be a multiple of every compression rate of "
+                        f"the model ({rates}): a block holds whole compressed rows")
+    args.kv_cache_mb, args.ctx = choose_kv_pool(model, args.ctx, args.max_sessions, args.max_batch, args.kv_cache_mb,
+                                                args.kv_block_tokens, group, args.kv_dtype)
     if args.model is None:
         name, aliases = "ds4-default", ()
     else:
@@ -83,6 +116,7 @@ def load(args, group=None):
         tool_call_grammar=not args.free_tool_calls,
         api_key=_api_key(args.api_key) if args.api_key else (os.environ.get(API_KEY_ENV) or None),
         checkpoint_interval=args.checkpoint_interval, checkpoint_memory_mb=args.checkpoint_memory_mb,
+        kv_cache_mb=args.kv_cache_mb, kv_block_tokens=args.kv_block_tokens, kv_rows=args.kv_dtype,
         kv_disk_dir=args.kv_disk_dir, kv_disk_space_mb=args.kv_disk_space_mb,
         keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
         strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
@@ -108,7 +142,7 @@ def attach_kv_store(engine, args):
         return None
     try:
         store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,
-                        dtype=engine.resident.dtype, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
+                        dtype=engine.resident.dtype, kv_rows=engine.resident.kv_rows.name, every=args.kv_disk_every, min_tokens=args.kv_disk_min_tokens,
                         registry=engine.metrics.registry)
     except (OSError, RuntimeError) as e:
         raise UserError(f"--kv-disk-dir {args.kv_disk_dir}: {e}") from e

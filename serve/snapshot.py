@@ -5,10 +5,10 @@ A snapshot holds what a decode step needs to continue a sequence of N tokens: th
 the compressor frontier, the position; its size follows N, not `--ctx`), the token ids and the
 logits of the next token. The store (`serve.kvstore`) decides when to write, keep and delete.
 
-File format (`<model>-<layout>-[<tenant>-]<N>-<tokens hash>.ds4kv`, version 3, little endian)::
+File format (`<model>-<layout>-[<tenant>-]<N>-<tokens hash>.ds4kv`, version 4, little endian)::
 
     magic  b"DS4KVSNP"  | version u32 | header length u32 | xxh3_64 of the header u64
-    header: UTF-8 JSON  {model, layout, n_tokens, tokens_hash, created, checksum: "xxh3_64",
+    header: UTF-8 JSON  {model, layout, kv_rows, n_tokens, tokens_hash, created, checksum: "xxh3_64",
                          [tenant,] checkpoints: [c, ...], sections: [{name, dtype, shape, nbytes, xxh3}, ...]}
     sections, back to back, in the header's order: `tokens` int32 [N], `logits` [vocab], then
     the cache state under the cache's own names, in `ds4_torch.cache.sequence_spec` order, then
@@ -16,14 +16,17 @@ File format (`<model>-<layout>-[<tenant>-]<N>-<tokens hash>.ds4kv`, version 3, l
     sequence's first c tokens (`DS4Cache.take_checkpoint`, without logits) as
     `checkpoints.{c}.{name}`, in `ds4_torch.cache.checkpoint_spec` order
 
-Version 3 adds the checkpoints (a file may hold none); version 2 (no checkpoints) and version 1
-(`counters`, `L{i}.comp.rows`, ...) files are rejected as `version`.
+Version 4 adds `kv_rows`, the KV row format of the compressed rows (`ds4_torch.kv_format`: "full",
+"fp8", "fp8-keep-rope"; fp8 rows are the sections `rows` float8_e4m3fn, `row_scales` uint8 and
+`row_rope`, as `sequence_spec` lists them); version 3 added the checkpoints (a file may hold
+none); files of versions 1-3 are rejected as `version`.
 
 - `tenant` (absent: no tenant, as in files written before it) is the tag of the API key whose
   conversation it holds (`tenant_tag`, a hash, never the key): a snapshot is only restored for
   the same tenant, and its name carries the tag so two tenants' equal conversations are two files.
 - `model` fingerprints the model (`model_fingerprint`); `layout` fingerprints the cache layout
-  (window, layer kinds and rates, dims, vocabulary, dtype, capacities, max_context).
+  (window, layer kinds and rates, dims, vocabulary, dtype, KV row format, capacities,
+  max_context). A snapshot whose `kv_rows` is not the cache's is rejected as `layout`.
 - `write_atomically` writes to a temporary file (`.tmp-*`) that is fsynced, renamed into place,
   and the directory fsynced: a crash leaves either the old file or the whole new one.
 
@@ -54,9 +57,10 @@ import xxhash
 
 from ds4_torch.cache import DS4Cache, check_checkpoint, checkpoint_spec, sequence_spec
 from ds4_torch.config import CSA
+from ds4_torch.kv_format import ROW_PARTS, row_format, rows_from_parts
 
 MAGIC = b"DS4KVSNP"
-VERSION = 3
+VERSION = 4
 FIXED = struct.Struct("<8sIIQ")      # magic, version, header length, xxh3_64(header)
 MAX_HEADER = 16 * 2**20
 SUFFIX = ".ds4kv"
@@ -69,7 +73,8 @@ REASONS = ("truncated", "size", "magic", "version", "header", "layout", "model",
            "state", "restore_failed", "io")
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)}
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+    torch.float8_e4m3fn, torch.uint8)}  # (the last two: fp8 rows and their scales)
 
 
 class SnapshotError(Exception):
@@ -152,18 +157,19 @@ class Layout:
     dtype: str
     max_context: int
     capacities: tuple[int, ...]
+    kv_rows: str = "full"                   # the KV row format (`ds4_torch.kv_format`)
     config: object = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, config, max_context: int, dtype: torch.dtype) -> "Layout":
+    def of(cls, config, max_context: int, dtype: torch.dtype, kv_rows: str = "full") -> "Layout":
         layers = tuple((config.layer_types[i], config.compress_rate(i)) for i in range(config.num_hidden_layers))
         return cls(config.sliding_window, config.head_dim, config.index_head_dim, config.vocab_size, layers,
                    dtype_name(dtype), max_context,
-                   tuple(math.ceil(max_context / r) if r else 0 for _, r in layers), config)
+                   tuple(math.ceil(max_context / r) if r else 0 for _, r in layers), row_format(kv_rows).name, config)
 
     @classmethod
     def of_cache(cls, cache: DS4Cache) -> "Layout":
-        return cls.of(cache.config, cache.max_context, cache.dtype)
+        return cls.of(cache.config, cache.max_context, cache.dtype, cache.kv_rows.name)
 
     @property
     def fingerprint(self) -> str:
@@ -173,7 +179,7 @@ class Layout:
     def sections(self, n: int, logits_dtype: str, checkpoints=()) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every section of a snapshot of `n` tokens with checkpoints at
         the positions `checkpoints`, in file order."""
-        state = sequence_spec(self.config, n, DTYPES[self.dtype])
+        state = sequence_spec(self.config, n, DTYPES[self.dtype], self.kv_rows)
         checkpoint = checkpoint_spec(self.config, DTYPES[self.dtype])
         return [("tokens", "int32", (n,)), ("logits", logits_dtype, (self.vocab_size,))] + [
             (name, dtype_name(dtype), shape) for name, dtype, shape in state] + [
@@ -231,7 +237,11 @@ def check_state(layout: Layout, n: int, tensors: dict[str, torch.Tensor]) -> Non
             continue
         for part in ("compressor", "indexer") if kind == CSA else ("compressor",):
             p = f"layers.{i}.{part}"
-            for name in ("rows", "open_kv", "open_gate"):
+            # the rows as a step reads them: an fp8 NaN code or a scale byte 255 (2^128) is not finite
+            parts = {name: tensors[f"{p}.{name}"] for name in ROW_PARTS if f"{p}.{name}" in tensors}
+            if not bool(torch.isfinite(rows_from_parts(parts, DTYPES[layout.dtype])).all()):
+                bad(f"{p}.rows not finite")
+            for name in ("open_kv", "open_gate"):
                 if not bool(torch.isfinite(tensors[f"{p}.{name}"]).all()):
                     bad(f"{p}.{name} not finite")
             for name in ("open_kv", "open_gate"):
@@ -306,7 +316,8 @@ def encode_snapshot(model_fp: str, layout: Layout, tokens: list[int], logits: to
         buf = tensor_bytes(tensors[name])
         payloads.append(buf)
         table.append({"name": name, "dtype": dtype, "shape": list(shape), "nbytes": buf.nbytes, "xxh3": _xxh(buf)})
-    fields = {"model": model_fp, "layout": layout.fingerprint, "n_tokens": n, "tokens_hash": tokens_hash(tokens),
+    fields = {"model": model_fp, "layout": layout.fingerprint, "kv_rows": layout.kv_rows, "n_tokens": n,
+              "tokens_hash": tokens_hash(tokens),
               "created": time.time(), "checksum": "xxh3_64", **({} if tag is None else {"tenant": tag}),
               "checkpoints": list(checkpoints), "sections": table}
     header = json.dumps(fields, separators=(",", ":")).encode()
@@ -337,6 +348,7 @@ def read_header(f, file_size: int) -> tuple[dict, int]:
         sections = header["sections"]
         assert isinstance(n, int) and isinstance(sections, list) and header["checksum"] == "xxh3_64"
         assert isinstance(header["tokens_hash"], str) and isinstance(header["checkpoints"], list)
+        assert isinstance(header["kv_rows"], str)
         assert isinstance(header.get("tenant"), (str, type(None)))
         assert all(isinstance(s["name"], str) and isinstance(s["nbytes"], int) and isinstance(s["dtype"], str)
                    and isinstance(s["xxh3"], str) and isinstance(s["shape"], list)
@@ -349,8 +361,12 @@ def read_header(f, file_size: int) -> tuple[dict, int]:
 def check_header(header: dict, file_size: int, payload_at: int, model_fp: str, layout: Layout) -> None:
     """The header belongs to this model and layout, its section table is exactly the layout's
     for its token count, and the file is exactly as long as the table says."""
+    if header.get("kv_rows") != layout.kv_rows:  # (the layout fingerprint covers it: this says why)
+        raise SnapshotError("layout", f"its compressed rows are stored as {header.get('kv_rows')!r}, this "
+                                      f"cache's as {layout.kv_rows!r}")
     if header.get("layout") != layout.fingerprint:
-        raise SnapshotError("layout", "written for another cache layout (window, rates, dims, dtype or context)")
+        raise SnapshotError("layout", "written for another cache layout (window, rates, dims, dtype, KV rows or "
+                                      "context)")
     if header.get("model") != model_fp:
         raise SnapshotError("model", "written by another model (config or weights differ)")
     n = header["n_tokens"]

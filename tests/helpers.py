@@ -32,6 +32,17 @@ def assert_close(actual, expected, dtype):
     assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance {tol.max().item():.3g})"
 
 
+def held_state(cache, index: int) -> list[torch.Tensor]:
+    """Copies of everything sequence `index` of `cache` holds: its checkpoint (ring, open windows,
+    position) and its compressed and indexer rows (gathered through its block table when paged;
+    a paged slot's own tensors are the whole pool, which other sequences write)."""
+    view = cache.slot(index)
+    n = int(view.positions[0])
+    out = [t.clone() for t in view.take_checkpoint(0).values()]
+    out += [state.visible(n // layer.rate).clone() for layer in view.layers for state in layer.states]
+    return out
+
+
 def wait_for(cond, timeout=10.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not cond():

@@ -18,7 +18,7 @@ from ds4_torch.faults import reset_fault_counts
 from ds4_torch.generation import generate
 from serve.app import ServerConfig, create_app
 from serve.background import BackgroundServer
-from helpers import metric, wait_for
+from helpers import held_state, metric, wait_for
 
 MODEL = "ds4-default"
 CTX = 256
@@ -129,12 +129,12 @@ def test_idle_resident_session_is_untouched_by_other_decodes(srv):
     a = prompt_ids(45, 30)
     assert complete(srv, a, 10).status_code == 200
     session = next(s for s in engine.sessions if s.tokens[:len(a)] == a)
-    before = [t.clone() for t in engine.resident.slot(session.slot).tensors()]
+    before = held_state(engine.resident, session.slot)
     tokens_before = list(session.tokens)
     with queued_behind_a_long_prefill(srv):
         concurrently(lambda ids: complete(srv, ids, 20), [(prompt_ids(33, s),) for s in (31, 32, 33)])
     assert session.tokens == tokens_before
-    after = engine.resident.slot(session.slot).tensors()
+    after = held_state(engine.resident, session.slot)
     assert all(torch.equal(x, y) for x, y in zip(before, after)), "an idle session's cache changed"
 
 

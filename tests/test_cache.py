@@ -59,27 +59,34 @@ def test_counters_and_rows_at_every_emit_phase(pair):
             assert torch.allclose(cache.layers[0].window[0, q % W], hf_window[-k], atol=1e-6)
 
 
-def expected_nbytes(cfg, batch, context, elem):
+def expected_nbytes(cfg, batch, context, elem, kv_rows="full"):
+    """The module docstring's formula: a stored row of d channels takes R(d, r) bytes."""
+    def R(d, r):
+        return elem * d if kv_rows == "full" else (d - r) + math.ceil((d - r) / 64) + elem * r
+
+    r = cfg.qk_rope_head_dim if kv_rows == "fp8-keep-rope" else 0
     total = 8 * batch
     W, D, dI = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
     for kind in cfg.layer_types:
         total += elem * batch * W * D
         if kind == HCA:
             m = cfg.compress_rates[HCA]
-            total += elem * batch * ((math.ceil(context / m) + 1) * D + 2 * m * D)
+            total += batch * ((math.ceil(context / m) + 1) * R(D, r) + elem * 2 * m * D)
         elif kind == CSA:
             m = cfg.compress_rates[CSA]
             C = math.ceil(context / m) + 1
-            total += elem * batch * (C * D + 2 * m * 2 * D + 2 * m * D + C * dI + 2 * m * 2 * dI + 2 * m * dI)
+            total += batch * (C * R(D, r) + elem * (2 * m * 2 * D + 2 * m * D)
+                              + C * R(dI, 0) + elem * (2 * m * 2 * dI + 2 * m * dI))
     return total
 
 
 @pytest.mark.parametrize("batch,context,dtype", [(1, 64, torch.float32), (3, 1000, torch.bfloat16),
                                                  (2, 4097, torch.float16)])
-def test_nbytes_formula(pair, batch, context, dtype):
+@pytest.mark.parametrize("kv_rows", ["full", "fp8", "fp8-keep-rope"])
+def test_nbytes_formula(pair, batch, context, dtype, kv_rows):
     _, ours = pair
-    cache = ours.new_cache(batch, context, dtype=dtype)
-    assert cache.nbytes == expected_nbytes(ours.config, batch, context, torch.finfo(dtype).bits // 8)
+    cache = ours.new_cache(batch, context, dtype=dtype, kv_rows=kv_rows)
+    assert cache.nbytes == expected_nbytes(ours.config, batch, context, torch.finfo(dtype).bits // 8, kv_rows)
 
 
 @torch.no_grad()

@@ -69,14 +69,15 @@ def test_graph_equals_eager_over_600_steps(model, prompt_len):
 
 
 @torch.no_grad()
-def test_batch_of_three_at_staggered_positions(model):
+@pytest.mark.parametrize("kv_rows", ["full", "fp8-keep-rope"])  # fp8: quantized and dequantized in the graph
+def test_batch_of_three_at_staggered_positions(model, kv_rows):
     prompt_lens, steps = (2, 9, 17), 40
     caches = {}
     for mode in ("eager", "graph"):
-        cache = model.new_cache(3, 80)
+        cache = model.new_cache(3, 80, kv_rows=kv_rows)
         first = []
         for i, n in enumerate(prompt_lens):
-            single = model.new_cache(1, 80)
+            single = model.new_cache(1, 80, kv_rows=kv_rows)
             ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(n))
             first.append(prefill(model, single, ids, CHUNK))
             cache.copy_sequence(i, 0, single)

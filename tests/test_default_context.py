@@ -1,5 +1,6 @@
-"""`serve`'s default `--ctx`: the model's maximum when the caches fit in half of the memory left
-after the weights, else the largest that fits; and the footprint functions it rests on."""
+"""`serve`'s default KV pool and `--ctx`: the pool takes half of the memory left after the weights
+(at most what every slot at --ctx would hold), --ctx is the model's maximum at most what the pool
+holds for one request; and the footprint functions they rest on."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ from ds4_torch.cache import DS4Cache
 from ds4_torch.config import DS4Config
 from ds4_torch.default_model import DEFAULT_MODEL_DIR
 from ds4_torch.footprint import cache_bytes, fitting_context, free_memory
+from ds4_torch.paged import PagedDS4Cache, block_nbytes
 from ds4_torch.runtime import UserError
 from serve import cli
 
@@ -44,31 +46,56 @@ def test_free_memory_on_a_cpu_is_positive_and_at_most_the_machine():
     assert 0 < free <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-class _Model:  # what choose_context reads of a model
+class _Model:  # what choose_kv_pool reads of a model
     def __init__(self, config):
         self.config, self.device, self.dtype = config, torch.device("cpu"), torch.float32
 
 
-def test_serve_default_ctx_from_memory(config, monkeypatch, caplog):
+def test_a_blocks_bytes_are_what_a_pool_allocates(config):
+    for dtype, bt in ((torch.float32, 256), (torch.bfloat16, 64)):
+        cache = PagedDS4Cache(config, 2, 1024, dtype=dtype, num_blocks=5, block_tokens=bt)
+        assert block_nbytes(config, dtype, bt) == cache.block_nbytes
+        rows = sum(s.rows.numel() * s.rows.element_size() for layer in cache.layers for s in layer.states)
+        per_scratch_row = sum(s.rows[-1].numel() * s.rows.element_size() for layer in cache.layers for s in layer.states)
+        assert rows == 5 * cache.block_nbytes + per_scratch_row
+
+
+def test_serve_default_kv_pool_from_memory(config, monkeypatch, caplog):
     model = _Model(config)
     slots = 16 + 8  # default sessions max(8, 16) + 8 batch slots
-    need = cache_bytes(config, 65536, slots, torch.float32)
-    monkeypatch.setattr("ds4_torch.footprint.free_memory", lambda device: 2 * need + 10)
+    block = block_nbytes(config, torch.float32, 256)
+    every_slot = slots * 65536 // 256  # blocks of every slot at the model's maximum: the most the default takes
+    monkeypatch.setattr("ds4_torch.footprint.free_memory", lambda device: 10 * every_slot * block)
     with caplog.at_level(logging.INFO, logger="ds4.serve"):
-        assert cli.choose_context(model, None, 8) == 65536
-    assert "--ctx 65536 (the model's maximum)" in caplog.text and "16 sessions + 8 batch slots" in caplog.text
+        mb, ctx = cli.choose_kv_pool(model, None, None, 8, None, 256)
+    assert (mb * 2**20 / block, ctx) == (every_slot, 65536)
+    assert "--ctx 65536 per request (the model's maximum)" in caplog.text
+    # an explicit --ctx sizes the default pool for it
+    mb, ctx = cli.choose_kv_pool(model, 1000, None, 8, None, 256)
+    assert (mb * 2**20 / block, ctx) == (slots * 4, 1000)
 
-    monkeypatch.setattr("ds4_torch.footprint.free_memory", lambda device: need)  # half of it: less than the max
-    ctx = cli.choose_context(model, None, 8)
-    assert ctx == fitting_context(config, torch.float32, slots, need // 2) and ctx < 65536
-    assert cache_bytes(config, ctx, slots, torch.float32) <= need // 2
+    # less memory: half of it, less the slots' own state, in whole blocks; one request gets all but one block
+    monkeypatch.setattr("ds4_torch.footprint.free_memory", lambda device: every_slot * block)
+    mb, ctx = cli.choose_kv_pool(model, None, None, 8, None, 256)
+    blocks = mb * 2**20 / block
+    # a slot's own state, as a cache allocates it: one more sequence's bytes
+    per_slot = (PagedDS4Cache(config, 2, 65536, num_blocks=1).nbytes - PagedDS4Cache(config, 1, 65536, num_blocks=1).nbytes)
+    assert blocks == (every_slot * block // 2 - slots * per_slot) // block
+    assert ctx == 65536  # (the pool still holds far more than one request)
+    monkeypatch.setattr("ds4_torch.footprint.free_memory", lambda device: 2 * slots * per_slot + 2 * 100 * block)
+    assert cli.choose_kv_pool(model, None, None, 8, None, 256) == (100 * block / 2**20, 99 * 256)
 
-    # --max-sessions counts: 100 sessions (and 16 batch slots for --max-batch 9) get a shorter context
-    assert cli.choose_context(model, 100, 9) == fitting_context(config, torch.float32, 116, need // 2) < ctx
+    # an explicit --kv-cache-mb: a --ctx past what it holds is lowered, and says so
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds4.serve"):
+        assert cli.choose_kv_pool(model, 60000, None, 8, 40 * block / 2**20, 256) == (40 * block / 2**20, 39 * 256)
+    assert "--ctx 60000 lowered to 9984" in caplog.text
 
     monkeypatch.setattr("ds4_torch.footprint.free_memory", lambda device: 1000)
-    with pytest.raises(UserError, match="do not fit .* lower --max-sessions"):
-        cli.choose_context(model, None, 8)
+    with pytest.raises(UserError, match="does not fit .* lower --max-sessions"):
+        cli.choose_kv_pool(model, None, None, 8, None, 256)
+    with pytest.raises(UserError, match="at least 2 are needed"):
+        cli.choose_kv_pool(model, None, None, 8, block / 2**20, 256)
 
 
 def test_serve_loads_with_the_default_ctx_and_explicit_ctx_still_wins(monkeypatch):

@@ -423,6 +423,48 @@ def test_a_read_is_shared_and_counted_until_released(tmp_path, model):
         assert s.loaded_bytes == 0 and s.counts.reads == 1
 
 
+# --------------------------------------------------------------------------- KV row formats
+@torch.no_grad()
+def test_fp8_rows_round_trip_through_disk_and_another_row_format_refuses_them(tmp_path, model):
+    """A store of fp8 rows (RoPE kept) writes the stored parts and the format in the header; a
+    restore goes on exactly as the live cache; the same file is refused (reason `layout`, naming
+    both formats) by a store of full rows, also when it carries that store's file name; and a
+    bad scale byte (255: 2^128) is a state that is not finite."""
+    fmt, tokens = "fp8-keep-rope", ids_for(40, 137)
+    with KVStore(tmp_path / "kv", 64, model, ctx=CTX, min_tokens=1, kv_rows=fmt) as s:
+        live, logits = run(model, tokens, cache=model.new_cache(1, CTX, kv_rows=fmt), decode_tail=9)
+        assert s.save(live, tokens, logits)
+        path = os.path.join(s.dir, s._name(tokens))
+        _, header, _ = parse(path)
+        assert header["kv_rows"] == fmt
+        dtypes = {x["name"]: x["dtype"] for x in header["sections"]}
+        assert dtypes["layers.1.compressor.rows"] == "float8_e4m3fn"
+        assert dtypes["layers.1.compressor.row_scales"] == "uint8" and dtypes["layers.1.compressor.row_rope"] == "float32"
+        reference = greedy(model, live, logits, 12)
+        cache = model.new_cache(1, CTX, kv_rows=fmt)
+        got = s.restore(cache, tokens + [7])
+        assert got is not None and got[0] == 137
+        assert greedy(model, cache, got[1], 12)[0] == reference[0]
+        assert s.restore(model.new_cache(1, CTX), tokens) is None  # a cache of full rows: not this store's
+        fp, fp8_layout = s.model_fp, s.layout
+    full = snapshot.Layout.of(model.config, CTX, model.dtype)
+    with pytest.raises(snapshot.SnapshotError, match=f"stored as '{fmt}', this cache's as 'full'") as e:
+        snapshot.read_snapshot(path, fp, full)
+    assert e.value.reason == "layout"
+    with KVStore(tmp_path / "kv", 64, model, ctx=CTX, min_tokens=1) as s2:
+        assert not s2.entries and s2.restore(model.new_cache(1, CTX), tokens) is None  # other layouts' files: unread
+    os.replace(path, os.path.join(tmp_path / "kv", snapshot.file_name(fp, full, tokens)))  # a full store's name
+    with KVStore(tmp_path / "kv", 64, model, ctx=CTX, min_tokens=1) as s3:
+        assert s3.counts.rejected == {"layout": 1} and not s3.entries
+        assert s3.restore(model.new_cache(1, CTX), tokens) is None
+
+    with KVStore(tmp_path / "kv8", 64, model, ctx=CTX, min_tokens=1, kv_rows=fmt) as s4:
+        path = saved(s4, model, tokens[:40], cache=model.new_cache(1, CTX, kv_rows=fmt))[0]
+        rewrite_section(path, "layers.1.compressor.row_scales", lambda t: t.view(-1).__setitem__(0, 255))
+        with pytest.raises(snapshot.SnapshotError, match="layers.1.compressor.rows not finite"):
+            snapshot.read_snapshot(path, fp, fp8_layout)
+
+
 # --------------------------------------------------------------------------- post-restore failure
 def test_restore_failed_quarantines_once_and_across_restarts(tmp_path, model):
     tokens = ids_for(11, 50)

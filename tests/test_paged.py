@@ -390,7 +390,8 @@ class Pair:
             self.forward(ids[:, s:s + chunk])
 
 
-@pytest.mark.parametrize("which,kv_rows", [("embedded", "full"), ("small", "full"), ("small", "fp8")])
+@pytest.mark.parametrize("which,kv_rows", [("embedded", "full"), ("small", "full"), ("small", "fp8"),
+                                           ("small", "fp8-keep-rope")])
 def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, model, small_model):
     m = model if which == "embedded" else small_model
     bt = 16 if which == "embedded" else 8  # a multiple of every rate
@@ -408,7 +409,12 @@ def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, mo
         for layer in paged.layers:
             for state in layer.states:
                 per_block = bt // layer.rate
-                state.rows[block * per_block:(block + 1) * per_block] += value
+                for part in state.row_parts().values():  # fp8 values and scales: their bytes moved
+                    rows = part[block * per_block:(block + 1) * per_block]
+                    if part.dtype in (torch.float8_e4m3fn, torch.uint8):
+                        rows.view(torch.uint8).add_(1)
+                    else:
+                        rows += value
 
     for block in paged.pool.free_blocks():
         scribble(block, 1e3)
@@ -419,11 +425,12 @@ def test_paged_rows_give_the_static_caches_logits_bit_for_bit(which, kv_rows, mo
         assert not torch.equal(m(nxt, paged), m(nxt, pair.static))
 
 
-def test_two_sequences_share_a_prefix_and_stay_exact(small_model):
+@pytest.mark.parametrize("kv_rows", ["full", "fp8-keep-rope"])  # fp8: every row part copied on write
+def test_two_sequences_share_a_prefix_and_stay_exact(small_model, kv_rows):
     m, bt = small_model, 8
     g = torch.Generator().manual_seed(11)
     vocab = m.config.vocab_size
-    pair = Pair(m, 2, 200, block_tokens=bt, num_blocks=40)
+    pair = Pair(m, 2, 200, kv_rows, block_tokens=bt, num_blocks=40)
     prefix = torch.randint(2, vocab, (1, 61), generator=g).expand(2, -1)  # 7 full blocks and 5 tokens
     pair.run(prefix[:, :48], chunk=24)
     ck = {"static": pair.static.take_checkpoint(0), "paged": pair.paged.take_checkpoint(0)}  # at 6 blocks

@@ -350,6 +350,12 @@ def test_agents_benchmark_scenario(model):
     assert on["requests"] == off["requests"] == 58 and on["prompt_tokens"] == off["prompt_tokens"]
     assert on["reuse"] >= 0.9 and on["reuse"] > off["reuse"] + 0.2
     assert on["branches"] + on["rewinds"] > 0 and off["branches"] == off["rewinds"] == 0
+    # the pool held the live tokens: far less than static slots (16 resident + 2 batch) at the context
+    from ds4_torch.footprint import cache_bytes
+
+    ctx = 300 + 2 * 5 * (20 + 4) + 256
+    assert 0 < on["peak_pool_bytes"] < cache_bytes(model.config, ctx, 18, model.dtype) / 4
+    assert on["sessions_held"] >= 8  # every conversation stayed resident
 
 
 @pytest.mark.parametrize("mark", ["yes", 5, None, [], {}, {"type": "nonsense", "ttl": -1}])

@@ -7,7 +7,8 @@ back as text). Every conversation also regenerates its third reply and edits its
 message (the edited one replaces it), and 2 of them drop their last assistant turn and retry.
 Run twice on a fresh server each: checkpoints on (`--checkpoint-interval`) and off (0). Printed:
 requests, prompt tokens, tokens reused (the usage's cached tokens), tokens actually prefilled,
-the reuse fraction and the wall time.
+the reuse fraction, the wall time, the KV pool's peak bytes (blocks held at once) and the sessions
+resident at the end.
 """
 from __future__ import annotations
 
@@ -88,12 +89,16 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
         wall = time.perf_counter() - start
         metrics = app.state.metrics
         branches, rewinds = metrics.value("ds4_branches_total"), metrics.value("ds4_rewinds_total")
+        engine = app.state.engine
+        peak_pool = engine.runner.pool.peak_used * engine.replica.kv.block_nbytes
+        held = sum(1 for s in engine.sessions if s.tokens)
     reqs = [r for conv in results for r in conv]
     prompt = sum(r["prompt"] for r in reqs)
     cached = sum(r["cached"] for r in reqs)
     return {"checkpoints": f"every {interval}" if interval else "off", "requests": len(reqs),
             "prompt_tokens": prompt, "reused": cached, "prefilled": prompt - cached,
-            "reuse": cached / prompt, "wall_s": wall, "branches": int(branches), "rewinds": int(rewinds)}
+            "reuse": cached / prompt, "wall_s": wall, "branches": int(branches), "rewinds": int(rewinds),
+            "peak_pool_bytes": peak_pool, "sessions_held": held}
 
 
 def run(args, model, tokenizer) -> int:
@@ -105,12 +110,13 @@ def run(args, model, tokenizer) -> int:
                                  new_tokens=args.new_tokens, interval=interval, prefill_chunk=args.prefill_chunk,
                                  memory_mb=args.checkpoint_memory_mb))
     header = (f"{'checkpoints':>11} {'requests':>8} {'prompt tok':>10} {'reused':>8} {'prefilled':>9} {'reuse':>6} "
-              f"{'wall s':>7} {'branches':>8} {'rewinds':>7}")
+              f"{'wall s':>7} {'branches':>8} {'rewinds':>7} {'peak pool MiB':>13} {'sessions held':>13}")
     print_table(
         f"agents: {CONVERSATIONS} conversations, {AT_A_TIME} at a time, a {args.system_tokens}-token system prompt, "
         f"{TURNS} turns (user ~{args.user_tokens} tokens, replies {args.new_tokens}); {machine()}", header,
         [f"{r['checkpoints']:>11} {r['requests']:>8} {r['prompt_tokens']:>10} {r['reused']:>8} {r['prefilled']:>9} "
-         f"{100 * r['reuse']:>5.1f}% {r['wall_s']:>7.1f} {r['branches']:>8} {r['rewinds']:>7}" for r in rows])
+         f"{100 * r['reuse']:>5.1f}% {r['wall_s']:>7.1f} {r['branches']:>8} {r['rewinds']:>7} "
+         f"{r['peak_pool_bytes'] / 2**20:>13.2f} {r['sessions_held']:>13}" for r in rows])
     if args.csv:
         write_csv(rows, args.csv)
     return 0

@@ -110,7 +110,7 @@ class _TransformersLayer:
         if state.indexer is not None:
             parts.append(("indexer", state.indexer, compressor.indexer))
         for name, s, module in parts:
-            layer.compressed_kv[name] = s.rows[:, :n]
+            layer.compressed_kv[name] = s.visible(n)
             layer.entry_count[name] = n
             layer.buffer_kv[name] = s.open_kv[:, :opened]
             layer.buffer_gate[name] = s.open_gate[:, :opened] - module.position_bias[:opened]  # HF adds it later

@@ -19,7 +19,9 @@
    plus one chunk.
 
 `--scenario agents` runs `ds4_torch.bench.agents` instead: the tokens agents' conversations make
-the server prefill, with cache checkpoints on and off.
+the server prefill, with cache checkpoints on and off. `--scenario pool` runs
+`ds4_torch.bench.pool`: what the paged KV pool holds for chats on one system prompt and for long
+sessions.
 """
 from __future__ import annotations
 
@@ -35,9 +37,15 @@ def add_arguments(p) -> None:
     from ..runtime import add_model_arguments, positive_int
 
     add_model_arguments(p)
-    p.add_argument("--scenario", choices=("throughput", "agents"), default="throughput",
+    p.add_argument("--scenario", choices=("throughput", "agents", "pool"), default="throughput",
                    help="throughput: streaming clients against direct decode (default); agents: conversations "
-                        "sharing a system prompt, regenerating, editing and retrying (ds4_torch.bench.agents)")
+                        "sharing a system prompt, regenerating, editing and retrying (ds4_torch.bench.agents); "
+                        "pool: the paged KV pool with chats on one system prompt and long sessions "
+                        "(ds4_torch.bench.pool)")
+    p.add_argument("--chats", type=positive_int, default=16, help="pool: chats sent at once (default 16)")
+    p.add_argument("--session-tokens", type=positive_int, default=12000,
+                   help="pool: tokens of each long session (default 12000)")
+    p.add_argument("--kv-cache-mb", type=float, default=8.0, help="pool: the server's --kv-cache-mb (default 8)")
     p.add_argument("--system-tokens", type=positive_int, default=6000,
                    help="agents: the shared system prompt's tokens (default 6000)")
     p.add_argument("--user-tokens", type=positive_int, default=100, help="agents: tokens per user message (default 100)")
@@ -250,6 +258,10 @@ def run(args) -> int:
         from . import agents
 
         return agents.run(args, model, tokenizer)
+    if args.scenario == "pool":
+        from . import pool
+
+        return pool.run(args, model, tokenizer)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
