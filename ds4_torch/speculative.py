@@ -283,6 +283,16 @@ class Speculator:
         `rows` sequences)."""
         return self.cache.max_context - max(self.positions[:rows or self.B]) - 1
 
+    def blocks_needed(self, rows: int) -> int:
+        """The most KV blocks the next step over the first `rows` rows takes from a paged cache's
+        pool (0 for a static cache, whose rows are reserved): every row its forwards run (the
+        next power of two in graph or compile mode) takes 1 + N tokens tentatively, idle and
+        padding rows too (they give them back after the step). Compare with
+        `cache.pool.num_available` before the step: a step that does not fit raises
+        PoolExhausted before it runs, changing nothing."""
+        cache = self.forwards_for(rows).cache
+        return cache.blocks_needed(1 + self.n) if hasattr(cache, "blocks_needed") else 0
+
     def _pick(self, logits: torch.Tensor, ahead: torch.Tensor, width: int) -> torch.Tensor:
         """Drafts [width] from the MTP layer's logits [width, V], for the tokens `ahead` [width]
         places past each slot's next one."""

@@ -200,6 +200,7 @@ def test_a_step_the_pool_cannot_supply_changes_nothing(model, truth):
     first, _ = spec.start_row(0, PROMPTS[2], 4)                        # 12 tokens: 2 blocks
     prefill(model, cache.slot(1), torch.arange(1, 37).view(1, -1), 8)  # 36 tokens: the other 6
     before = (cache.positions.tolist(), [list(t.blocks) for t in cache.tables], list(spec.positions))
+    assert spec.blocks_needed(1) == 1 > cache.pool.num_available == 0
     with pytest.raises(PoolExhausted):
         spec.step_batch([3])
     assert (cache.positions.tolist(), [list(t.blocks) for t in cache.tables], list(spec.positions)) == before
@@ -209,3 +210,36 @@ def test_a_step_the_pool_cannot_supply_changes_nothing(model, truth):
     while len(tokens) < NEW:
         tokens += spec.step_batch([3])[0][0]
     assert tokens[:NEW] == truth[2][0]
+
+
+@torch.no_grad()
+def test_an_idle_row_leaves_the_blocks_it_shares_as_they_are(model):
+    """A row idle in a speculative step (limit 0) over a paged cache runs the step as every row
+    does (its tokens taken tentatively, then all given back), so the partial block it shares with
+    a sequence outside the step is copied before it writes, and that sequence is left as it was;
+    the stepping row is the static cache's, bit for bit."""
+    from ds4_torch.paged import PagedDS4Cache
+
+    caches = [model.new_cache(3, 64), PagedDS4Cache(model.config, 3, 64, block_tokens=BLOCK)]
+    specs = []
+    for cache in caches:
+        sampler = BatchSampler(2, model.config.vocab_size, model.device)
+        spec = Speculator(model, cache, sampler, 2, batch=2)
+        for b, p in enumerate((3, 4)):
+            sampler.admit(b, SamplingParams())
+            spec.start_row(b, PROMPTS[p], 4)
+        cache.copy_sequence(2, 0)  # sequence 2 (outside the speculator's rows) shares row 0's blocks
+        specs.append(spec)
+    paged = caches[1]
+    held, states = list(paged.table(2).blocks), [paged.export_sequence(b) for b in (0, 2)]
+    assert held == paged.table(0).blocks and len(PROMPTS[3]) % BLOCK  # a shared partial block
+    for _ in range(3):
+        (got, got_rows), (want, want_rows) = (spec.step_batch([0, 3]) for spec in reversed(specs))
+        assert got == want and all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
+    assert paged.table(2).blocks == held and paged.table(0).num_tokens == len(PROMPTS[3])
+    assert paged.table(0).blocks[-1] != held[-1]  # (the idle row's copy)
+    for b, state in zip((0, 2), states):
+        after = paged.export_sequence(b)
+        assert all(torch.equal(after[k], state[k]) for k in state)
+    after, want = paged.export_sequence(1), caches[0].export_sequence(1)
+    assert all(torch.equal(after[k], want[k]) for k in want)
