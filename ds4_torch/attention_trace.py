@@ -46,10 +46,10 @@ def trace_attention(model, input_ids: torch.Tensor) -> list[LayerTrace]:
     calls, picks = [], []
     ops = model.ops
 
-    def record_attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale):
-        probs, _ = reference.attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
+    def record_attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, comp_slots=None):
+        probs, _ = reference.attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, comp_slots)
         calls.append((probs[0].float(), ring.shape[1], comp_sel))
-        return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
+        return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, comp_slots)
 
     def record_topk(*args):
         out = ops.indexer_topk(*args)

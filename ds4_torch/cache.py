@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CSA, HCA, SLIDING, DS4Config
+from .kernels.reference import gather_rows
 from .kv_format import ROW_PARTS, quantize_rows, row_format, row_parts, rows_from_parts
 
 
@@ -116,14 +117,23 @@ class CompressorState:
     def visible(self, n: int) -> torch.Tensor:
         """Every sequence's rows [0, n), [B, n, D] in the cache dtype (paged: gathered from the
         pool; fp8: dequantized)."""
-        parts = {name: t[:, :n] if self.slots is None else t[self.slots[:, :n]]
+        parts = {name: t[:, :n] if self.slots is None else gather_rows(t, self.slots[:, :n])
                  for name, t in self.row_parts().items()}
         return rows_from_parts(parts, self.dtype)
+
+    def kernel_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every sequence's rows [0, n) as the attention ops take them: (pool, slots [B, n]) when
+        paged, read in place by the kernels, so no step copies them; else (`visible(n)`, None).
+        FP8 rows are not read in place: the kernels take rows in the cache dtype, which `visible`
+        gives (this is the one place that decides)."""
+        if self.slots is None or self.fp8_rope_kept is not None:
+            return self.visible(n), None
+        return self.rows, self.slots[:, :n]
 
     def row_index(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of a flattened row part (`t.view(-1, width)`) of the flat indices b * (C+1) + w
         (`WindowPlan.row_index`)."""
-        return index if self.slots is None else self.slots.view(-1)[index]
+        return index if self.slots is None else self.slots.view(-1).index_select(0, index.reshape(-1)).view(index.shape)
 
     def write_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Store `rows` [N, D] (as computed, any floating dtype) at the flat indices `index` [N]

@@ -397,7 +397,8 @@ class Indexer(Compressor):
         head_weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5
         capacity = state.capacity if rows is None else rows
         topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
-        return topk(q, head_weights, state.visible(capacity), start, self.rate, self.topk)
+        rows, slots = state.kernel_rows(capacity)  # a paged cache's pool and slots: no gather
+        return topk(q, head_weights, rows, start, self.rate, self.topk, slots)
 
     def distillation_loss(self, state, x, q_residual, start, rope, attn_q, comp, scale: float):
         """KL(main attention over the visible compressed rows || softmax of the indexer's scores),
@@ -476,12 +477,13 @@ class Attention(nn.Module):
 
         # Keys: the ring (positions before `start`), this chunk's own rows, the compressed rows.
         ring = layer_cache.window
-        comp, comp_sel, rate = kv.new_zeros(B, 0, self.head_dim), None, 0
+        comp, comp_slots, comp_sel, rate = kv.new_zeros(B, 0, self.head_dim), None, None, 0
         if self.compressor is not None:
             rate = self.compressor.rate
             windows = plan.windows[rate]
             self.compressor.update(layer_cache.compressor, x, windows, ops)
-            comp = layer_cache.compressor.visible(plan.row_limits[rate])  # (the last row is scratch)
+            # (the last row is scratch); paged: the pool and each sequence's slots, read in place
+            comp, comp_slots = layer_cache.compressor.kernel_rows(plan.row_limits[rate])
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 # The top-k passes no gradient, so the indexer's inputs are detached: its own
@@ -491,9 +493,10 @@ class Attention(nn.Module):
                 comp_sel = indexer.select(layer_cache.indexer, x_i, q_residual_i, plan.start, rope, ops,
                                           plan.row_limits[rate])
                 if indexer.distillation_losses is not None and torch.is_grad_enabled():
+                    dense = comp if comp_slots is None else layer_cache.compressor.visible(plan.row_limits[rate])
                     indexer.distillation_losses.append(indexer.distillation_loss(
-                        layer_cache.indexer, x_i, q_residual_i, plan.start, rope, q, comp, self.scale))
-        out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale)
+                        layer_cache.indexer, x_i, q_residual_i, plan.start, rope, q, dense, self.scale))
+        out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale, comp_slots)
         out = rotate(out, plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
         plan.write_ring(ring, kv)
 

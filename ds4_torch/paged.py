@@ -375,7 +375,9 @@ class PagedDS4Cache(DS4Cache):
     channels) is a pool [num_blocks * bt / m + 1, width] (the last row a scratch row) and `slots`
     [B, C+1] int64 the pool row of each sequence's row w, rebuilt in place from the tables (a
     captured graph, which reads them as inputs, sees a sequence's new blocks); the model writes
-    and gathers through it (`CompressorState.write_rows` / `visible`), so its logits are
+    through it (`CompressorState.write_rows`) and hands the attention and top-k ops the pool and
+    slots (`CompressorState.kernel_rows`: the Triton kernels read the rows in place, the
+    reference gathers them; fp8 rows are gathered, dequantized, by `visible`), so its logits are
     the static cache's, bit for bit. The window ring, open windows and positions stay per
     sequence, as in `DS4Cache` (checkpoints take them as usual).
 
@@ -394,8 +396,8 @@ class PagedDS4Cache(DS4Cache):
     rejected ones back on the device, then `drop_tokens` / `name_tokens` settle the tables on the
     host (`speculative.Speculator` does all of it).
 
-    `num_blocks` defaults to a pool for `batch_size` sequences of `max_context` tokens. Not yet:
-    the Triton kernels. The MTP layers' state stays a static `DS4Cache` (`mtp`)."""
+    `num_blocks` defaults to a pool for `batch_size` sequences of `max_context` tokens. The MTP
+    layers' state stays a static `DS4Cache` (`mtp`)."""
 
     def __init__(self, config: DS4Config, batch_size: int = 1, max_context: int = 4096,
                  dtype: torch.dtype = torch.float32, device=None, kv_rows: str = "full",
@@ -471,6 +473,8 @@ class PagedDS4Cache(DS4Cache):
 
     def _copy_blocks(self, copies) -> None:
         """Copy whole blocks (source, destination) in every pool: a copy on write."""
+        if not copies:  # (most appends)
+            return
         for layer in self.layers:
             for state in layer.states:
                 per_block = self.pool.block_tokens // layer.rate

@@ -192,9 +192,11 @@ def sharded_indexer_topk(tp: TensorParallel):
     """`ds4::indexer_topk` for an indexer whose heads are split: each rank scores its own heads,
     one all-reduce sums the scores, then the same top-k on every rank, with the op's tie rule
     (the lower row index wins)."""
-    from .kernels.reference import indexer_scores, visible_rows
+    from .kernels.reference import gather_rows, indexer_scores, visible_rows
 
-    def topk(q, head_weights, rows, start, rate, k):
+    def topk(q, head_weights, rows, start, rate, k, rows_slots=None):
+        if rows_slots is not None:  # a paged pool
+            rows = gather_rows(rows, rows_slots)
         T, C = q.shape[1], rows.shape[1]
         visible = visible_rows(start, T, C, rate)
         scores = tp.all_reduce(indexer_scores(q, head_weights, rows)).masked_fill(~visible, float("-inf"))

@@ -27,14 +27,16 @@ log = logging.getLogger("ds4.serve")
 STOP_WAIT_S = 15.0   # an API process's HTTP drain (uvicorn's 5 s) and exit
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port) that other processes may bind too (SO_REUSEPORT)."""
+def reuse_port_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on (host, port) that other processes may bind too (SO_REUSEPORT);
+    not `listen`ing, it only holds the port for them (the kernel gives it no connections)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(False)
     return sock
 

@@ -12,6 +12,7 @@ from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, 
 
 from .setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
                     REPLAY_SHARE, _api_key, attach_kv_store, choose_kv_pool, load, load_api_side)  # (imported from here)
+from .wire import BACKLOG_MB
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
@@ -99,12 +100,17 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
     p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
                    help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
-                        "detokenizes and streams its own requests; not with --engine-core thread nor --tp)")
+                        "detokenizes and streams its own requests; with --tp, over rank 0's core; not with "
+                        "--engine-core thread)")
+    p.add_argument("--api-backlog-mb", type=positive_float, default=BACKLOG_MB, metavar="MB",
+                   help=f"the engine core's output an API process has not read yet, held for it at most, in MiB "
+                        f"(default {BACKLOG_MB:g}): past it that output is dropped and the process's requests are "
+                        f"cancelled (503), so an API process that stops reading never holds up the others")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="process (default): the engine (scheduler, model, sessions, disk KV store) runs in a "
                         "process of its own, so HTTP, tokenizing and detokenizing never take its CPU or GIL; "
                         "thread: on a thread of the server's process. With --tp, rank 0's process is the core "
-                        "and runs the API process as its child")
+                        "and runs the API processes as its children")
     add_tp_argument(p)
     p.add_argument("--tp-timeout", type=positive_float, default=None, metavar="S",
                    help="with --tp: seconds any collective may wait for the other ranks; a rank that dies or hangs "
@@ -123,9 +129,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
-    if args.api_servers > 1 and (args.engine_core == "thread" or args.tp > 1):  # (--tp: one API process, for now)
-        raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread "
-                        "nor --tp)")
+    if args.api_servers > 1 and args.engine_core == "thread":
+        raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread)")
     if args.tp == 1 and args.engine_core == "process":
         return serve_with_core(args)
     if args.tp == 1:
@@ -244,16 +249,17 @@ def serve_with_core(args) -> int:
 
 def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.tp),
-    and one API process (serve.api_process, its child) answers HTTP. SIGINT or SIGTERM: the API
-    process drains, then the core (the other ranks are told to stop), then this process exits
-    (by SIGTERM again, as uvicorn does); the group failing: 503s, status 1; the API process
-    dying: the core stops, status 1."""
+    and `--api-servers` API processes (serve.api_process, its children) answer HTTP, on one port
+    (SO_REUSEPORT) when there are several. SIGINT or SIGTERM: the other API processes drain, then
+    the first, which drains the core (the other ranks are told to stop), then this process exits
+    (by SIGTERM again, as uvicorn does); the group failing: 503s, status 1; the first API process
+    dying: the core stops, status 1; another dying: the others keep serving."""
     import signal
     import subprocess
     import threading
     from multiprocessing.connection import Listener
 
-    from .api_process import spawn_api_worker
+    from .api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
     from .core import CoreProcess, EngineCore, new_address
     from .engine import Engine
     from .tp import EXIT_GRACE_S, exit_soon
@@ -261,7 +267,7 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     engine = Engine.from_config(model, tokenizer, config, peers=lead)
     store = attach_kv_store(engine, args)
     address, authkey = new_address()
-    core = EngineCore(engine, Listener(address, "AF_UNIX", authkey=authkey), {})
+    core = EngineCore(engine, Listener(address, "AF_UNIX", authkey=authkey), {}, args.api_backlog_mb)
     signals: list[int] = []
     api_gone: list[int] = []
 
@@ -271,12 +277,24 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
 
     lead.on_failure = group_failed
     core.start(config, kv_budget=None if store is None else store.budget)
-    api = spawn_api_worker(args, CoreProcess(None, address, authkey), None, 1, owner=True)
+    where, port, hold = CoreProcess(None, address, authkey), None, None
+    if args.api_servers > 1:  # the port held (not listened on: this process answers no HTTP) for them all
+        hold = reuse_port_socket(args.host, args.port, listen=False)
+        port = hold.getsockname()[1]
+    api = spawn_api_worker(args, where, port, 1, owner=True)
+    others = [spawn_api_worker(args, where, port, number) for number in range(2, args.api_servers + 1)]
+    if others:
+        logging.getLogger("ds4.serve").info("%d API processes answering on http://%s:%d", args.api_servers,
+                                            args.host, port)
+
+    def stop_api() -> None:  # the others first: the first one's drain stops the core
+        stop_api_workers(others)
+        if api.poll() is None:
+            api.send_signal(signal.SIGTERM)
 
     def stop(signum, frame) -> None:
         signals.append(signum)
-        if api.poll() is None:
-            api.send_signal(signal.SIGTERM)
+        threading.Thread(target=stop_api, name="ds4-api-stop", daemon=True).start()  # (waits: not in a handler)
 
     def watch() -> None:
         api_gone.append(api.wait())
@@ -286,11 +304,14 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     signal.signal(signal.SIGTERM, stop)
     threading.Thread(target=watch, name="ds4-api-watch", daemon=True).start()
     core.serve()
+    stop_api_workers(others)  # (the first died, or the group failed)
     try:
         api.wait(SHUTDOWN_WAIT_S)
     except subprocess.TimeoutExpired:
         api.kill()
     core.listener.close()
+    if hold is not None:
+        hold.close()
     if lead.broken is not None:
         return 1
     if signal.SIGTERM in signals:  # exit by the signal, as uvicorn does after a graceful shutdown

@@ -239,6 +239,8 @@ class CoreClient:
                     if slot is not None:
                         slot[1], slot[2] = message[2], message[3]
                         slot[0].set()
+                elif kind == "dropped":
+                    self._dropped(message[1])
                 elif kind == "bye":  # the core stopped (its process may live on: rank 0 under --tp)
                     reason = "it stopped"
                     break
@@ -288,6 +290,19 @@ class CoreClient:
                                None if req.failure is None else error_fields(req.failure)))
         if ack:
             self._quietly(("ack", seq))
+
+    def _dropped(self, ids: list[str]) -> None:
+        """This process fell behind the core's output (stopped, or too slow to read it): the core
+        dropped these requests' records and cancelled them. Each fails with a 503 (an SSE error
+        event once streaming), never with the gap in its text."""
+        failed = [req for req in (self.requests.pop(rid, None) for rid in ids) if req is not None]
+        log.warning("core client: this API process fell behind the engine core's output; %d request(s) cancelled",
+                    len(failed))
+        error = APIError(503, "the server fell behind in sending this reply and cancelled it; retry",
+                         code="api_process_behind", headers={"Retry-After": str(self.retry_after_s)})
+        for req in failed:
+            self._stops_sent.discard(req.id)
+        self.output.put([End(req, "failed", error=error) for req in failed])
 
     def _quietly(self, message) -> None:
         try:

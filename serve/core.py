@@ -13,10 +13,13 @@ speculating it waits (up to `STOP_WAIT_S`) for the API process to have read the 
 Lifecycle: the core dies with the process that started it (PR_SET_PDEATHSIG: SIGKILL, like a
 `kill -9` of the server); Ctrl-C reaches the whole process group, so the core ignores SIGINT and
 drains when its parent asks ("shutdown"); SIGTERM drains too. An API process whose connection
-closes has its requests cancelled (their sessions keep what was computed).
+closes has its requests cancelled (their sessions keep what was computed). One that stops
+reading never blocks the engine: its messages wait on a sender thread of its own, and past
+`--api-backlog-mb` its output is dropped and its requests cancelled (`APIConnection`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -24,6 +27,8 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -35,11 +40,12 @@ from multiprocessing.connection import Client, Listener
 from .engine import Engine, EngineStopped, QueueFull
 from .output import End, PromptLogprobs, Started, Token
 from .protocol import APIError
-from .wire import dumps, error_fields, error_from, loads, request_from, stats
+from .wire import BACKLOG_MB, dumps, error_fields, error_from, loads, request_from, stats
 
 log = logging.getLogger("ds4.serve")
 
 PR_SET_PDEATHSIG = 1
+BYE_S = 10.0   # at shutdown, how long the API processes get to read what is left (a stopped one never does)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
@@ -52,21 +58,50 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-class APIConnection:
-    """The core's side of one API process: its requests by id, what it has acknowledged."""
+def peer_pid(conn) -> int | None:
+    """The process at the other end of a Unix socket connection (Linux: SO_PEERCRED), or None."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except (OSError, AttributeError):
+        return None
 
-    def __init__(self, conn, number: int):
+
+class APIConnection:
+    """The core's side of one API process: its requests by id, what it has acknowledged, and the
+    messages queued for it. A sender thread of its own writes them, so an API process that stops
+    reading (stopped, wedged) holds up only that thread, never the engine's: once more than
+    `EngineCore.backlog` bytes wait for it, its step messages are dropped and replaced by one
+    ("dropped", ids) naming the requests whose output was lost, which the core cancels
+    (`EngineCore.behind`)."""
+
+    def __init__(self, conn, number: int, core: "EngineCore"):
         self.conn, self.number = conn, number
+        pid = peer_pid(conn)  # the number is the order of connecting: the pid names it in the logs
+        self.name = f"API process {number}" + ("" if pid is None else f" (process {pid})")
         self.requests: dict[str, object] = {}
-        self.lock = threading.Lock()        # the engine thread and the reader thread both send
+        self.lock = threading.Lock()        # the engine thread and reader threads send: numbers and queue
+        self._wake = threading.Condition(self.lock)
         self.alive = True
         self.sent_ack = 0                   # the last step message that asked for an ack
         self.acked = 0
+        self.lagging = False                # missed an ack deadline: not waited for until it catches up
+        self.missed_acks = 0                # flushes that ended waiting for it
         self.seq = 0
+        self.core = core
+        self.warned = False                 # that it fell behind (logged once)
+        self._queue: collections.deque = collections.deque()   # (bytes, request ids of a step message | None)
+        self._queued = 0                    # bytes in `_queue` (not the one being written)
+        self._closing = False
+        self._sender = threading.Thread(target=self._send_loop, name=f"ds4-core-send{number}", daemon=True)
+        self._sender.start()
 
-    def send(self, message) -> bool:
+    def send(self, message) -> None:
+        """Queue a message that is never dropped (hello, replies, bye: small, and few)."""
         with self.lock:
-            return self._send(dumps(message))
+            cancelled = self._put(dumps(message), None)
+        if cancelled is not None:  # it passed the bound: the step messages before it were dropped
+            self.core.behind(self, cancelled)
 
     def send_step(self, records: list, ack: bool) -> None:
         """One iteration's records, numbered in the order sent (an engine thread's step and a
@@ -75,22 +110,67 @@ class APIConnection:
             self.seq += 1
             if ack:
                 self.sent_ack = self.seq
-            self._send(dumps(("step", self.seq, ack, records)))
+            cancelled = self._put(dumps(("step", self.seq, ack, records)), {rec[1] for rec in records})
+        if cancelled is not None:
+            self.core.behind(self, cancelled)
 
-    def _send(self, data: bytes) -> bool:
-        if not self.alive:
-            return False
-        try:
-            self.conn.send_bytes(data)
-            return True
-        except OSError:  # the API process is gone: its reader thread cancels its requests
+    def _put(self, data: bytes, ids: set | None):
+        """Queue `data` (the lock held); past the backlog, drop the step messages: the requests to
+        cancel (their output was dropped, or would come after a gap), else None."""
+        if not self.alive or self._closing:
+            return None
+        self._queue.append((data, ids))
+        self._queued += len(data)
+        self._wake.notify()
+        if self._queued <= self.core.backlog:
+            return None
+        dropped: set = set()
+        for _, step_ids in self._queue:
+            dropped |= step_ids or set()
+        cancelled = self.core.open_requests(self)
+        if not dropped and not cancelled:  # only replies wait: few, as the API process asked for them
+            return None
+        kept = [(d, i) for d, i in self._queue if i is None]
+        notice = dumps(("dropped", sorted(dropped | {req.id for req in cancelled})))
+        self._queue = collections.deque(kept + [(notice, None)])  # before any later record of theirs
+        self._queued = sum(len(d) for d, _ in self._queue)
+        return cancelled
+
+    def close(self, message, timeout: float) -> None:
+        """Send `message` last, after what is queued, and wait up to `timeout` s for it to go."""
+        self.send(message)
+        with self.lock:
+            self._closing = True
+            self._wake.notify()
+        self._sender.join(timeout)
+
+    def gone(self) -> None:
+        """The API process closed its connection: drop what is queued; the sender ends."""
+        with self.lock:
             self.alive = False
-            return False
+            self._queue.clear()
+            self._queued = 0
+            self._wake.notify()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self.lock:
+                self._wake.wait_for(lambda: self._queue or self._closing or not self.alive)
+                if not self.alive or not self._queue:  # gone, or closing with everything sent
+                    return
+                data, _ = self._queue.popleft()
+                self._queued -= len(data)
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the API process is gone: its reader thread cancels its requests
+                self.gone()
+                return
 
 
 class CoreOutput:
     """The engine's output part in the core process (the interface of serve.output.Output): each
-    iteration's records, one message per API process, sent from the engine thread."""
+    iteration's records, one message per API process, queued by the engine thread for that
+    process's sender thread (`APIConnection`), so the engine never waits on a socket."""
 
     def __init__(self, core: "EngineCore"):
         self.core = core
@@ -135,22 +215,34 @@ class CoreOutput:
 
     def acked(self, conn: APIConnection, seq: int) -> None:
         with self._acked:
-            conn.acked = seq
+            conn.acked = max(conn.acked, seq)  # (a dropped step's ack never comes)
+            if conn.acked >= conn.sent_ack:
+                conn.lagging = False
             self._acked.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until each API process read the step messages it was asked to acknowledge (its
-        stop strings are matched, and any stop it found has arrived), or `timeout` seconds."""
+        stop strings are matched, and any stop it found has arrived), or `timeout` seconds. One
+        that misses the deadline is not waited for again until it has caught up: a stopped API
+        process costs the engine one wait, not one per step (its speculative stops then keep the
+        tokens past them in the session, as a stop found late does)."""
+        def unacked() -> list[APIConnection]:
+            return [c for c in self.core.connections if c.alive and not c.lagging and c.acked < c.sent_ack]
+
         with self._acked:
-            return self._acked.wait_for(
-                lambda: all(c.acked >= c.sent_ack or not c.alive for c in self.core.connections), timeout)
+            done = self._acked.wait_for(lambda: not unacked(), timeout)
+            for conn in unacked():
+                conn.lagging = True
+                conn.missed_acks += 1
+            return done
 
 
 class EngineCore:
     """Serves `engine` to the API processes that connect to `listener`."""
 
-    def __init__(self, engine: Engine, listener: Listener, info: dict):
+    def __init__(self, engine: Engine, listener: Listener, info: dict, backlog_mb: float = BACKLOG_MB):
         self.engine, self.listener, self.info = engine, listener, info
+        self.backlog = int(backlog_mb * 2**20)  # bytes queued for one API process before it is dropped
         self.connections: list[APIConnection] = []
         self.origin: dict[object, APIConnection] = {}  # each running request's API process
         self.lock = threading.Lock()
@@ -174,8 +266,9 @@ class EngineCore:
         self.stopping.wait()
         log.info("engine core: stopping")
         self.engine.stop()
-        for conn in list(self.connections):
-            conn.send(("bye",))
+        deadline = time.monotonic() + BYE_S
+        for conn in list(self.connections):  # what is queued (the last ends), then bye
+            conn.close(("bye",), max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while not self.stopping.is_set():
@@ -187,7 +280,7 @@ class EngineCore:
                 log.warning("engine core: a connection was refused: %s: %s", type(e).__name__, e)
                 continue
             self._count += 1
-            conn = APIConnection(raw, self._count)
+            conn = APIConnection(raw, self._count, self)
             with self.lock:
                 self.connections.append(conn)
             conn.send(("hello", self.info))
@@ -199,6 +292,28 @@ class EngineCore:
             self.origin.pop(req, None)
             conn.requests.pop(req.id, None)
 
+    def open_requests(self, conn: APIConnection) -> list:
+        with self.lock:
+            return list(conn.requests.values())
+
+    def behind(self, conn: APIConnection, requests: list) -> None:
+        """`conn`'s backlog passed the bound and its step messages were dropped: cancel its open
+        requests (their sessions keep what was fed, as after a disconnect), so no more output
+        piles up for it; the other API processes' streams never waited."""
+        self.engine.metrics.api_behind.inc()
+        with conn.lock:  # (two threads may pass the bound at once: one warning)
+            first, conn.warned = not conn.warned, True
+        if first:
+            log.warning("engine core: %s is not reading its output (over %d bytes queued); dropping "
+                        "it and cancelling its %d request(s)", conn.name, self.backlog, len(requests))
+        else:
+            log.debug("engine core: %s fell behind again; cancelling %d request(s)", conn.name,
+                      len(requests))
+        with self.output._acked:  # the acks of dropped steps never come: not waited for
+            conn.lagging = True
+        for req in requests:
+            self.engine.cancel(req)
+
     def _read(self, conn: APIConnection) -> None:
         while True:
             try:
@@ -209,13 +324,13 @@ class EngineCore:
                 message = loads(data)
                 self._handle(conn, message)
             except Exception:  # noqa: BLE001 - one bad message is that message's problem alone
-                log.exception("engine core: a message from API process %d could not be handled", conn.number)
-        conn.alive = False
+                log.exception("engine core: a message from %s could not be handled", conn.name)
+        conn.gone()
         with self.lock:
             open_requests = list(conn.requests.values())
             self.connections.remove(conn)
         if open_requests and not self.stopping.is_set():
-            log.warning("engine core: API process %d is gone; cancelling its %d request(s)", conn.number,
+            log.warning("engine core: %s is gone; cancelling its %d request(s)", conn.name,
                         len(open_requests))
         for req in open_requests:
             self.engine.cancel(req)
@@ -251,14 +366,14 @@ class EngineCore:
         elif kind == "shutdown":
             self.stopping.set()
         else:
-            log.warning("engine core: unknown message %r from API process %d", kind, conn.number)
+            log.warning("engine core: unknown message %r from %s", kind, conn.name)
 
     def _submit(self, conn: APIConnection, items: list[bytes], continuation: bool):
         """Queue the requests of one HTTP request (all or none); None, or (kind, message)."""
         try:
             reqs = [request_from(data, self.engine.structured_outputs) for data in items]
         except Exception as e:  # noqa: BLE001 - a request that cannot be decoded fails alone
-            log.exception("engine core: a request from API process %d could not be decoded", conn.number)
+            log.exception("engine core: a request from %s could not be decoded", conn.name)
             return ("error", error_fields(APIError(500, f"the engine core could not decode this request "
                                                         f"({type(e).__name__}: {e})", code="internal_error")))
         with self.lock:
@@ -290,21 +405,23 @@ class EngineCore:
 
 
 @contextlib.contextmanager
-def threaded_core(engine: Engine, tokenizer, config=None):
+def threaded_core(engine: Engine, tokenizer, config=None, backlog_mb: float = BACKLOG_MB):
     """`engine` served by an `EngineCore` on threads of this process, over a real Unix socket:
     yields a connected `serve.client.CoreClient` (tests: the wire path without a second process;
-    `engine` is still at hand to inspect)."""
+    `engine` is still at hand to inspect, the `EngineCore` as `client.core`, and where another
+    connection reaches it as `client.core_address`)."""
     from .client import CoreClient
 
     address, authkey = new_address()
     directory = os.path.dirname(address)
     listener = Listener(address, "AF_UNIX", authkey=authkey)
-    core = EngineCore(engine, listener, {})
+    core = EngineCore(engine, listener, {}, backlog_mb)
     core.start(config)
     thread = threading.Thread(target=core.serve, name="ds4-core", daemon=True)
     thread.start()
     conn = Client(address, "AF_UNIX", authkey=authkey)
     client = CoreClient(conn, loads(conn.recv_bytes())[1], tokenizer)
+    client.core, client.core_address = core, (address, authkey)
     try:
         yield client
     finally:
@@ -381,7 +498,7 @@ def main() -> int:
     except UserError as e:
         _refuse(listener, str(e))
         return 2
-    core = EngineCore(engine, listener, {})
+    core = EngineCore(engine, listener, {}, args.api_backlog_mb)
     core.start(config, kv_budget=None if store is None else store.budget)
     signal.signal(signal.SIGTERM, lambda *_: core.stopping.set())
     core.serve()

@@ -32,6 +32,9 @@ class Metrics:
             "decode); work stops at the next chunk or token boundary", registry=r)
         self.aborted = Counter("ds4_requests_aborted", "Abandoned requests by the stage they were in",
                                ["stage"], registry=r)
+        self.api_behind = Counter("ds4_api_process_behind", "Times an API process left more than "
+                                  "--api-backlog-mb of the engine core's output unread: that output dropped, its "
+                                  "requests cancelled", registry=r)
         self.device_errors = Counter("ds4_device_errors",
                                      "Device errors / out-of-memory caught in prefill or decode", registry=r)
         self.engine_resets = Counter("ds4_engine_resets", "Engine resets (cache cleared, graphs dropped)",

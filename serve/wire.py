@@ -20,6 +20,8 @@ core -> API process:
   ("hello", info)                                    once, when the engine is built
   ("step", seq, ack, [record])                       one per engine iteration; `ack`: answer it
   ("reply", call, value, error | None)
+  ("dropped", [id])                                  these requests' output was dropped (the API process
+                                                     left too much unread) and the core cancelled them
 Records: ("t", id, token, end, logprob, top, sampled_at), ("e", id, outcome, reason, error, stage,
 stats), ("p", id, [(token, logprob, top)]), ("s", id, cached_tokens, t_start). `perf_counter`
 times are comparable across processes (CLOCK_MONOTONIC on Linux).
@@ -33,6 +35,8 @@ import pickle
 
 from .protocol import APIError
 from .sequence import GenRequest
+
+BACKLOG_MB = 16.0   # --api-backlog-mb: the core's output queued for an API process not reading it, at most
 
 # The counters of a request the engine writes and the client reads (the log line, usage).
 STATS = ("cached_tokens", "prefilled_tokens", "prefill_chunks", "attempts", "draft_tokens", "accepted_drafts",

@@ -102,14 +102,35 @@ def serve_process(*args: str, env_extra: dict | None = None, timeout: float = 90
         proc.drain = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
         proc.drain.start()
         proc.url = f"http://127.0.0.1:{port}"
-        while httpx.get(proc.url + "/health").status_code != 200:  # 503 "warming up" first
-            assert time.monotonic() < deadline, "".join(proc.lines)
-            time.sleep(0.1)
+        wait_healthy(proc.url, deadline, lambda: "".join(proc.lines))
         yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+
+
+def wait_healthy(url: str, deadline: float, output=lambda: "") -> None:
+    """Until `url`/health answers 200 (not listening yet, then 503 "warming up" first), or fail
+    with `output()` at `deadline` (time.monotonic())."""
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline, output()
+        time.sleep(0.1)
+
+
+def gone(pid: int) -> bool:
+    """Process `pid` has exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"
 
 
 def interrupt(proc) -> str:

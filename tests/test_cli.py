@@ -228,6 +228,24 @@ def test_bench_model(capsys, tmp_path):
     assert "tokens identical to plain: 6/6" in out and f"{drafted} drafted, {accepted} accepted" in out
 
 
+def test_bench_decode_paged_beside_static(capsys, tmp_path, monkeypatch):
+    """`bench decode --cache static paged`: both caches decode the same batch in one run, the
+    paged cache's logits the static cache's (max |diff| 0)."""
+    from ds4_torch.bench import decode
+
+    monkeypatch.setattr(decode, "_ops_per_step", lambda model, cache: 0)  # a trace: most of the run's time
+    table = tmp_path / "decode.csv"
+    rc, out, _ = run_cli(capsys, "bench", "decode", "--cache", "static", "paged", "--batch", "3", "--models",
+                         "default", "--modes", "eager", "--steps", "3", "--prompt-len", "12",
+                         "--threads", "1", "--csv", str(table))
+    assert rc == 0
+    rows = list(csv.DictReader(table.open()))
+    assert [(r["cache"], r["mode"], r["batch"]) for r in rows] == [("static", "eager", "3"), ("paged", "eager", "3")]
+    assert all(float(r["max_diff_vs_eager"]) == 0.0 and float(r["ms_per_step"]) > 0 for r in rows)
+    assert float(rows[1]["append_ms"]) >= 0 and rows[0]["append_ms"] == ""
+    assert "a 3-row eager step over the paged cache takes" in out
+
+
 def test_bench_unknown_target(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "warp-drive"])

@@ -16,25 +16,31 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
+import types
+from multiprocessing.connection import Client
 
 import httpx
 import pytest
 
 from ds4_torch.default_model import default_tokenizer
 from ds4_torch.generation import generate
-from helpers import serve_process, wait_for
+from ds4_torch.sampling import SamplingParams
+from helpers import ROOT, gone, serve_process, wait_for, wait_healthy
 from serve.app import ServerConfig, create_app
 from serve.background import BackgroundServer
 from serve.core import threaded_core
 from serve.engine import Engine
+from serve.sequence import GenRequest
+from serve.wire import BACKLOG_MB, dumps, loads, request_bytes
 
 MODEL = "ds4-default"
 TIMEOUT = 120
 
 
 @contextlib.contextmanager
-def server(model, core: bool, **settings):
+def server(model, core: bool, backlog_mb: float = BACKLOG_MB, **settings):
     """A server on `model`, its engine in this process (`core` False) or behind a core client;
     `srv.engine` is the engine either way."""
     config = ServerConfig(**{"ctx": 512, "prefill_chunk": 32, **settings})
@@ -46,7 +52,7 @@ def server(model, core: bool, **settings):
             yield srv
         return
     engine = Engine.from_config(model, tok, config)
-    with threaded_core(engine, tok, config) as client:
+    with threaded_core(engine, tok, config, backlog_mb) as client:
         with BackgroundServer(create_app(model, tok, config, engine=client)) as srv:
             srv.engine, srv.core_metrics = engine, engine.metrics
             yield srv
@@ -173,20 +179,109 @@ def test_metrics_hold_both_processes(model):
     assert text.count("# TYPE ds4_generated_tokens_total counter") == 1
 
 
+def stream_text(url: str, body: dict, on_text=lambda: None) -> tuple[str, list]:
+    """A streamed completion's text, and its error events (none when it ended normally);
+    `on_text()` once its first text arrives."""
+    text, errors = "", []
+    with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "stream": True, **body},
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"])
+                else:
+                    text, before = text + "".join(c["text"] for c in event["choices"]), text
+                    if text and not before:
+                        on_text()
+    return text, errors
+
+
+def test_an_ack_that_does_not_come_is_waited_for_once():
+    """Speculating, the engine waits (up to a deadline) for each API process to acknowledge the
+    step messages its stop strings need. A process that misses the deadline is not waited for
+    again, at every later step, until it has acknowledged everything asked of it."""
+    from serve.core import CoreOutput
+
+    late, prompt = (types.SimpleNamespace(alive=True, lagging=False, missed_acks=0, acked=acked, sent_ack=3)
+                    for acked in (0, 3))
+    core = types.SimpleNamespace(engine=types.SimpleNamespace(speculative_tokens=1), connections=[late, prompt])
+    output = CoreOutput(core)
+    assert not output.flush(0.01)  # the deadline passed waiting for `late`
+    assert output.flush(0.01) and output.flush(5)  # not waited for again: True at once
+    assert (late.lagging, late.missed_acks) == (True, 1)
+    output.acked(late, 2)
+    assert late.lagging  # still behind the last ack asked of it
+    output.acked(late, 3)
+    late.sent_ack = 4  # caught up, it is waited for again
+    assert not late.lagging and not output.flush(0.01) and late.missed_acks == 2
+
+
+def connection_threads_ended(core, conn) -> bool:
+    """`conn` is off the core's list and its reader and sender threads have ended."""
+    return conn not in core.connections and not any(
+        t.name.endswith((f"-send{conn.number}", f"-api{conn.number}")) for t in threading.enumerate())
+
+
+def test_a_connection_that_stops_reading_never_holds_up_the_core(model):
+    """Two more API connections submit long greedy requests (20 logprobs a token: big step
+    messages fill a socket sooner) and never read. The HTTP client's stream beside them answers
+    the plain greedy text: the core never blocked on a full socket, and once a connection had
+    more than the bound queued it dropped its output and cancelled its requests (their sessions
+    keep what was fed). One, closed unread (its sender blocked mid-write), leaves no
+    thread; the other, read at last, finds tokens up to a point, then ("dropped", ids), then the
+    cancelled ends, and closed leaves no thread either."""
+    tok = default_tokenizer()
+    ids = tok.encode("KING HENRY:\n")
+    with server(model, True, backlog_mb=4 / 1024, ctx=1024) as srv:
+        engine, core = srv.engine, srv.app.state.engine.core
+        address, authkey = srv.app.state.engine.core_address
+
+        def unread(n: int):
+            raw = Client(address, "AF_UNIX", authkey=authkey)
+            reqs = [GenRequest(prompt_ids=ids, max_tokens=900, sampling=SamplingParams(temperature=0), logprobs=20,
+                               ignore_eos=True) for _ in range(n)]
+            raw.send_bytes(dumps(("submit", 1, [request_bytes(r) for r in reqs], False)))
+            wait_for(lambda: all(r.id in core.connections[-1].requests for r in reqs), 30, "the requests to arrive")
+            return raw, core.connections[-1], reqs
+
+        raw, conn, stuck = unread(4)
+        closed, closed_conn, _ = unread(2)
+        prompt = tok.encode("ROMEO:\n")
+        text, errors = stream_text(srv.url, dict(prompt=prompt, max_tokens=160, temperature=0, ignore_eos=True))
+        assert (text, errors) == (tok.decode(list(generate(model, prompt, 160))), [])
+        wait_for(lambda: engine.idle(), 30, "the unread requests to be cancelled")
+        assert engine.metrics.value("ds4_api_process_behind_total") == 2
+        assert engine.metrics.value("ds4_requests_aborted_total", stage="decode") == 6
+        closed.close()
+        wait_for(lambda: connection_threads_ended(core, closed_conn), 10, "the closed connection's threads to end")
+
+        messages = [loads(raw.recv_bytes())]
+        ends = set()
+        while len(ends) < 4:
+            messages.append(loads(raw.recv_bytes()))
+            if messages[-1][0] == "step":
+                ends |= {r[1] for r in messages[-1][3] if r[0] == "e" and r[2] == "cancelled" and r[5] == "decode"}
+        kinds = [m[0] for m in messages]
+        assert kinds[0] == "hello" and ("reply", 1, None, None) in messages and kinds.count("dropped") == 1
+        notice = kinds.index("dropped")
+        assert messages[notice] == ("dropped", sorted(r.id for r in stuck)) and ends == set(messages[notice][1])
+        received = [r[2] for m in messages[:notice] if m[0] == "step" for r in m[3] if r[:2] == ("t", stuck[0].id)]
+        fed = max((t for t in engine.resident_tokens() if t[:len(ids)] == ids), key=len)[len(ids):]
+        assert 0 < len(received) < len(fed)  # the engine went on past what was read, and kept it
+        assert fed == list(generate(model, ids, len(fed))) and received == fed[:len(received)]
+        raw.close()
+        wait_for(lambda: connection_threads_ended(core, conn), 10, "the connection's threads to end")
+        assert stream_text(srv.url, dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True))[0] == \
+            tok.decode(list(generate(model, prompt, 8)))
+
+
 # --------------------------------------------------------------------------- real processes, killed
 def core_pid(proc) -> int:
     m = re.search(r"engine core: process (\d+)", "".join(proc.lines))
     assert m, "".join(proc.lines)
     return int(m.group(1))
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent is gone too
-        return f.read().split(")")[-1].split()[0] == "Z"
 
 
 def test_the_core_dying_ends_every_request_with_503_and_the_server():
@@ -269,7 +364,7 @@ def test_an_api_process_dying_leaves_the_others_serving():
         broken = outcomes.count("broken")
         assert 1 <= broken <= 9, outcomes  # 2 / 2**10 that the kernel put all ten on one process
         assert all(o in ("broken", 60) for o in outcomes), outcomes
-        wait_for(lambda: f"API process 2 is gone; cancelling its {broken} request(s)" in "".join(proc.lines), 10,
+        wait_for(lambda: f"(process {pid}) is gone; cancelling its {broken} request(s)" in "".join(proc.lines), 10,
                  "the core to cancel the dead process's requests")
         for _ in range(4):
             assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
@@ -278,6 +373,90 @@ def test_an_api_process_dying_leaves_the_others_serving():
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, "".join(proc.lines)
         wait_for(lambda: gone(core) and gone(pid), 10, "no process left")
+
+
+@contextlib.contextmanager
+def api_processes_on_ports_of_their_own(*flags: str, count: int = 2, timeout: float = 120.0):
+    """An engine core process and `count` API processes over it, started as `serve --api-servers
+    N` starts them but each on a port of its own, so a test chooses which one serves a request.
+    Yields the core (a serve.core.CoreProcess) and [(Popen, url)] (the first the owner); at exit
+    SIGTERM to the others, then to the owner (which drains the core), then the core is waited
+    for. Their output goes to this process's (capfd reads it)."""
+    from serve.api_process import spawn_api_worker, stop_api_workers
+    from serve.cli import build_parser
+    from serve.core import spawn_core
+
+    args = build_parser().parse_args(["--port", "0", *flags])
+    holds = []  # the ports, bound (not listening) until the API processes listen on them too
+    for _ in range(count):
+        holds.append(socket.socket())
+        holds[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holds[-1].bind(("127.0.0.1", 0))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.delenv("DS4_TORCH_FAULT", raising=False)
+        core = spawn_core(args)
+        api = [(spawn_api_worker(args, core, hold.getsockname()[1], number, owner=number == 1),
+                f"http://127.0.0.1:{hold.getsockname()[1]}") for number, hold in enumerate(holds, 1)]
+    try:
+        deadline = time.monotonic() + timeout
+        for proc, url in api:
+            wait_healthy(url, deadline)
+        for hold in holds:
+            hold.close()
+        yield core, api
+    finally:
+        for hold in holds:
+            hold.close()
+        for proc, _ in api[1:] + api[:1]:
+            stop_api_workers([proc])
+        core.wait(60)
+
+
+def test_a_stopped_api_process_never_holds_up_the_others(model, tok, capfd):
+    """Real processes: a core and two API processes, A and B. B streams two long replies (20
+    logprobs a token: big step messages) and is SIGSTOPped; A's stream then answers the plain
+    greedy text while B reads nothing: the core drops B's output past the bound and cancels B's
+    requests (its metrics, its log). SIGCONT: B's streams end with a 503-coded error event, and
+    B answers new requests correctly. Every process exits at the end."""
+    backlog = str(4 / 1024)
+    with api_processes_on_ports_of_their_own("--ctx", "1024", "--prefill-chunk", "32", "--api-backlog-mb",
+                                             backlog) as (core, api):
+        (a, a_url), (b, b_url) = api
+        pool = concurrent.futures.ThreadPoolExecutor(2)  # B's streams
+        started = threading.Semaphore(0)
+
+        def long_stream(i):
+            return stream_text(b_url, dict(prompt=f"Stream {i}:\n", max_tokens=900, temperature=0, ignore_eos=True,
+                                           logprobs=20), started.release)
+
+        streams = [pool.submit(long_stream, i) for i in range(2)]
+        for _ in streams:
+            assert started.acquire(timeout=60)
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            prompt = tok.encode("ROMEO:\n")
+            assert stream_text(a_url, dict(prompt=prompt, max_tokens=160, temperature=0, ignore_eos=True)) == \
+                (tok.decode(list(generate(model, prompt, 160))), [])
+            wait_for(lambda: re.search(r'^ds4_requests_aborted_total\{stage="decode"\} 2\.0$',
+                                       httpx.get(a_url + "/metrics").text, re.M), 30, "B's requests to be cancelled")
+            metrics = httpx.get(a_url + "/metrics").text  # A's, merged with the core's
+            assert re.search(r"^ds4_api_process_behind_total 1\.0$", metrics, re.M), metrics
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        for stream in streams:
+            text, errors = stream.result(timeout=60)
+            assert text and [e["code"] for e in errors] == ["api_process_behind"], (text, errors)
+        for url in (a_url, b_url):
+            assert stream_text(url, dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)) == \
+                (tok.decode(list(generate(model, prompt, 8))), [])
+        pids = [core.proc.pid, a.pid, b.pid]
+    log = capfd.readouterr().err
+    assert len(re.findall(rf"engine core: API process \d \(process {b.pid}\) is not reading its output", log)) == 1, log
+    assert "this API process fell behind the engine core's output; 2 request(s) cancelled" in log, log
+    assert (a.returncode in (0, -signal.SIGTERM), b.returncode in (0, -signal.SIGTERM), core.proc.returncode) == \
+        (True, True, 0), log  # each drained (uvicorn re-raises SIGTERM), none killed
+    wait_for(lambda: all(gone(pid) for pid in pids), 10, "no process left")
 
 
 def test_a_message_that_cannot_be_decoded_fails_its_request_alone(model, monkeypatch):

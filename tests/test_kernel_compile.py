@@ -1,6 +1,8 @@
 """Every Triton kernel compiles for sm_80 and sm_90 at V4-Flash sizes (no GPU needed) within the
 hardware's limits (registers per thread and per block, no spills, shared memory per block); the
 resource report is written as CSV to the path given to the child (a temporary directory here).
+The attention and indexer kernels compile over a static cache's rows and over a paged cache's
+pool (PAGED) alike.
 
 How: the launchers in `triton_kernels` are run on meta tensors at V4-Flash sizes with each kernel
 swapped for a recorder, so the compile sees exactly the arguments, block sizes and warps a real
@@ -115,6 +117,25 @@ def v4_flash_launches():
     wide_comp = torch.empty_strided((1, c_csa, D), (c_csa << 20, 1 << 20, 1), dtype=torch.bfloat16, device="meta")
     tk.attention(meta(1, 512, H, D), meta(1, W, D), meta(1, 512, D), start, wide_comp,
                  meta(1, 512, K, dtype=torch.int64), 4, sinks, D ** -0.5)
+    # Paged caches: the compressed rows in one pool of 256-token blocks [P, D] (P = rows of every
+    # block + a scratch row), each sequence's row w at pool row comp_slots[b, w]. 64 sessions of 64K
+    # tokens: 2^20 CSA rows, offsets within int32; a 4x larger pool passes 2^31: the int64 variant.
+    batch = 16
+    for case, T, pool_rows, C, sel, rate, dtype in (
+        ("csa_decode_bf16_paged", 1, 64 * c_csa + 1, c_csa, True, 4, torch.bfloat16),
+        ("hca_decode_bf16_paged", 1, 64 * c_hca + 1, c_hca, False, 128, torch.bfloat16),
+        ("hca_decode_fp32_paged", 1, 64 * c_hca + 1, c_hca, False, 128, torch.float32),
+        ("csa_prefill_bf16_paged_wide_pool", 512, 256 * c_csa + 1, c_csa, True, 4, torch.bfloat16),
+    ):
+        B = 1 if T > 1 else batch
+        slots = meta(B, C + 1, dtype=torch.int64)[:, :C]  # the model passes the first C columns
+        comp_sel = meta(B, T, K, dtype=torch.int64) if sel else None
+        tk.attention(meta(B, T, H, D, dtype=dtype), meta(B, W, D, dtype=dtype), meta(B, T, D, dtype=dtype),
+                     meta(B, dtype=torch.int64), meta(pool_rows, D, dtype=dtype), comp_sel, rate, sinks, D ** -0.5,
+                     slots)
+    case = "indexer_decode_bf16_paged"
+    tk.indexer_keys(meta(batch, 1, HI, DI), meta(batch, 1, HI, dtype=torch.float32), meta(64 * c_csa + 1, DI),
+                    meta(batch, dtype=torch.int64), 4, meta(batch, c_csa + 1, dtype=torch.int64)[:, :c_csa])
     for case, S, width in (("csa_compressor_bf16", 8, D), ("hca_compressor_bf16", 128, D),
                            ("indexer_compressor_bf16", 8, DI)):
         tk.compress_rows(meta(1, 1, S, width), meta(1, 1, S, width), meta(width), 1e-6,

@@ -249,6 +249,95 @@ def test_indexer_rows_past_int32_offsets(wide):
     assert tk.indexer_topk(*args).tolist() == want.tolist()
 
 
+# --------------------------------------------------------------------------- paged rows
+def paged_rows(tables, per_block, C, D, seed, dtype=torch.float32):
+    """A pool and slots [B, C+1] as `PagedDS4Cache` lays them out for block tables `tables` (each
+    sequence's pool blocks, in order): row w of sequence b at pool row tables[b][w // per_block] *
+    per_block + w % per_block; every row past a sequence's blocks (and column C) at the scratch
+    row, the pool's last, which holds 1e3: read for a visible row, it would swamp the result. One
+    block is held by no table (stale rows)."""
+    blocks = max(max(t) for t in tables) + 2
+    pool = randn(blocks * per_block + 1, D, seed=seed, dtype=dtype)
+    scratch = pool.shape[0] - 1
+    pool[scratch] = 1e3
+    slots = torch.full((len(tables), C + 1), scratch, dtype=torch.int64)
+    for b, table in enumerate(tables):
+        for w in range(min(C, len(table) * per_block)):
+            slots[b, w] = table[w // per_block] * per_block + w % per_block
+    return pool, slots
+
+
+# Three sequences, 3 rows a block (rows cross block boundaries), blocks in no particular order;
+# sequences 0 and 1 share their first block (a shared prefix); 1 and 2 hold fewer rows than the
+# capacity C = 10, so their last slots point at the scratch row; starts keep every visible row
+# inside a sequence's blocks, as a cache does.
+PAGED_TABLES, PAGED_PER_BLOCK = [[4, 0, 2, 6], [4, 1], [3]], 3
+# (name, T, starts, K or None for HCA)
+PAGED_CASES = [
+    ("decode_hca", 1, [19, 11, 5], None),
+    ("decode_csa", 1, [19, 11, 5], 4),
+    ("prefill_hca", 3, [15, 8, 2], None),
+    ("prefill_csa", 3, [15, 8, 2], 4),
+]
+
+
+def paged_attention_inputs(T, starts, K, dtype, seed=0):
+    B, H, D, W, C, rate = len(PAGED_TABLES), 2, 16, 4, 10, 2
+    q, ring, chunk, start, _, sel, rate, sinks, scale = attention_inputs(B, T, H, D, W, C, rate, starts, K, dtype,
+                                                                        seed)
+    pool, slots = paged_rows(PAGED_TABLES, PAGED_PER_BLOCK, C, D, seed + 7, dtype)
+    assert ((start + T) // rate <= torch.tensor([len(t) * PAGED_PER_BLOCK for t in PAGED_TABLES])).all()
+    # the slots as the model passes them: the first C columns of the cache's [B, C+1] (a strided view)
+    return (q, ring, chunk, start, pool, sel, rate, sinks, scale), slots[:, :C]
+
+
+@pytest.mark.parametrize("case,dtype", [(c, torch.float32) for c in PAGED_CASES] + [(PAGED_CASES[3], torch.bfloat16)],
+                         ids=lambda x: x[0] if isinstance(x, tuple) else str(x))
+def test_attention_reads_paged_rows_in_place(case, dtype):
+    """The pool read through the slots gives what the same rows gathered into dense rows give:
+    the reference bit for bit, the Triton kernel within tolerance of the fp32 reference and bit
+    for bit its own dense answer (the same keys in the same order)."""
+    _, T, starts, K = case
+    (q, ring, chunk, start, pool, sel, rate, sinks, scale), slots = paged_attention_inputs(T, starts, K, dtype)
+    dense = reference.gather_rows(pool, slots)
+    dense_args = (q, ring, chunk, start, dense, sel, rate, sinks, scale)
+    want = reference.attention(*dense_args)
+    assert torch.equal(reference.attention(*dense_args[:4], pool, *dense_args[5:], slots), want)
+    got = tk.attention(*dense_args[:4], pool, *dense_args[5:], slots)
+    assert_close(got, reference.attention(*upcast(dense_args)), dtype)
+    assert torch.equal(got, tk.attention(*dense_args))
+
+
+@pytest.mark.parametrize("T,starts", [(1, [19, 11, 5]), (3, [15, 8, 2])], ids=["decode", "prefill"])
+def test_indexer_topk_reads_paged_rows_in_place(T, starts):
+    """The CSA indexer's top-k over a paged pool picks what it picks over the gathered rows."""
+    B, C, dI, rate, k = len(PAGED_TABLES), 10, 16, 2, 4
+    q, weights, _, start, _, _ = indexer_inputs(B, T, 8, dI, C, rate, starts, k, torch.float32)
+    pool, slots = paged_rows(PAGED_TABLES, PAGED_PER_BLOCK, C, dI, seed=9)
+    slots = slots[:, :C]
+    want = reference.indexer_topk(q, weights, reference.gather_rows(pool, slots), start, rate, k)
+    assert (want[:, -1, 0] >= 0).all()  # every sequence sees rows
+    assert torch.equal(reference.indexer_topk(q, weights, pool, start, rate, k, slots), want)
+    assert tk.indexer_topk(q, weights, pool, start, rate, k, slots).tolist() == want.tolist()
+
+
+def test_paged_pool_rows_past_int32_offsets():
+    """Pool rows at offsets past 2^31 elements (a pool of more than 2^31 / D rows): the
+    attention (HCA and CSA) and the indexer read them through the int64 variant."""
+    (q, ring, chunk, start, _, sel, rate, sinks, scale) = attention_inputs(1, 2, 2, 16, 3, 3, 1, [4], 2,
+                                                                           torch.float32)
+    pool, slots = paged_rows([[1, 0]], 2, 3, 16, seed=3)  # rows 0, 1 in pool rows 2, 3; row 2 in 0
+    slots = slots[:, :3]
+    dense = reference.gather_rows(pool, slots)
+    wide = spread(pool, 0)
+    for s in (None, sel):
+        want = reference.attention(q, ring, chunk, start, dense, s, rate, sinks, scale)
+        assert_close(tk.attention(q, ring, chunk, start, wide, s, rate, sinks, scale, slots), want, torch.float32)
+    qi, weights, _, start, rate, k = indexer_inputs(1, 3, 8, 16, 3, 1, [2], 3, torch.float32)
+    want = reference.indexer_topk(qi, weights, dense, start, rate, k)
+    assert tk.indexer_topk(qi, weights, wide, start, rate, k, slots).tolist() == want.tolist()
+
+
 # --------------------------------------------------------------------------- custom ops
 def small_opcheck_inputs():
     attn_hca = attention_inputs(1, 2, 2, 16, 4, 6, 2, [5], None, torch.float32)
@@ -266,6 +355,42 @@ def test_custom_ops_pass_opcheck(name, backend):
     op = getattr(torch.ops.ds4, name).default
     for args in small_opcheck_inputs()[name]:
         torch.library.opcheck(op, (*args, backend))
+
+
+def paged_opcheck_inputs():
+    """(op name, args, kwargs) of the ops over a paged pool: CSA attention, HCA attention, top-k."""
+    args, slots = paged_attention_inputs(1, [19, 11, 5], 4, torch.float32)
+    hca = (*args[:5], None, *args[6:])
+    q, weights, _, start, rate, k = indexer_inputs(3, 1, 8, 16, 10, 2, [19, 11, 5], 4, torch.float32)
+    pool, rows_slots = paged_rows(PAGED_TABLES, PAGED_PER_BLOCK, 10, 16, seed=9)
+    return [("attention", args, {"comp_slots": slots}), ("attention", hca, {"comp_slots": slots}),
+            ("indexer_topk", (q, weights, pool, start, rate, k), {"rows_slots": rows_slots[:, :10]})]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_paged_ops_pass_opcheck(backend):
+    for name, args, kwargs in paged_opcheck_inputs():
+        torch.library.opcheck(getattr(torch.ops.ds4, name).default, (*args, backend), kwargs)
+
+
+def test_paged_ops_compile_fullgraph():
+    """torch.compile(fullgraph=True) of the top-k then the attention over a paged pool (the
+    fakes give the shapes: C from the slots, not the pool): one graph, the eager answer."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    (_, args, kwargs), _, (_, topk_args, topk_kwargs) = paged_opcheck_inputs()
+    ops = attention_ops("triton")
+
+    def step(attn_args, comp_slots, topk_args, rows_slots):
+        sel = ops.indexer_topk(*topk_args, rows_slots=rows_slots)
+        return ops.attention(*attn_args[:5], sel, *attn_args[6:], comp_slots=comp_slots)
+
+    inputs = (args, kwargs["comp_slots"], topk_args, topk_kwargs["rows_slots"])
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*inputs), step(*inputs))
+    assert not counters["graph_break"]
 
 
 def test_one_op_per_function_with_a_cuda_kernel():

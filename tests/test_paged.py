@@ -326,11 +326,15 @@ def test_bad_arguments_are_refused():
 
 
 # --------------------------------------------------------------------------- the paged cache
+import dataclasses  # noqa: E402
+
 import torch  # noqa: E402
 
 from ds4_torch import DS4ForCausalLM  # noqa: E402
 from ds4_torch.cache import DS4Cache  # noqa: E402
 from ds4_torch.config import DS4Config  # noqa: E402
+from ds4_torch.kernels import attention_ops  # noqa: E402
+from ds4_torch.kv_format import row_format  # noqa: E402
 from ds4_torch.paged import PagedDS4Cache  # noqa: E402
 
 SMALL = dict(
@@ -367,21 +371,56 @@ def assert_slots_follow_tables(cache):
 
 class Pair:
     """The same operations on a static and a paged cache; every forward's logits compared bit
-    for bit."""
+    for bit. Every attention and top-k call of the paged forwards must read the pool in place
+    (get the slots), except over fp8 rows, which are gathered. `kernels="triton"`: the paged
+    forwards' attention and top-k run the Triton kernels (the interpreter; the rest of the model
+    stays on the reference: it is not what is tested here, and slow there), and their logits match
+    the static cache's (the reference) within `atol` instead."""
 
-    def __init__(self, model, batch, context, kv_rows="full", **paged):
-        self.model = model
+    def __init__(self, model, batch, context, kv_rows="full", kernels=None, atol=0.0, **paged):
+        self.model, self.atol = model, atol
+        self.ops = model.ops
+        if kernels == "triton":
+            triton = attention_ops("triton")
+            self.ops = dataclasses.replace(model.ops, attention=triton.attention, indexer_topk=triton.indexer_topk)
         self.static = DS4Cache(model.config, batch, context, kv_rows=kv_rows)
         self.paged = PagedDS4Cache(model.config, batch, context, kv_rows=kv_rows, **paged)
+        self.in_place = not row_format(kv_rows).fp8
         self.forwards = 0
+
+    def _paged_forward(self, ids):
+        """The paged forward, checking what its ops were given."""
+        ops, calls = self.ops, []
+
+        def attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, comp_slots=None):
+            if rate:  # (sliding layers have no rows)
+                calls.append(comp_slots is not None)
+            return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, comp_slots)
+
+        def indexer_topk(q, head_weights, rows, start, rate, k, rows_slots=None):
+            calls.append(rows_slots is not None)
+            return ops.indexer_topk(q, head_weights, rows, start, rate, k, rows_slots)
+
+        own = self.model.ops
+        self.model.ops = dataclasses.replace(ops, attention=attention, indexer_topk=indexer_topk)
+        try:
+            got = self.model(ids, self.paged)
+        finally:
+            self.model.ops = own
+        assert calls and calls == [self.in_place] * len(calls), calls
+        return got
 
     def forward(self, ids):
         ids = torch.as_tensor(ids)
         with torch.inference_mode():
             want = self.model(ids, self.static)
             self.paged.append_tokens(ids)
-            got = self.model(ids, self.paged)
-        assert torch.equal(got, want), f"forward {self.forwards}: max diff {(got - want).abs().max()}"
+            got = self._paged_forward(ids)
+        if self.atol:
+            err = (got - want).abs().max().item()
+            assert err <= self.atol, f"forward {self.forwards}: {err} from the reference"
+        else:
+            assert torch.equal(got, want), f"forward {self.forwards}: max diff {(got - want).abs().max()}"
         assert_slots_follow_tables(self.paged)
         self.forwards += 1
 
@@ -469,6 +508,27 @@ def test_two_sequences_share_a_prefix_and_stay_exact(small_model, kv_rows):
     for b in range(2):  # a paged sequence exports the static one's state: names, order, values
         want, got = pair.static.export_sequence(b), paged.export_sequence(b)
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_triton_kernels_read_the_pool_in_place(small_model):
+    """The Triton kernels (interpreter) reading a paged cache's pool give the reference's logits
+    over the static cache within the kernels' tolerance (as
+    test_kernels.test_model_triton_backend_equals_torch; test_kernels checks the kernels give
+    bit for bit their dense answer), through prefill chunks and decode steps
+    across block and emit boundaries, two sequences sharing blocks (a fork), then diverging into
+    tables of their own."""
+    m, bt = small_model, 8
+    g = torch.Generator().manual_seed(3)
+    pair = Pair(m, 2, 64, kernels="triton", atol=1e-4, block_tokens=bt, num_blocks=20)
+    ids = torch.randint(2, m.config.vocab_size, (2, 34), generator=g)
+    pair.run(ids[:, :21], chunk=7)
+    pair.static.copy_sequence(1, 0)
+    pair.paged.fork(1, 0)  # both sequences now read the same blocks (2 full, one partial)
+    for t in range(21, 34):  # through emits of both rates (positions 23, 27, 31) and two block ends
+        pair.forward(ids[:, t:t + 1])
+    t0, t1 = pair.paged.tables
+    assert t0.blocks[:2] == t1.blocks[:2] and t0.blocks[2:] != t1.blocks[2:]
+    assert pair.paged.positions.tolist() == [34, 34]
 
 
 def test_the_documented_example_shares_a_prompt_and_matches_two_static_sequences(model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import pytest
 
 from ds4_torch.cli import build_parser, main
 from serve.cli import _api_key, build_parser as serve_parser
@@ -26,6 +27,20 @@ def test_both_commands_take_the_same_flags():
     assert _api_key(["a", "b", "a"]) == ("a", "b")  # several: each a tenant
     args = build_parser().parse_args(["serve", "--checkpoint-interval", "0", "--checkpoint-memory-mb", "8"])
     assert (args.checkpoint_interval, args.checkpoint_memory_mb) == (0, 8)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_api_backlog_must_be_a_positive_size(capsys, value):
+    """An API process's backlog in the core is bounded: no bound (0) is not a choice."""
+    with pytest.raises(SystemExit) as e:
+        serve_parser().parse_args(["--api-backlog-mb", value])
+    assert e.value.code == 2 and "--api-backlog-mb" in capsys.readouterr().err
+    assert serve_parser().parse_args(["--api-backlog-mb", "0.5"]).api_backlog_mb == 0.5
+
+
+def test_api_servers_need_the_engine_core_process(capsys):
+    assert main(["serve", "--api-servers", "2", "--engine-core", "thread"]) == 2
+    assert "--api-servers N needs the engine core in a process of its own" in capsys.readouterr().err
 
 
 def test_serve_bad_model_dir(capsys, tmp_path):

@@ -20,6 +20,7 @@ import torch
 
 from ds4_torch import faults
 
+from helpers import gone, wait_for, wait_healthy
 from test_serve import MODEL, running_server
 from test_tensor_parallel import free_port, rank_env
 
@@ -45,16 +46,14 @@ class Ranks:
     def wait_ready(self) -> "Ranks":
         deadline = time.monotonic() + STARTUP_S
         while self.url is None:
-            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", self.text())
+            m = re.search(r"(?:Uvicorn running|API processes answering) on (http://127\.0\.0\.1:\d+)", self.text())
             if m:
                 self.url = m.group(1)
             elif any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
                 raise AssertionError("the server did not start:\n" + self.text())
             else:
                 time.sleep(0.1)
-        while httpx.get(self.url + "/health").status_code != 200:  # 503 while warming up
-            assert time.monotonic() < deadline, self.text()
-            time.sleep(0.1)
+        wait_healthy(self.url, deadline, self.text)  # (API processes under --api-servers listen later)
         return self
 
     def client(self) -> openai.OpenAI:
@@ -255,6 +254,29 @@ def test_graceful_shutdown_stops_every_rank(tmp_path):
         assert codes == [-signal.SIGTERM, 0], ranks.text()
         assert time.monotonic() - stopped < 10
         assert "Application shutdown complete" in ranks.text() and "rank 1: stopped by rank 0" in ranks.text()
+    finally:
+        ranks.kill()
+
+
+def test_api_servers_over_the_tensor_parallel_core(tmp_path, single):
+    """`--api-servers 2 --tp 2`: rank 0's core serves two API processes on one port; concurrent
+    requests (spread over both by the kernel) answer as the single-process server; the second
+    killed, the first answers alone; SIGTERM then drains it, the core and the follower, and no
+    process is left."""
+    ranks = launch_ranks(tmp_path, "--api-servers", "2").wait_ready()
+    try:
+        wait_for(lambda: ranks.text().count("Application startup complete") == 2, 60, "both API processes")
+        api = [int(pid) for pid in re.findall(r"API process \d: process (\d+)", ranks.text())]
+        assert len(api) == 2
+        for _ in range(2):  # eight requests, spread over both API processes by the kernel
+            assert ask_all(ranks.client()) == {p: single[p] for p in PROMPTS}
+        os.kill(api[1], signal.SIGKILL)
+        wait_for(lambda: gone(api[1]), 10, "API process 2 to die")
+        assert ask_all(ranks.client()) == {p: single[p] for p in PROMPTS}
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(30) for p in ranks.procs] == [-signal.SIGTERM, 0], ranks.text()
+        assert ranks.text().count("Application shutdown complete") == 1, ranks.text()  # the survivor's
+        wait_for(lambda: all(gone(pid) for pid in api), 10, "the API processes to exit")
     finally:
         ranks.kill()
 

@@ -7,7 +7,8 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `attention`  (`attention.py`): one decode step of attention at V4-Flash sizes vs transformers/SDPA.
 - `layer`      (`layer.py`): one decode step of a whole V4-Flash CSA/HCA attention layer at long
   context, fp32 and bf16, vs transformers' DeepseekV4Attention.
-- `decode`     (`decode.py`): eager, graph and torch.compile decode paths, and which one `auto` picks.
+- `decode`     (`decode.py`): eager, graph and torch.compile decode paths, and which one `auto` picks;
+  over the static and (`--cache static paged`) the paged cache.
 - `kernels`    (`kernels.py`): the Triton kernels on a CUDA GPU, achieved GB/s against the peak.
 - `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
@@ -56,7 +57,9 @@ def _run_layer(args) -> int:
 
 def _run_decode(args) -> int:
     _threads(args)
-    importlib.import_module(".decode", __name__).run(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv)
+    importlib.import_module(".decode", __name__).run(args.prompt_len, args.steps, tuple(args.modes), csv_path=args.csv,
+                                                     caches=tuple(dict.fromkeys(args.cache)), batch=args.batch,
+                                                     models=tuple(dict.fromkeys(args.models)))
     return 0
 
 
@@ -165,6 +168,12 @@ def add_parser(sub) -> None:
     d.add_argument("--prompt-len", type=positive_int, default=200)
     d.add_argument("--steps", type=positive_int, default=32)
     d.add_argument("--modes", nargs="+", choices=("eager", "graph", "compile"), default=["eager", "graph", "compile"])
+    d.add_argument("--cache", nargs="+", choices=("static", "paged"), default=["static"],
+                   help="caches to decode over, in the same run: static (DS4Cache) and/or paged (PagedDS4Cache, "
+                        "eager only) (default static)")
+    d.add_argument("--batch", type=positive_int, default=1, help="sequences decoded per step (default 1)")
+    d.add_argument("--models", nargs="+", choices=("default", "flash"), default=["default", "flash"],
+                   help="the embedded default model and/or one V4-Flash-sized CSA layer (default both)")
     common(d)
 
     ctx = target("context", "prefill and decode speed as the context grows, the cache sized as serve sizes it",

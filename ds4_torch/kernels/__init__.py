@@ -24,7 +24,9 @@ __all__ = ["AttentionOps", "BACKENDS", "ENV_VAR", "attention_ops", "backend_name
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The attention math the model calls, with the reference signatures (see `reference.py`)."""
+    """The attention math the model calls, with the reference signatures (see `reference.py`):
+    `attention(..., comp_slots=None)` and `indexer_topk(..., rows_slots=None)` take a paged pool
+    and its slots where a cache is paged."""
     name: str
     attention: Callable
     compress_rows: Callable
@@ -41,11 +43,13 @@ def _eager_reference(backend: str, x: torch.Tensor) -> bool:
     return backend == "torch" or (backend == "auto" and x.device.type != "cuda")
 
 
-def _attention(backend, q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale):
+def _attention(backend, q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, comp_slots=None):
     # int()/float() keep the schema's scalar types when a caller hands numpy or tensor scalars.
     if _eager_reference(backend, q):
-        return reference.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale))
-    return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale), backend)
+        return reference.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale),
+                                   comp_slots)
+    return ops.attention(q, ring, chunk_kv, start, comp, comp_sel, int(rate), sinks, float(scale), backend,
+                         comp_slots)
 
 
 def _compress_rows(backend, kv, gate, norm_weight, eps, cos, sin):
@@ -54,10 +58,10 @@ def _compress_rows(backend, kv, gate, norm_weight, eps, cos, sin):
     return ops.compress_rows(kv, gate, norm_weight, float(eps), cos, sin, backend)
 
 
-def _indexer_topk(backend, q, head_weights, rows, start, rate, k):
+def _indexer_topk(backend, q, head_weights, rows, start, rate, k, rows_slots=None):
     if _eager_reference(backend, q):
-        return reference.indexer_topk(q, head_weights, rows, start, int(rate), int(k))
-    return ops.indexer_topk(q, head_weights, rows, start, int(rate), int(k), backend)
+        return reference.indexer_topk(q, head_weights, rows, start, int(rate), int(k), rows_slots)
+    return ops.indexer_topk(q, head_weights, rows, start, int(rate), int(k), backend, rows_slots)
 
 
 @lru_cache(maxsize=None)

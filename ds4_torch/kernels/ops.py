@@ -1,8 +1,13 @@
 """The DS4 attention ops: one `torch.ops.ds4.*` custom op per function, dispatched by device.
 
-    ds4::attention(q, ring, chunk_kv, start, comp, comp_sel?, rate, sinks, scale, backend) -> Tensor
+    ds4::attention(q, ring, chunk_kv, start, comp, comp_sel?, rate, sinks, scale, backend,
+                   comp_slots?) -> Tensor
     ds4::compress_rows(kv, gate, norm_weight, eps, cos, sin, backend) -> Tensor
-    ds4::indexer_topk(q, head_weights, rows, start, rate, k, backend) -> Tensor (int64)
+    ds4::indexer_topk(q, head_weights, rows, start, rate, k, backend, rows_slots?) -> Tensor (int64)
+
+`comp_slots` / `rows_slots` [B, C] int64 (paged caches): `comp` / `rows` is then a pool [P, D]
+shared by every sequence, row w of sequence b at pool row slots[b, w]; the Triton kernels read it
+in place, the reference gathers it. Without them (static caches) the rows are [B, C, D].
 
 Each op has two implementations, picked by the dispatcher from the inputs' device:
 - CUDA: the Triton kernel (`triton_kernels.py`), imported on first use;
@@ -84,8 +89,10 @@ def _kernels(backend: str, device: torch.device):
 # interpreter when forced); `register_kernel("cuda")` below gives CUDA the Triton kernel.
 @torch.library.custom_op("ds4::attention", mutates_args=())
 def attention(q: Tensor, ring: Tensor, chunk_kv: Tensor, start: Tensor, comp: Tensor,
-              comp_sel: Optional[Tensor], rate: int, sinks: Tensor, scale: float, backend: str) -> Tensor:
-    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
+              comp_sel: Optional[Tensor], rate: int, sinks: Tensor, scale: float, backend: str,
+              comp_slots: Optional[Tensor] = None) -> Tensor:
+    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale,
+                                                 comp_slots)
 
 
 @torch.library.custom_op("ds4::compress_rows", mutates_args=())
@@ -96,14 +103,15 @@ def compress_rows(kv: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, cos
 
 @torch.library.custom_op("ds4::indexer_topk", mutates_args=())
 def indexer_topk(q: Tensor, head_weights: Tensor, rows: Tensor, start: Tensor, rate: int, k: int,
-                 backend: str) -> Tensor:
-    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k)
+                 backend: str, rows_slots: Optional[Tensor] = None) -> Tensor:
+    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k, rows_slots)
 
 
 # CUDA: the Triton kernels ("auto"/"triton"), or the reference when "torch" is forced.
 @attention.register_kernel("cuda")
-def _attention_cuda(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend):
-    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale)
+def _attention_cuda(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend, comp_slots=None):
+    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale,
+                                                 comp_slots)
 
 
 @compress_rows.register_kernel("cuda")
@@ -112,13 +120,13 @@ def _compress_rows_cuda(kv, gate, norm_weight, eps, cos, sin, backend):
 
 
 @indexer_topk.register_kernel("cuda")
-def _indexer_topk_cuda(q, head_weights, rows, start, rate, k, backend):
-    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k)
+def _indexer_topk_cuda(q, head_weights, rows, start, rate, k, backend, rows_slots=None):
+    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k, rows_slots)
 
 
 # --------------------------------------------------------------------------- fakes (shapes only)
 @attention.register_fake
-def _attention_fake(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend):
+def _attention_fake(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend, comp_slots=None):
     return q.new_empty(q.shape)
 
 
@@ -129,6 +137,7 @@ def _compress_rows_fake(kv, gate, norm_weight, eps, cos, sin, backend):
 
 
 @indexer_topk.register_fake
-def _indexer_topk_fake(q, head_weights, rows, start, rate, k, backend):
+def _indexer_topk_fake(q, head_weights, rows, start, rate, k, backend, rows_slots=None):
     B, T = q.shape[:2]
-    return q.new_empty(B, T, min(k, rows.shape[1]), dtype=torch.int64)
+    C = (rows if rows_slots is None else rows_slots).shape[1]  # a pool's rows are the slots'
+    return q.new_empty(B, T, min(k, C), dtype=torch.int64)

@@ -20,6 +20,12 @@ Shapes (B batch, T queries, H heads, D head dim, W window, C compressed rows, K 
   score = sum_h w_h * relu(q_h . row) * dI^-1/2 (w already carries Hi^-1/2), best first; slots
   beyond the visible count hold -1. Tie rule (shared by every backend): among equal scores the
   lower row index wins.
+
+Paged rows (`paged.PagedDS4Cache`): `attention(..., comp_slots=)` and `indexer_topk(...,
+rows_slots=)` take, instead of a sequence's own rows [B, C, D], a pool [P, D] shared by every
+sequence and slots [B, C] int64: row w of sequence b is pool row slots[b, w] (`gather_rows`). Rows
+no sequence holds point at a scratch row; it is never visible, so its value never counts. The
+reference gathers the rows and computes as above (the Triton kernels read the pool in place).
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ import torch.nn.functional as F
 
 # oneDNN's fp32 matmul: 1.2-1.5x the BLAS sgemm for the indexer's [rows, 128] x [128, 64] blocks.
 from .linear import ONEDNN_LINEAR
+
+
+def gather_rows(pool, slots):
+    """A paged pool's rows as dense rows: [P, D] indexed by slots [B, C] -> [B, C, D] (row w of
+    sequence b is pool[slots[b, w]]). What every gather of paged rows goes through (the cache's
+    `CompressorState.visible` too), so a paged cache reads exactly a static cache's values.
+    (`index_select`: a third of `pool[slots]`'s time on a CPU.)"""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
 
 
 def cast(x, dtype):
@@ -58,9 +72,11 @@ def visible_rows(start, T: int, C: int, rate: int):
     return torch.arange(C, device=start.device) < ((query_positions(start, T) + 1) // rate)[..., None]
 
 
-def attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+def attention_probs(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float, comp_slots=None):
     """The softmax of `attention` made explicit: probabilities [B,H,T,W+T+C+1] over ring slots,
     chunk rows, compressed rows and (last) the sink; and the keys [B,W+T+C,D] they weight."""
+    if comp_slots is not None:
+        comp = gather_rows(comp, comp_slots)
     B, T = q.shape[:2]
     W, C = ring.shape[1], comp.shape[1]
     keys = torch.cat([ring, chunk_kv.to(ring.dtype), comp.to(ring.dtype)], dim=1).to(q.dtype)
@@ -84,16 +100,18 @@ def additive_mask(mask, dtype):
     return cast(torch.where(mask, 0.0, float("-inf")), dtype)
 
 
-def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float):
+def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float, comp_slots=None):
     """The softmax of `attention_probs`, computed by parts. Window: query t's keys are positions
     t-W+1 .. t, a sliding window over the ring (in position order) followed by the chunk, so each
     query scores W keys, not W+T. Compressed rows: with few indexer picks next to the rows (decode
     at long context) each query gathers its K picked rows instead of masking all C, so the cost
     grows with the window and top-k, not with the context; otherwise the rows are read in place,
     never copied. The parts meet only in the softmax. Logits are [B*T, H, keys]: every matmul is a
-    plain bmm, and masks are added (-inf) by the matmul itself where the layout allows."""
+    plain bmm, and masks are added (-inf) by the matmul itself where the layout allows.
+    `comp_slots`: `comp` is a paged pool (see the module docstring): the picked rows, or all
+    rows, gathered from it."""
     B, T, H, D = q.shape
-    W, C = ring.shape[1], comp.shape[1]
+    W, C = ring.shape[1], (comp if comp_slots is None else comp_slots).shape[1]
     dtype = q.dtype
     queries = q.reshape(B * T, H, D)
     query_pos = query_positions(start, T)
@@ -108,11 +126,16 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     n_visible = ((query_pos + 1) // rate)[..., None] if C else None  # [B, T, 1]
     if picked:
         K = comp_sel.shape[-1]
-        rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
+        if comp_slots is None:
+            rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
+        else:  # straight from the pool: the picked rows only
+            rows = gather_rows(comp, comp_slots.gather(1, comp_sel.clamp(min=0).reshape(B, T * K)))
         rows = cast(cast(rows, ring.dtype), dtype).view(B * T, K, D)
         bias = additive_mask((comp_sel >= 0) & (comp_sel < n_visible), dtype).view(B * T, 1, K)
         comp_logits = torch.baddbmm(bias, queries, rows.transpose(1, 2), alpha=scale)
     else:
+        if comp_slots is not None:
+            comp = gather_rows(comp, comp_slots)
         rows = cast(cast(comp, ring.dtype), dtype)  # [B, C, D]
         visible = torch.arange(C, device=q.device) < n_visible if C else q.new_zeros(B, T, 0, dtype=torch.bool)
         if comp_sel is not None and C:
@@ -217,7 +240,9 @@ def topk_lower_index_wins(scores, k: int):
     return keys.topk(k, dim=-1, sorted=True).indices
 
 
-def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
+def indexer_topk(q, head_weights, rows, start, rate: int, k: int, rows_slots=None):
+    if rows_slots is not None:  # a paged pool (see the module docstring)
+        rows = gather_rows(rows, rows_slots)
     T, C = q.shape[1], rows.shape[1]
     n_visible = ((query_positions(start, T) + 1) // rate)[..., None]  # [B, T, 1]
     visible = torch.arange(C, device=q.device) < n_visible

@@ -11,7 +11,8 @@ K picks per query, L = K for CSA else C):
       n in [0, W):      window position p = t-W+1+n (p >= 0), read from ring slot p % W when
                         p < start, else from chunk row p - start (the chunk's own rows);
       n in [W, W+L):    compressed entry n-W: row n-W (HCA) or row comp_sel[n-W] (CSA),
-                        visible iff row < (t+1)//rate.
+                        visible iff row < (t+1)//rate; read from comp[b, row], or, paged
+                        (PAGED), from pool row comp_slots[b, row] (one int64 load per key).
   All heads share the keys (one KV head, K == V), so heads are the M side of `tl.dot`. Each
   split runs one online softmax (exp2 domain) over its contiguous range of key blocks and
   writes a partial output plus its log-sum-exp (flash-decoding). T == 1 is decode, T > 1 is
@@ -25,7 +26,8 @@ K picks per query, L = K for CSA else C):
 - `_compress_rows_kernel`, grid (B*J,): per-channel online softmax over the S slots of `gate`,
   weights on `kv`, RMSNorm, interleaved RoPE on the last R channels, all fused. Channels are
   handled as (even, odd) pairs so RoPE needs no register shuffle.
-- `_indexer_keys_kernel`, grid (B*T, cdiv(C, BLOCK_C)): fp32 scores over all rows, invisible
+- `_indexer_keys_kernel`, grid (B*T, cdiv(C, BLOCK_C)): fp32 scores over all rows (paged: row
+  w read from pool row rows_slots[b, w]; rows past the visible count are not read), invisible
   rows -inf, each packed into a unique int64 sort key (order-preserving score bits << 32 |
   (2^31-1 - row)). The top-k itself is `torch.topk` on those keys: keys are unique, so the
   result is deterministic and a tie in score goes to the lower row index (the reference rule).
@@ -51,15 +53,16 @@ LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------- attention
 @triton.jit
 def _attention_partial_kernel(
-    q_ptr, ring_ptr, chunk_ptr, start_ptr, comp_ptr, sel_ptr, o_ptr, lse_ptr,
+    q_ptr, ring_ptr, chunk_ptr, start_ptr, comp_ptr, sel_ptr, slots_ptr, o_ptr, lse_ptr,
     T, H, D, W, C, L, rate, scale_log2e, blocks_per_split,
     s_qb, s_qt, s_qh,  # q [B, T, H, D]
     s_rb, s_rw,  # ring [B, W, D]
     s_cb, s_ct,  # chunk_kv [B, T, D]
-    s_kb, s_kc,  # comp [B, C, D]
+    s_kb, s_kc,  # comp [B, C, D] (paged: the pool [P, D], s_kb = 0)
     s_sb, s_st, s_sk,  # comp_sel [B, T, K]
+    s_pb, s_pw,  # comp_slots [B, C] (paged only)
     s_os, s_oh,  # partial o [B*T, S, H, D] (query stride = S * s_os)
-    HAS_SEL: tl.constexpr, COMPUTE: tl.constexpr, KEY_OFFSET: tl.constexpr,
+    HAS_SEL: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr, KEY_OFFSET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_q, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -108,7 +111,10 @@ def _attention_partial_kernel(
         else:
             row = e
         comp_ok = in_comp & (row >= 0) & (row < n_visible) & (row < C)
-        row_comp = comp_ptr + b64 * s_kb + tl.where(comp_ok, row, 0).to(KEY_OFFSET) * s_kc
+        row = tl.where(comp_ok, row, 0)
+        if PAGED:  # the row's place in the pool; KEY_OFFSET covers every pool row's offset
+            row = tl.load(slots_ptr + b64 * s_pb + row.to(KEY_OFFSET) * s_pw, mask=comp_ok, other=0)
+        row_comp = comp_ptr + b64 * s_kb + row.to(KEY_OFFSET) * s_kc
         valid = (in_window & (p >= 0)) | comp_ok
         rows = tl.where(in_window, tl.where(from_ring, row_ring, row_chunk), row_comp)
         k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
@@ -210,12 +216,14 @@ def _compress_rows_kernel(
 # --------------------------------------------------------------------------- indexer
 @triton.jit
 def _indexer_keys_kernel(
-    q_ptr, hw_ptr, rows_ptr, start_ptr, keys_ptr,
+    q_ptr, hw_ptr, rows_ptr, start_ptr, slots_ptr, keys_ptr,
     T, HI, DI, C, rate, scale,
     s_qb, s_qt, s_qh,  # q [B, T, Hi, dI]
     s_wb, s_wt,  # head_weights [B, T, Hi] (head stride 1)
-    s_rb, s_rc,  # rows [B, C, dI]
-    COMPUTE: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DI: tl.constexpr,
+    s_rb, s_rc,  # rows [B, C, dI] (paged: the pool [P, dI], s_rb = 0)
+    s_pb, s_pw,  # rows_slots [B, C] (paged only)
+    PAGED: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
 ):
     pid_q, pid_c = tl.program_id(0), tl.program_id(1)
     b, i = pid_q // T, pid_q % T
@@ -231,8 +239,12 @@ def _indexer_keys_kernel(
 
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    rows = tl.load(rows_ptr + b64 * s_rb + cols.to(tl.int64)[:, None] * s_rc + dims[None, :],
-                   mask=cmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+    read = cmask & (cols < n_visible)  # an invisible row's score is replaced below: not read
+    row = cols.to(tl.int64)
+    if PAGED:  # the row's place in the pool
+        row = tl.load(slots_ptr + b64 * s_pb + row * s_pw, mask=read, other=0)
+    rows = tl.load(rows_ptr + b64 * s_rb + row[:, None] * s_rc + dims[None, :],
+                   mask=read[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
     dots = tl.dot(q, tl.trans(rows), input_precision="ieee")  # [BLOCK_HI, BLOCK_C], fp32
     score = tl.sum(tl.maximum(dots, 0.0) * scale * hw[:, None], axis=0)
 
@@ -280,13 +292,14 @@ def attention_config(H: int, D: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps of the partial kernel. Wide heads (D >= 256, V4-Flash has 512) take
     16-head blocks (the smallest M of a tensor-core dot) and 8 warps: 153 registers, no spills at
     sm_90 in bf16 (4 warps: 213; 64-head blocks reach wgmma but spill; see the compile report).
-    fp32 inputs take half the key tile (sm_80 shared memory) and 16 warps (8 spilled 4 bytes at
-    sm_80: 255 registers; 16 warps: 64, no spills)."""
+    fp32 inputs take half the key tile (sm_80 shared memory), 16 warps (8 spilled 4 bytes at
+    sm_80) and 2 pipeline stages (3 spilled 12 bytes at sm_90 reading a paged pool; 2: at most 83
+    registers in every fp32 variant, no spills)."""
     block_d = _pow2(D)
     if block_d < 256:
         return dict(BLOCK_H=min(64, _pow2(H)), BLOCK_N=16, BLOCK_D=block_d, num_warps=4)
     if dtype == torch.float32:
-        return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=16)
+        return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=16, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=block_d, num_warps=8)
 
 
@@ -297,11 +310,13 @@ def attention_num_splits(programs: int, key_blocks: int, device) -> int:
     return max(1, min(want, triton.cdiv(key_blocks, MIN_BLOCKS_PER_SPLIT)))
 
 
-def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float, num_splits=None):
-    """Triton version of `reference.attention` (same arguments); `num_splits` forces the split
-    count (tests)."""
+def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float, comp_slots=None,
+              num_splits=None):
+    """Triton version of `reference.attention` (same arguments; `comp_slots`: `comp` is a paged
+    pool, read in place); `num_splits` forces the split count (tests)."""
     B, T, H, D = q.shape
-    W, C = ring.shape[1], comp.shape[1]
+    paged = comp_slots is not None
+    W, C = ring.shape[1], (comp_slots if paged else comp).shape[1]
     # The reference brings every key to the ring's dtype first.
     ring, chunk_kv, comp = (_last_dim_contiguous(x.to(ring.dtype)) for x in (ring, chunk_kv, comp))
     q = _last_dim_contiguous(q)
@@ -316,24 +331,31 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     splits = num_splits or attention_num_splits(B * T * head_blocks, key_blocks, q.device)
     blocks_per_split = triton.cdiv(key_blocks, splits)
 
+    # A pool's rows are [P, D] with no batch stride; its slots are read where the rows were.
+    comp_strides = (0, comp.stride(0)) if paged else (comp.stride(0), comp.stride(1))
+    comp_rows = comp.shape[0] if paged else C
+    slots = comp_slots if paged else start  # never read unless paged
+    slot_strides = comp_slots.stride() if paged else (0, 0)
+
     # int64 key-row offsets only where one can pass 2^31 (a [1M, 512] cache row stride does not)
-    furthest = max((W - 1) * ring.stride(1), (T - 1) * chunk_kv.stride(1), (C - 1) * comp.stride(1),
-                   (L - 1) * sel_strides[2]) + D
+    furthest = max((W - 1) * ring.stride(1), (T - 1) * chunk_kv.stride(1), (comp_rows - 1) * comp_strides[1],
+                   (L - 1) * sel_strides[2], (C - 1) * slot_strides[1]) + D
     o = torch.empty(B * T, splits, H, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if B * T == 0:
         return out
     _attention_partial_kernel[(B * T, head_blocks, splits)](
-        q, ring, chunk_kv, start, comp, sel, o, lse,
+        q, ring, chunk_kv, start, comp, sel, slots, o, lse,
         T, H, D, W, C, L, max(rate, 1), scale * LOG2E, blocks_per_split,
         q.stride(0), q.stride(1), q.stride(2),
         ring.stride(0), ring.stride(1),
         chunk_kv.stride(0), chunk_kv.stride(1),
-        comp.stride(0), comp.stride(1),
+        *comp_strides,
         *sel_strides,
+        *slot_strides,
         o.stride(1), o.stride(2),
-        HAS_SEL=has_sel, COMPUTE=_compute_dtype(q.dtype), KEY_OFFSET=tl.int64 if furthest >= 2 ** 31 else tl.int32,
+        HAS_SEL=has_sel, PAGED=paged, COMPUTE=_compute_dtype(q.dtype), KEY_OFFSET=tl.int64 if furthest >= 2 ** 31 else tl.int32,
         **config,
     )
     _attention_merge_kernel[(B * T, H)](
@@ -367,10 +389,12 @@ def compress_rows(kv, gate, norm_weight, eps: float, cos, sin):
     return out
 
 
-def indexer_keys(q, head_weights, rows, start, rate: int):
-    """[B, T, C] int64 unique sort keys (see `_indexer_keys_kernel`)."""
+def indexer_keys(q, head_weights, rows, start, rate: int, rows_slots=None):
+    """[B, T, C] int64 unique sort keys (see `_indexer_keys_kernel`); `rows_slots`: `rows` is a
+    paged pool, read in place."""
     B, T, HI, DI = q.shape
-    C = rows.shape[1]
+    paged = rows_slots is not None
+    C = (rows_slots if paged else rows).shape[1]
     q, rows = _last_dim_contiguous(q), _last_dim_contiguous(rows)
     head_weights = _last_dim_contiguous(head_weights)
     keys = torch.empty(B, T, C, dtype=torch.int64, device=q.device)
@@ -378,25 +402,27 @@ def indexer_keys(q, head_weights, rows, start, rate: int):
         return keys
     block_c = 64
     _indexer_keys_kernel[(B * T, triton.cdiv(C, block_c))](
-        q, head_weights, rows, start, keys,
+        q, head_weights, rows, start, rows_slots if paged else start, keys,
         T, HI, DI, C, rate, DI ** -0.5,
         q.stride(0), q.stride(1), q.stride(2),
         head_weights.stride(0), head_weights.stride(1),
-        rows.stride(0), rows.stride(1),
-        COMPUTE=_compute_dtype(q.dtype), BLOCK_HI=_pow2(HI), BLOCK_C=block_c, BLOCK_DI=_pow2(DI), num_warps=4,
+        *((0, rows.stride(0)) if paged else (rows.stride(0), rows.stride(1))),
+        *(rows_slots.stride() if paged else (0, 0)),
+        PAGED=paged, COMPUTE=_compute_dtype(q.dtype), BLOCK_HI=_pow2(HI), BLOCK_C=block_c, BLOCK_DI=_pow2(DI), num_warps=4,
     )
     return keys
 
 
-def indexer_topk(q, head_weights, rows, start, rate: int, k: int):
+def indexer_topk(q, head_weights, rows, start, rate: int, k: int, rows_slots=None):
     """Triton version of `reference.indexer_topk`: scores and keys in Triton, then `torch.topk`
     over the unique keys (deterministic; lower index wins a tie), -1 past the visible count."""
     B, T = q.shape[:2]
-    C = rows.shape[1]
+    C = (rows if rows_slots is None else rows_slots).shape[1]
     k = min(k, C)
     if k == 0:
         return torch.empty(B, T, 0, dtype=torch.int64, device=q.device)
-    picks = torch.topk(indexer_keys(q, head_weights, rows, start, rate), k, dim=-1, sorted=True).indices
+    keys = indexer_keys(q, head_weights, rows, start, rate, rows_slots)
+    picks = torch.topk(keys, k, dim=-1, sorted=True).indices
     n_visible = (start[:, None] + torch.arange(T, device=q.device) + 1) // rate  # [B, T]
     return torch.where(picks < n_visible[..., None], picks, -1)
 
