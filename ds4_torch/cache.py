@@ -499,6 +499,11 @@ class DS4Cache:
                         out[f"layers.{i}.{part}.{name}"] = t[index]
         return out
 
+    def _sequence_state(self, index: int, n: int) -> dict[str, torch.Tensor]:
+        """Sequence `index`'s state as if it held `n` tokens, in spec order, to read: the views of
+        `_sequence_views` (a paged cache's rows gathered through its table: copies)."""
+        return self._sequence_views(index, n)
+
     def _check_index(self, index: int) -> None:
         if not isinstance(index, int) or not 0 <= index < self.batch_size:
             raise IndexError(f"sequence index {index!r} outside [0, {self.batch_size})")
@@ -512,7 +517,7 @@ class DS4Cache:
         self.check_usable_index(index)
         n = int(self.positions[index])
         device = self.device if device is None else torch.device(device)
-        out = {name: t.to(device, copy=True) for name, t in self._sequence_views(index, n).items()}
+        out = {name: t.to(device, copy=True) for name, t in self._sequence_state(index, n).items()}
         zero_stale_slots(self.config, out, out["position"])
         return out
 
@@ -525,12 +530,17 @@ class DS4Cache:
         closes, and positions advance with it), or entirely when the slot was invalidated (a
         failed step may have written rows without advancing the position)."""
         self._check_index(index)
+        n = self._check_state(state)
+        self._write_sequence(index, state, n)
+
+    def _check_state(self, state: Mapping[str, torch.Tensor]) -> int:
+        """The position of sequence state `state` once its row format and layout are checked (a
+        ValueError names the first problem)."""
         stored = stored_row_format(state)
         if stored is not None and stored != self.kv_rows.name:
             raise ValueError(f"the state's compressed rows are stored as {stored!r}, this cache's as "
                              f"{self.kv_rows.name!r}: a state imports only into a cache of its KV row format")
-        n = check_layout("state", state, self.max_context, self.sequence_spec)
-        self._write_sequence(index, state, n)
+        return check_layout("state", state, self.max_context, self.sequence_spec)
 
     def _write_sequence(self, index: int, state: Mapping[str, torch.Tensor], n: int) -> None:
         """Sequence `index` takes the (already checked) tensors of `state` and position `n`; a
@@ -561,7 +571,7 @@ class DS4Cache:
         source._check_index(src_index)
         source.check_usable_index(src_index)
         n = int(source.positions[src_index])
-        self.import_sequence(dst_index, source._sequence_views(src_index, n))
+        self.import_sequence(dst_index, source._sequence_state(src_index, n))
         if self.mtp is not None and source.mtp is not None:  # speculation's drafts go on from there
             self.mtp.copy_sequence(dst_index, src_index, source.mtp)
 
@@ -659,7 +669,7 @@ class DS4Cache:
         held = int(source.positions[src_index])
         if n > held:
             raise ValueError(f"cannot branch from sequence {src_index} at position {n}: it holds only {held} tokens")
-        rows = {k: v for k, v in source._sequence_views(src_index, n).items() if is_row_part(k)}
+        rows = {k: v for k, v in source._sequence_state(src_index, n).items() if is_row_part(k)}
         state = {k: v for k, v in checkpoint.items() if k not in ("row_counts", "logits")}
         self.import_sequence(dst_index, {**state, **rows})
 
@@ -706,9 +716,18 @@ class DS4Cache:
         if self.is_invalid(index):
             raise RuntimeError(f"cache sequence {index} was invalidated by a failed step; reset it first")
 
-    def take_tokens(self, input_ids: torch.Tensor) -> None:
+    def take_tokens(self, input_ids: torch.Tensor, tentative: bool = False) -> None:
         """Before a forward of `input_ids` [B, T] over this cache: nothing for a static cache (its
-        rows are reserved); a paged cache gives its sequences the blocks the tokens reach."""
+        rows are reserved); a paged cache gives its sequences the blocks the tokens reach
+        (`tentative`: a speculative verify step's, which a `Rollback` may take back)."""
+
+    def drop_tokens(self, index: int, n: int) -> None:
+        """Sequence `index` gives back its last `n` tokens, which a `Rollback.apply` takes back:
+        nothing for a static cache; a paged cache's table lets them go (`PagedDS4Cache`)."""
+
+    def name_tokens(self, index: int, ids) -> None:
+        """The ids of sequence `index`'s last tokens, taken tentatively: nothing for a static
+        cache; a paged cache's table records them (`PagedDS4Cache`)."""
 
     def check_room(self, new_tokens: int, n: int | None = None) -> None:
         """Raise (before anything is written) if `new_tokens` more tokens do not fit."""
@@ -739,11 +758,17 @@ class Rollback:
       sources as the frontier it writes; a one-token forward keeps the frontier before it), and
       apply() takes candidate keep[b];
     - a compressed row a token at or past start + keep closed: cleared (rows past a sequence's
-      count are always zero);
+      count are always zero), through a paged cache's slot map;
     - the positions: start + keep.
 
     The candidates stay valid until the cache is written again, so apply() may run more than once
-    (each time with any keep of 0..T), e.g. to stop a step short after it was applied."""
+    (each time with any keep of 0..T), e.g. to stop a step short after it was applied.
+
+    Over a `paged.PagedDS4Cache` the forward takes its tokens tentatively first
+    (`cache.take_tokens(ids, tentative=True)`: blocks allocated and made the sequence's own, none
+    registered), and the tables are settled on the host after apply() (`drop_tokens` of the
+    rejected ones, `name_tokens` of the kept ones); a later apply (a trim) is preceded by its
+    `drop_tokens`. `speculative.Speculator` does this."""
 
     def __init__(self):
         self.cache = None
@@ -754,9 +779,6 @@ class Rollback:
         W = cache.config.sliding_window
         if T > W:
             raise ValueError(f"a forward with undo takes at most the window ({W}) tokens, got {T}")
-        if any(s.slots is not None for layer in cache.layers for s in layer.states):
-            raise NotImplementedError("a forward with undo (speculative verification) over a paged cache is not "
-                                      "supported yet")
         self.cache, self.T = cache, T
         self.start = cache.positions.clone()
         B, device = self.start.shape[0], self.start.device

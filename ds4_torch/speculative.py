@@ -17,7 +17,10 @@ Rejected tokens are taken back in place with `cache.Rollback` (the forwards reco
 overwrite: ring rows, the compressor and indexer frontiers at every candidate end, rows a token
 may close): no whole-state copy, no re-feeding of accepted tokens, and, per sequence of a
 batch, its own acceptance from a tensor. The one host read of a step is the emitted tokens
-(the caller needs them); positions, acceptance and the rollback stay on the device.
+(the caller needs them); positions, acceptance and the rollback stay on the device. Over a
+`paged.PagedDS4Cache` the verify forward takes its tokens tentatively (only the shape is read)
+and the block tables are settled from that host read (`drop_tokens` / `name_tokens`); a `trim`
+drops before its rollback.
 
 The MTP layer's cache (`cache.mtp`, its own positions) only ever keeps positions fed with the
 main model's hidden streams and true tokens: its one-token drafting passes are rolled back the
@@ -280,6 +283,16 @@ class Speculator:
         `rows` sequences)."""
         return self.cache.max_context - max(self.positions[:rows or self.B]) - 1
 
+    def blocks_needed(self, rows: int) -> int:
+        """The most KV blocks the next step over the first `rows` rows takes from a paged cache's
+        pool (0 for a static cache, whose rows are reserved): every row its forwards run (the
+        next power of two in graph or compile mode) takes 1 + N tokens tentatively, idle and
+        padding rows too (they give them back after the step). Compare with
+        `cache.pool.num_available` before the step: a step that does not fit raises
+        PoolExhausted before it runs, changing nothing."""
+        cache = self.forwards_for(rows).cache
+        return cache.blocks_needed(1 + self.n) if hasattr(cache, "blocks_needed") else 0
+
     def _pick(self, logits: torch.Tensor, ahead: torch.Tensor, width: int) -> torch.Tensor:
         """Drafts [width] from the MTP layer's logits [width, V], for the tokens `ahead` [width]
         places past each slot's next one."""
@@ -341,6 +354,9 @@ class Speculator:
         if idle_rows:  # idle rows keep their state (copies: a captured graph's outputs change in place)
             mtp_before, draft_before = self.mtp_out[:B].clone(), self.draft[:B].clone()
         self.last_sample, self.failed_rows = None, []
+        # A paged cache's tables take the step's tokens before anything runs (their ids stay on
+        # the device: only the shape is read), so PoolExhausted leaves every row as it was.
+        forwards.cache.take_tokens(pending.new_empty(B, T), tentative=True)
         try:
             fault_point("decode")
             with self.grad_off():
@@ -373,7 +389,7 @@ class Speculator:
                     new_pending = torch.where(idle, pending, new_pending)
                     mtp_out = torch.where(idle.view(B, 1, 1, 1), mtp_before, mtp_out)
                 self.draft[:B], self.pending[:B], self.mtp_out[:B] = draft, new_pending, mtp_out
-                read = [(keep - 1).view(B, 1), tokens]
+                read = [(keep - 1).view(B, 1), tokens, fed]  # (fed: the ids a paged cache's tables keep)
                 if usable is not None:
                     read.append(usable.view(B, 1))
                 host = torch.cat(read, dim=1).tolist()  # the one host read
@@ -381,6 +397,9 @@ class Speculator:
         except BaseException:
             self.cache.invalidate(range(B))
             raise
+        for b, row in enumerate(host):  # a paged cache's tables let the rejected tokens go, name the kept
+            forwards.cache.drop_tokens(b, T - (row[0] + 1))
+            forwards.cache.name_tokens(b, row[1 + T:2 + T + row[0]])
         # Per row, the tokens the step kept; None for a row it left as it was (idle), which no
         # trim may touch: a request joining that row later is not the step's.
         self.last = (forwards, undo, mtp_undo, [row[0] + 1 or None for row in host])
@@ -460,6 +479,9 @@ class Speculator:
                 keep[b], mtp_keep[b] = u, max(u - 1, 0)
         if keep == [-1] * len(kept):
             return
+        for b, k in enumerate(keep):  # (a paged cache: before the apply, which clears rows in the kept blocks)
+            if k >= 0:
+                self.cache.drop_tokens(b, kept[b] - k)
         with self.grad_off():
             forwards.rollback(undo, torch.tensor(keep, device=self.device))
             forwards.rollback(mtp_undo, torch.tensor(mtp_keep, device=self.device))
@@ -477,6 +499,7 @@ class Speculator:
             return
         forwards, undo, mtp_undo, kept = self.last
         keep = kept[0] - unused
+        self.cache.drop_tokens(0, unused)
         with self.grad_off():
             forwards.rollback(undo, torch.tensor([keep], device=self.device))
             forwards.rollback(mtp_undo, torch.tensor([max(keep - 1, 0)], device=self.device))

@@ -195,3 +195,50 @@ def test_modes_and_capabilities(model, monkeypatch):
     monkeypatch.delenv("DS4_TORCH_DECODE_MODE")
     with pytest.raises(ValueError, match=r"shape \[batch\]"):
         make_decoder(model, cache, "eager").step(torch.tensor([[1]]))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["graph", "compile"])
+def test_a_paged_cache_decodes_as_the_static_one(model, mode, monkeypatch):
+    """Decoders over a paged cache (blocks of 6 tokens) and a static one, the same steps: logits
+    bit for bit while sequences take new blocks after the capture (the slot map is rewritten in
+    place, and the graph reads it), with a padding row whose table stays empty, a sequence reset
+    and prefilled again, and a fork between steps. Compile mode through dynamo and AOT autograd
+    (`aot_eager`: the graph inductor gets, without its minutes of C++ builds here)."""
+    from ds4_torch.paged import PagedDS4Cache
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+
+    B, ctx, bt = 4, 64, 6
+    static, paged = model.new_cache(B, ctx), PagedDS4Cache(model.config, B, ctx, block_tokens=bt)
+    caches = (static, paged)
+    decoders = [make_decoder(model, c, mode, scratch_padding=True) for c in caches]
+    g = torch.Generator().manual_seed(4)
+
+    def fill(b, n):
+        ids = torch.randint(2, 64, (1, n), generator=g)
+        for c in caches:
+            prefill(model, c.slot(b), ids, CHUNK)
+
+    for b, n in enumerate((2, 9, 17)):
+        fill(b, n)
+    steps, held = 18 if mode == "graph" else 12, None
+    for step in range(steps):
+        if step == steps // 3:  # a sequence ends; another one starts in its slot
+            for c in caches:
+                c.reset(1)
+            fill(1, 5)
+        if step == 2 * steps // 3:  # sequence 2 continues from where sequence 0 stands
+            static.copy_sequence(2, 0)
+            paged.fork(2, 0)
+            assert paged.table(2).blocks == paged.table(0).blocks
+        ids = torch.randint(2, 64, (3,), generator=g)  # three rows: a graph runs four, the last a padding row
+        want, got = (d.step(ids) for d in decoders)
+        assert torch.equal(got, want), f"step {step}: {(got - want).abs().max()}"
+        assert paged.positions[:3].tolist() == [t.num_tokens for t in paged.tables[:3]]
+        held = held or len(paged.table(0).blocks)  # at the capture
+    assert paged.table(3).blocks == [] and len(paged.table(0).blocks) > held
+    if mode == "graph":
+        assert list(decoders[1].graphs) == [4] and decoders[1].eager_fallbacks == 0

@@ -826,3 +826,25 @@ def test_common_prefix_matches_a_token_walk():
         want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
         for block in (1, 3, 64, 2048):
             assert _common_prefix(a, b, block) == _common_prefix(b, a, block) == want
+
+
+def test_a_paged_cache_saves_and_restores_as_the_static_one(store, model):
+    """The store reads and writes a paged cache's sequences (through views, as the server holds
+    them) as it does a static cache's: a snapshot saved from a paged cache restores into a paged
+    and a static cache, and both decode as the live static cache does, bit for bit."""
+    from ds4_torch.paged import PagedDS4Cache
+
+    tokens = ids_for(12, 70)
+    static, logits = run(model, tokens, decode_tail=5)
+    paged = PagedDS4Cache(model.config, 2, CTX, block_tokens=16)
+    run(model, ids_for(13, 20), cache=paged.slot(0))
+    _, paged_logits = run(model, tokens, cache=paged.slot(1), decode_tail=5)
+    assert torch.equal(paged_logits, logits)
+    assert store.save(paged.slot(1), tokens, logits)
+    reference = greedy(model, static, logits, 12)
+    paged_target = PagedDS4Cache(model.config, 2, CTX, block_tokens=16)
+    for target in (paged_target.slot(1), model.new_cache(1, CTX)):
+        assert store.restore(target, tokens + [5])[0] == 70
+        out, all_logits = greedy(model, target, logits, 12)
+        assert out == reference[0] and torch.equal(all_logits, reference[1])
+    assert paged_target.table(1).num_tokens == 70 + 12 and paged_target.table(0).blocks == []

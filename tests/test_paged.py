@@ -65,39 +65,62 @@ class RefPool:
 class RefTable:
     def __init__(self, pool, tenant):
         self.pool, self.tenant, self.blocks, self.tokens = pool, tenant, [], []
+        self.offered = 0  # full blocks offered for registration so far (their tokens final and known)
 
     def from_prefix(self, tokens):
         self.blocks = self.pool.lookup(self.tenant, tokens)
         for b in self.blocks:
             self.pool.ref[b] += 1
         self.tokens = list(tokens[:len(self.blocks) * self.pool.bt])
+        self.offered = len(self.blocks)
 
-    def append(self, tokens):
+    def own(self, k):
+        p = self.pool
+        if k < len(self.blocks) and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None):
+            new = p.allocate()
+            p.decref(self.blocks[k])
+            old, self.blocks[k] = self.blocks[k], new
+            return [(old, new)]
+        return []
+
+    def append(self, tokens, tentative=False):
         p, bt, n = self.pool, self.pool.bt, len(self.tokens)
         k = n // bt
         shared = n < len(self.blocks) * bt and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None)
         need = math.ceil((n + len(tokens)) / bt) - len(self.blocks) + (1 if tokens and shared else 0)
         if need > p.available():
             raise PoolExhausted
-        copies = []
-        if tokens and shared:
-            new = p.allocate()
-            copies.append((self.blocks[k], new))
-            p.decref(self.blocks[k])
-            self.blocks[k] = new
+        copies = self.own(k) if tokens else []
         self.tokens += tokens
         while len(self.blocks) * bt < len(self.tokens):
             self.blocks.append(p.allocate())
-        for k in range(n // bt, len(self.tokens) // bt):  # the blocks this append filled
+        self.register((n if tentative else len(self.tokens)) // bt)
+        return copies
+
+    def register(self, full):  # a tentative append's blocks wait until final; an unknown id stops the chain
+        p, bt = self.pool, self.pool.bt
+        for k in range(self.offered, full):
+            if None in self.tokens[k * bt:(k + 1) * bt]:
+                return
             key = (self.tenant, tuple(self.tokens[:(k + 1) * bt]))
             b = self.blocks[k]
             if p.key[b] is None and p.find(key) is None:
                 p.key[b] = key
-        return copies
+            self.offered = k + 1
+
+    def drop(self, n):
+        p, keep = self.pool, len(self.tokens) - n
+        k = keep // p.bt
+        released = sum(1 for b in self.blocks[math.ceil(keep / p.bt):] if p.ref[b] == 1)
+        if keep % p.bt and (p.ref[self.blocks[k]] > 1 or p.key[self.blocks[k]] is not None) \
+                and p.available() + released < 1:
+            raise PoolExhausted
+        self.truncate(keep)
+        return self.own(keep // self.pool.bt) if keep % self.pool.bt else []
 
     def fork(self):
         other = RefTable(self.pool, self.tenant)
-        other.blocks, other.tokens = list(self.blocks), list(self.tokens)
+        other.blocks, other.tokens, other.offered = list(self.blocks), list(self.tokens), self.offered
         for b in self.blocks:
             self.pool.ref[b] += 1
         return other
@@ -107,6 +130,7 @@ class RefTable:
         for b in reversed(self.blocks[keep:]):
             self.pool.decref(b)
         del self.blocks[keep:], self.tokens[n:]
+        self.offered = min(self.offered, n // self.pool.bt)
 
 
 def check_invariants(pool: BlockPool, tables, content):
@@ -150,8 +174,8 @@ def test_random_operations_match_the_reference(seed):
     live: list[tuple[BlockTable, RefTable]] = []
     stems = [[rng.randrange(3) for _ in range(20)] for _ in range(3)]  # shared prefixes, divergent tails
     tenants = [None, None, "a", "b"]
-    hits = evicted = cows = 0
-    for step in range(400):
+    hits = evicted = cows = spec = 0
+    for step in range(500):
         op = rng.random()
         if op < 0.25 and len(live) < 6:  # a new sequence, from the cache's longest prefix
             tenant = rng.choice(tenants)
@@ -161,7 +185,7 @@ def test_random_operations_match_the_reference(seed):
             r.from_prefix(prompt)
             hits += len(t.blocks)
             live.append((t, r))
-        elif op < 0.6 and live:  # extend
+        elif op < 0.5 and live:  # extend
             t, r = rng.choice(live)
             extra = [rng.randrange(3) for _ in range(rng.randrange(1, 2 * bt + 2))]
             start = len(t.tokens)
@@ -174,6 +198,37 @@ def test_random_operations_match_the_reference(seed):
             assert copies == r.append(extra)
             cows += len(copies)
             write(content, t, start, copies)
+        elif op < 0.6 and live:  # a speculative step: unknown ids, some taken back, the rest named
+            t, r = rng.choice(live)
+            k, start = rng.randrange(1, bt + 2), len(t.tokens)
+            try:
+                copies = t.append([None] * k, tentative=True)
+            except PoolExhausted:
+                with pytest.raises(PoolExhausted):
+                    r.append([None] * k, tentative=True)
+                continue
+            assert copies == r.append([None] * k, tentative=True)
+            write(content, t, start, copies)
+            dropped = rng.randrange(k + 1)
+            copies = t.drop(dropped)
+            assert copies == r.drop(dropped)
+            write(content, t, len(t.tokens), copies)
+            ids = [rng.randrange(3) for _ in range(k - dropped)]
+            t.name_tokens(ids)
+            r.tokens[start:] = ids
+            write(content, t, start, [])  # (the rows there are now known to be those of `ids`)
+            spec += 1
+        elif op < 0.65 and live:  # a later trim: give back a tail
+            t, r = rng.choice(live)
+            dropped = rng.randrange(len(t.tokens) + 1)
+            try:
+                copies = t.drop(dropped)
+            except PoolExhausted:
+                with pytest.raises(PoolExhausted):
+                    r.drop(dropped)
+                continue
+            assert copies == r.drop(dropped)
+            write(content, t, len(t.tokens), copies)
         elif op < 0.7 and live:  # fork
             t, r = rng.choice(live)
             live.append((t.fork(), r.fork()))
@@ -194,7 +249,7 @@ def test_random_operations_match_the_reference(seed):
             assert (pool.digest(b) is not None) == (ref.key[b] is not None)
         check_invariants(pool, [t for t, _ in live], content)
     evicted = pool.evictions
-    assert hits and evicted and cows  # the run exercised sharing, reclaiming and copy on write
+    assert hits and evicted and cows and spec, (hits, evicted, cows, spec)  # sharing, reclaiming, copies, speculation
 
 
 def test_shared_prefix_is_stored_once_and_copied_only_where_written():
@@ -302,6 +357,18 @@ def small_model():
     return m.eval()
 
 
+def assert_slots_follow_tables(cache):
+    """Each sequence's slot map is what its table says, row by row (kept up to date incrementally)."""
+    bt = cache.pool.block_tokens
+    for rate, slots in cache._slots.items():
+        per_block, scratch = bt // rate, cache.pool.num_blocks * (bt // rate)
+        for b in range(cache.batch_size):
+            blocks = cache.table(b).blocks
+            want = [blocks[w // per_block] * per_block + w % per_block if w // per_block < len(blocks) else scratch
+                    for w in range(slots.shape[1] - 1)] + [scratch]  # (row C: always the scratch row)
+            assert slots[b].tolist() == want, (rate, b)
+
+
 class Pair:
     """The same operations on a static and a paged cache; every forward's logits compared bit
     for bit. Every attention and top-k call of the paged forwards must read the pool in place
@@ -354,6 +421,7 @@ class Pair:
             assert err <= self.atol, f"forward {self.forwards}: {err} from the reference"
         else:
             assert torch.equal(got, want), f"forward {self.forwards}: max diff {(got - want).abs().max()}"
+        assert_slots_follow_tables(self.paged)
         self.forwards += 1
 
     def run(self, ids, chunk):  # [B, T] in chunks, then returns
@@ -437,8 +505,9 @@ def test_two_sequences_share_a_prefix_and_stay_exact(small_model, kv_rows):
     assert [t.num_tokens for t in paged.tables] == paged.positions.tolist()
     with pytest.raises(ValueError, match="whole blocks"):
         paged.start_from_cache(1, [1, 2, 3], ck["paged"])
-    with pytest.raises(NotImplementedError, match="fork"):
-        paged.export_sequence(0)
+    for b in range(2):  # a paged sequence exports the static one's state: names, order, values
+        want, got = pair.static.export_sequence(b), paged.export_sequence(b)
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_triton_kernels_read_the_pool_in_place(small_model):
@@ -502,3 +571,119 @@ def test_a_tenant_finds_only_its_own_cached_blocks(small_model):
     tokens = ids[0].tolist()
     assert cache.pool.lookup(tokens, "alice") == a.blocks and cache.pool.lookup(tokens, "bob") == b.blocks
     assert cache.cached_tokens(tokens) == 0 and cache.cached_tokens(tokens, "carol") == 0
+
+
+# --------------------------------------------------------------------------- whole sequences
+def assert_same_state(got, want):
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_export_import_and_copy_round_trip_against_the_static_cache(small_model):
+    """A paged sequence exports what the static cache does after the same forwards; a state
+    imported (into this pool, another pool, or the static cache) continues bit for bit as the
+    static cache's import does; copies within a pool (across views of it too) share blocks."""
+    m, bt = small_model, 8
+    g = torch.Generator().manual_seed(3)
+    vocab = m.config.vocab_size
+    pair = Pair(m, 4, 120, block_tokens=bt, num_blocks=40)
+    static, paged = pair.static, pair.paged
+    pair.run(torch.randint(2, vocab, (4, 37), generator=g), chunk=11)  # 4 full blocks and 5 tokens
+    for b in range(4):
+        assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+    tokens0 = list(paged.table(0).tokens)
+    state0 = static.export_sequence(0, device="cpu")
+    # into this pool, with its tokens (their digests are taken by sequence 0's blocks: private copies)
+    static.import_sequence(3, state0)
+    paged.import_sequence(3, state0, tokens=tokens0)
+    assert set(paged.table(3).blocks).isdisjoint(paged.table(0).blocks)
+    # across views of one cache (a server's "resident" and "batch" caches): a fork, blocks shared
+    resident, batch = paged._view(0, 2), paged._view(2, 2)
+    batch.copy_sequence(0, 1, source=resident)   # global 2 <- global 1
+    static.copy_sequence(2, 1)
+    assert paged.table(2).blocks == paged.table(1).blocks
+    assert all(paged.pool.refcount(b) == 2 for b in paged.table(1).blocks)
+    pair.run(torch.randint(2, vocab, (4, 9), generator=g), chunk=9)
+    ck = {"static": static.take_checkpoint(1), "paged": resident.take_checkpoint(1)}
+    pair.run(torch.randint(2, vocab, (4, 6), generator=g), chunk=3)
+    static.branch_from_checkpoint(2, 1, ck["static"])
+    batch.branch_from_checkpoint(0, 1, ck["paged"], source=resident)
+    assert paged.table(2).blocks[:5] == paged.table(1).blocks[:5]
+    ids = torch.randint(2, vocab, (1, 6), generator=g)
+    with torch.inference_mode():
+        assert torch.equal(m(ids, paged.slot(2)), m(ids, static.slot(2)))
+    pair.run(torch.randint(2, vocab, (4, 5), generator=g), chunk=5)
+    for b in range(4):
+        assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+
+    # into another pool: with tokens its full blocks are found by a later prefix, without they stay private
+    n = int(static.positions[0])
+    state0, tokens0 = static.export_sequence(0), list(paged.table(0).tokens)
+    other = Pair(m, 2, 120, block_tokens=bt, num_blocks=20)
+    other.static.import_sequence(0, state0)
+    other.static.import_sequence(1, state0)
+    other.paged.import_sequence(0, state0, tokens=tokens0, tenant="t")
+    other.paged.copy_sequence(1, 0, source=static)  # from a static cache: export + import, private
+    pool = other.paged.pool
+    assert pool.lookup(tokens0, "t") == other.paged.table(0).blocks[:n // bt] and pool.lookup(tokens0) == []
+    assert all(pool.digest(b) is None for b in other.paged.table(1).blocks) and not other.paged.table(1).digests
+    assert_same_state(other.paged.export_sequence(1), state0)
+    other.run(torch.randint(2, vocab, (2, 12), generator=g), chunk=7)  # continued: equal to the static import's
+    ck = {"static": other.static.take_checkpoint(0), "paged": other.paged.take_checkpoint(0)}
+    other.run(torch.randint(2, vocab, (2, 8), generator=g), chunk=7)
+    assert not other.paged.table(1).digests  # (nor later: a digest would cover the unknown tokens)
+    # from a paged cache into a static one and into another pool: a copy, and a branch from a checkpoint
+    static.copy_sequence(3, 1, source=other.paged)
+    paged.copy_sequence(3, 1, source=other.paged)
+    static.branch_from_checkpoint(2, 0, ck["static"], source=other.paged)
+    paged.branch_from_checkpoint(2, 0, ck["paged"], source=other.paged)
+    assert int(paged.positions[2]) == int(ck["paged"]["position"]) < int(paged.positions[3])
+    ids = torch.randint(2, vocab, (1, 8), generator=g)  # sequence 2 alone, then with the others
+    with torch.inference_mode():
+        assert torch.equal(m(ids, paged.slot(2)), m(ids, static.slot(2)))
+    pair.run(torch.randint(2, vocab, (4, 4), generator=g), chunk=4)
+    for b in range(4):
+        assert_same_state(paged.export_sequence(b), static.export_sequence(b))
+    assert_slots_follow_tables(other.paged)
+
+
+def test_pool_exhausted_changes_nothing(small_model):
+    """`append_tokens` and `import_sequence` check the whole need before taking a block: a
+    refusal leaves every table and the pool as they were. `blocks_needed` counts a shared block
+    written by several sequences of the batch exactly (copied by all but the last writer)."""
+    m, bt = small_model, 8
+    cache = PagedDS4Cache(m.config, 3, 64, block_tokens=bt, num_blocks=7)
+    ids = torch.randint(2, m.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        m(ids, cache.slot(0))                  # 2 blocks, the second partial
+    cache.fork(1, 0)
+    cache.fork(2, 0)                            # three tables share both blocks
+    pool = cache.pool
+
+    def snapshot():
+        return ([(list(t.blocks), list(t.tokens), list(t.digests)) for t in cache.tables],
+                pool.free_blocks(), pool.cached_blocks(), [pool.refcount(b) for b in range(pool.num_blocks)])
+
+    # one token each: the partial block is copied twice; the last writer keeps it
+    assert cache.blocks_needed(1) == 2 and cache.blocks_needed(1, n=1) == 1
+    # 5 tokens each: each sequence also grows into a new block
+    assert cache.blocks_needed(5) == 2 + 3
+    assert cache.blocks_needed([0, 5, 1]) == 1 + 2  # (sequence 0 still holds the shared block: both writers copy)
+    before = snapshot()
+    with pytest.raises(PoolExhausted):
+        cache.append_tokens(torch.ones(3, 13, dtype=torch.long))  # 2 copies + 6 new blocks > 5 available
+    assert snapshot() == before
+    state = cache.export_sequence(0)
+    big = DS4Cache(m.config, 1, 64)
+    with torch.inference_mode():
+        m(torch.ones(1, 60, dtype=torch.long), big)
+    with pytest.raises(PoolExhausted):
+        cache.import_sequence(2, big.export_sequence(0))  # 8 blocks; 5 free (+0: its table's are shared)
+    assert snapshot() == before
+    with pytest.raises(ValueError, match="tokens"):
+        cache.import_sequence(2, state, tokens=[1, 2, 3])
+    assert snapshot() == before
+    assert cache.blocks_needed(5) == pool.num_available == 5
+    cache.append_tokens(torch.ones(3, 5, dtype=torch.long))  # exactly what is available: fits
+    assert pool.num_available == 0 and len({b for t in cache.tables for b in t.blocks}) == 1 + 3 + 3

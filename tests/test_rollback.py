@@ -114,3 +114,69 @@ def test_mtp_cache_rolls_back_and_a_chain_of_one_token_forwards_unwinds(model):
         for u in reversed(undos):
             u.apply(torch.zeros(B, dtype=torch.long))
         assert_same(canonical(cache, mtp=True), before)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("T", [2, 4])
+def test_a_paged_cache_rolls_back_as_the_static_one(model, T):
+    """The same forwards with undo and applies over a static and a paged cache (blocks of 6
+    tokens: steps cross them) leave the same states bit for bit, the tables holding exactly the
+    kept tokens; a later apply (a trim) after the sequence was forked, which shares the block the
+    cleared rows are in, leaves the fork as it was; the kept tokens' blocks are registered once
+    final."""
+    from ds4_torch.paged import PagedDS4Cache
+    from test_paged import assert_slots_follow_tables
+
+    g = torch.Generator().manual_seed(10 + T)
+    B, ctx, bt = 3, 60, 6
+    static, paged = model.new_cache(B, ctx), PagedDS4Cache(model.config, B, ctx, block_tokens=bt)
+    prompt = torch.randint(0, 64, (B, 7), generator=g)
+    history = prompt.tolist()
+    for c in (static, paged):
+        model(prompt, c)
+    copied_and_cleared = 0
+
+    def same():
+        assert paged.positions.tolist() == static.positions.tolist() == [len(h) for h in history]
+        assert_slots_follow_tables(paged)
+        for b in range(B):
+            assert paged.table(b).tokens == history[b]
+            got, want = paged.export_sequence(b), static.export_sequence(b)
+            assert all(torch.equal(got[k], want[k]) for k in want), b
+
+    for step in range(8):
+        new = torch.randint(0, 64, (B, T), generator=g)
+        keep = torch.tensor([(step + b) % (T + 1) for b in range(B)])
+        undo, before = {}, [len(h) for h in history]
+        for c in (static, paged):
+            c.take_tokens(new, tentative=True)
+            undo[c] = Rollback()
+            model._forward(new, c, logits_to_keep=1, undo=undo[c])
+            undo[c].apply(keep)
+        for b in range(B):
+            k = int(keep[b])
+            paged.drop_tokens(b, T - k)
+            paged.name_tokens(b, new[b, :k].tolist())
+            history[b] += new[b, :k].tolist()
+            # registered: the blocks full before the step (final), not those it filled (a trim may clear rows there)
+            assert len(paged.table(b).digests) == before[b] // bt
+        same()
+        if int(keep[0]) and step % 2:  # sequence 2 becomes a fork of 0, then 0 gives back its last token
+            for c in (static, paged):
+                c.copy_sequence(2, 0)
+            history[2] = list(history[0])
+            trim = torch.tensor([int(keep[0]) - 1, -1, -1])
+            paged.drop_tokens(0, 1)
+            n = len(history[0]) - 1
+            if n % bt:  # the block it now ends in was the fork's too: copied, so the apply clears only its own
+                assert paged.table(0).blocks[-1] != paged.table(2).blocks[-1]
+                copied_and_cleared += (n + 1) % 2 == 0 or (n + 1) % 3 == 0  # the dropped token closed a row
+            for c in (static, paged):
+                undo[c].apply(trim)
+            history[0].pop()
+            same()
+    assert copied_and_cleared
+    for b in range(B):
+        paged.commit_tokens(b)  # the tokens are final: every full block registered
+        assert len(paged.table(b).digests) == len(history[b]) // bt
+    assert len(paged.pool.lookup(history[1])) == len(history[1]) // bt

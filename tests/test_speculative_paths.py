@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch.cache import Rollback
 from ds4_torch.decode import CompiledForwards, GraphForwards, make_decoder, prefill
+from ds4_torch.paged import PagedDS4Cache
 from ds4_torch.sampling import BatchSampler, SamplingParams
 from ds4_torch.speculative import Speculator
 from oracle import randomise
@@ -36,12 +37,14 @@ def truth(model):
     return [plain_decode(model, p, NEW) for p in PROMPTS]
 
 
-def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut=True):
+def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut=True, paged=False):
     """Greedy speculation of every prompt in one batch: per prompt, its first `new` tokens and
     the fp32 logits each came from; and the speculator (stats, forwards). `cut`: the last steps
-    draft fewer tokens to stop at `new` (else every step drafts n, and the extra is dropped)."""
+    draft fewer tokens to stop at `new` (else every step drafts n, and the extra is dropped).
+    `paged`: over a `PagedDS4Cache` of 6-token blocks."""
     B = len(prompts)
-    cache = model.new_cache(B, max(map(len, prompts)) + new + 2 * n + 2)
+    ctx = max(map(len, prompts)) + new + 2 * n + 2
+    cache = PagedDS4Cache(model.config, B, ctx, block_tokens=6) if paged else model.new_cache(B, ctx)
     sampler = BatchSampler(B, model.config.vocab_size, model.device)
     for b in range(B):
         sampler.admit(b, SamplingParams())
@@ -131,6 +134,19 @@ def test_compiled_batch_is_plain_greedy_without_graph_breaks(model, truth, n):
     check(truth, tokens, rows)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 3
+
+
+@torch.no_grad()
+def test_compiled_batch_over_a_paged_cache_is_the_static_ones(model, truth):
+    """The compiled forwards over a paged cache: the static cache's tokens and logits, bit for bit."""
+    torch._dynamo.reset()
+    counters.clear()
+    runs = [speculate_batch(model, PROMPTS, 2, cut=False, paged=paged, new=30,
+                            forwards=lambda cache: CompiledForwards(model, cache, backend="aot_eager"))
+            for paged in (False, True)]
+    check([(tokens[:30], rows[:30]) for tokens, rows in truth], *runs[1][:2])
+    assert runs[1][0] == runs[0][0] and all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[0][1]))
+    assert not counters["graph_break"]
 
 
 @torch.no_grad()
