@@ -202,8 +202,7 @@ class Engine:
         self.output = Output(tokenizer, self.metrics, wake=self.scheduler.wake)
         self._handed: list = []     # this iteration's records for the output part, handed over at its end
         # The loop's own parts (they are handed the parts above, and the engine's ends of a request).
-        self.in_flight = InFlight(self.runner, self.sessions, self.scheduler, self.metrics, max_batch=max_batch,
-                                  draft_tokens=speculative_tokens)
+        self.in_flight = InFlight(self.runner, self.sessions, self.scheduler, self.metrics, max_batch=max_batch)
         self.recovery = Recovery(self.runner, self.sessions, self.scheduler, self.in_flight, self.metrics,
                                  peers=peers, answer=self._answer)
         self.decoding = Decoding(self.runner, self.sessions, self.in_flight, self.metrics, ctx=self.ctx, eos_ids=eos,

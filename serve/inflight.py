@@ -24,10 +24,9 @@ log = logging.getLogger("ds4.serve")
 
 
 class InFlight:
-    def __init__(self, runner, sessions, scheduler, metrics, *, max_batch: int, draft_tokens: int = 0):
+    def __init__(self, runner, sessions, scheduler, metrics, *, max_batch: int):
         self.runner, self.sessions, self.scheduler, self.metrics = runner, sessions, scheduler, metrics
         self.max_batch = max_batch
-        self.draft_tokens = draft_tokens
         self.running: list[GenRequest] = []      # decoding; running[i].decode_slot == i
         self.prefilling: GenRequest | None = None
         self.pool_short = False  # this iteration's decode step had to preempt: admit no one
@@ -95,10 +94,8 @@ class InFlight:
         from the requests that joined the batch last (preempted: set aside and resumed from what
         they had sent, as a retry is); the longest-running keep going."""
         self.pool_short = False
-        tokens = 1 + self.draft_tokens
-        batch = self.runner.batch
         while self.running:
-            need = sum(batch.table(r.decode_slot).blocks_needed(tokens) for r in self.running)
+            need = self.runner.blocks_for_step(len(self.running))
             keep = [r.session for r in self.running]
             if self.sessions.make_room(need, keep):
                 return

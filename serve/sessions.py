@@ -437,6 +437,8 @@ class Sessions:
         """Bring `tenant`'s stored state of `seq` into `session`'s clean slot: `loaded` (what the
         reader thread read: `KVStore.load`, False for a miss) is only copied in; without it the
         store reads here."""
+        stored = self._stored_prefix(seq, tenant)  # its blocks, made room for (as a prefill chunk would be)
+        self.make_room(-(-stored // self.replica.pool.block_tokens) + 1, keep=(session,))
         try:
             slot = self.replica.resident.slot(session.slot)
             if loaded is None:
