@@ -131,12 +131,14 @@ def test_a_prompt_longer_than_the_pool_holds_for_one_request_is_a_400(model, blo
         check_replies(model, [prompt_ids(100, 5)], [ok], 4)
 
 
-def test_running_requests_that_outgrow_the_pool_are_preempted_and_resumed(model, block_mb):
+@pytest.mark.parametrize("draft_tokens", [0, 2])
+def test_running_requests_that_outgrow_the_pool_are_preempted_and_resumed(model, block_mb, draft_tokens):
     """Four requests of 60 + 120 tokens at once into 16 blocks (512 tokens): together they need
     24. Some are set aside and resumed from what they had sent; every reply is complete and
-    exactly its own, and nothing fails."""
+    exactly its own, and nothing fails; speculating too (verify steps take 3 tokens tentatively)."""
     prompts = [prompt_ids(60, 50 + i) for i in range(4)]
-    with server(model, max_batch=4, max_sessions=4, kv_cache_mb=16 * block_mb) as srv:
+    with server(model, max_batch=4, max_sessions=4, kv_cache_mb=16 * block_mb,
+                speculative_tokens=draft_tokens) as srv:
         replies = concurrently(lambda ids: complete(srv, ids, 120), [(p,) for p in prompts])
         check_replies(model, prompts, replies, 120)
         assert metric(srv, "ds4_preemptions_total") >= 1
