@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=positive_int, default=None,
                    help="conversations kept resident in memory: each holds KV blocks for its tokens (what the pool "
                         "cannot hold leaves, least recently used first, to --kv-disk-dir when set) and a slot of its "
-                        "own (window ring, open windows: sized by the model, not --ctx) (default max(--max-batch, "
+                        "own (window ring and open windows, sized by the model; a slot map of 8 bytes per compressed row of --ctx) "
+                        "(default max(--max-batch, "
                         "16); the cache memory is logged at start)")
     p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
