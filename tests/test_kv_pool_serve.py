@@ -29,11 +29,11 @@ def block_mb(model):
 
 
 @contextlib.contextmanager
-def server(model, **config):
+def server(model, kv_store=None, **config):
     config.setdefault("ctx", 512)
     config.setdefault("prefill_chunk", 64)
     config.setdefault("kv_block_tokens", BT)
-    app = create_app(model, default_tokenizer(), ServerConfig(**config))
+    app = create_app(model, default_tokenizer(), ServerConfig(**config), kv_store=kv_store)
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -117,6 +117,27 @@ def test_idle_sessions_leave_when_the_pool_is_short(model, block_mb):
         again = complete(srv, prompts[0], 8)
         check_replies(model, prompts[:1], [again], 8)
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_idle_sessions_the_pool_cannot_hold_go_to_disk_and_come_back(model, block_mb, tmp_path):
+    """With a disk store, a conversation the pool pushed out is snapshotted first: its follow-up
+    restores it (all of the first turn reused) and answers as a fresh server would."""
+    from serve.kvstore import KVStore
+
+    store = KVStore(tmp_path / "kv", 64, model, ctx=512, min_tokens=1)
+    prompts = [prompt_ids(200, 70 + i) for i in range(4)]
+    with server(model, kv_store=store, max_sessions=8, kv_cache_mb=24 * block_mb) as srv:
+        replies = [complete(srv, p, 8) for p in prompts]
+        check_replies(model, prompts, replies, 8)
+        assert metric(srv, "ds4_session_evictions_total") >= 1
+        engine = srv.app.state.engine
+        assert not any(t[:200] == prompts[0] for t in engine.resident_tokens())  # the first one left
+        engine.flush_snapshots()
+        follow_up = prompts[0] + replies[0].json()["choices"][0]["token_ids"] + prompt_ids(6, 90)
+        again = complete(srv, follow_up, 6)
+        check_replies(model, [follow_up], [again], 6)
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 200 + 7  # from disk
+        assert store.counts.hits >= 1
 
 
 def test_a_prompt_longer_than_the_pool_holds_for_one_request_is_a_400(model, block_mb):
