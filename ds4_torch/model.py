@@ -398,7 +398,9 @@ class Indexer(Compressor):
         capacity = state.capacity if rows is None else rows
         topk = ops.indexer_topk if self.sharded_topk is None else self.sharded_topk
         rows, slots = state.kernel_rows(capacity)  # a paged cache's pool and slots: no gather
-        return topk(q, head_weights, rows, start, self.rate, self.topk, slots)
+        # (the pool's slots only for a paged cache: ops written before paging take dense rows alone)
+        return (topk(q, head_weights, rows, start, self.rate, self.topk) if slots is None else
+                topk(q, head_weights, rows, start, self.rate, self.topk, slots))
 
     def distillation_loss(self, state, x, q_residual, start, rope, attn_q, comp, scale: float):
         """KL(main attention over the visible compressed rows || softmax of the indexer's scores),
@@ -496,7 +498,8 @@ class Attention(nn.Module):
                     dense = comp if comp_slots is None else layer_cache.compressor.visible(plan.row_limits[rate])
                     indexer.distillation_losses.append(indexer.distillation_loss(
                         layer_cache.indexer, x_i, q_residual_i, plan.start, rope, q, dense, self.scale))
-        out = ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale, comp_slots)
+        out = (ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale) if comp_slots is None
+               else ops.attention(q, ring, kv, plan.start, comp, comp_sel, rate, self.sinks, self.scale, comp_slots))
         out = rotate(out, plan.rope_inverse[self.kind])  # undo the rotation values carried (K == V)
         plan.write_ring(ring, kv)
 

@@ -22,6 +22,9 @@ class FakeCache:
     def narrow(self, n):
         return self
 
+    def take_tokens(self, input_ids):  # rows reserved: nothing to take (a paged cache takes blocks)
+        pass
+
     def check_usable(self, n=None):
         assert not self.invalid
 

@@ -323,9 +323,17 @@ class MirrorPeers:
 
 
 def assert_same_caches(lead, follower):
+    from helpers import held_state
+
+    # every sequence's state (a free block's stale rows are nobody's: the pool's raw tensors may differ there)
     for name in ("resident", "batch"):
-        mine, theirs = getattr(lead, name).tensors(), getattr(follower, name).tensors()
-        assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), name
+        for i in range(getattr(lead, name).batch_size):
+            mine, theirs = held_state(getattr(lead, name), i), held_state(getattr(follower, name), i)
+            assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), (name, i)
+    # the ranks' KV pools: the same block tables, holding the same blocks as often
+    assert [(t.blocks, t.tokens) for t in lead.kv.all_tables] == [(t.blocks, t.tokens) for t in follower.kv.all_tables]
+    counts = [[p.refcount(b) for b in range(p.num_blocks)] for p in (lead.pool, follower.pool)]
+    assert counts[0] == counts[1] and sum(counts[0]) > 0
 
 
 def test_every_cache_operation_reaches_the_followers(tmp_path):
