@@ -188,7 +188,7 @@ def _ask(client, messages, n: int, **kw) -> list:
 def chat_eval(model_dir: Path, quick: bool = False) -> dict:
     """The plain-prompt and weather tables through the real server, and the model's raw output."""
     import openai
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     from ds4_torch.generation import generate

@@ -10,9 +10,9 @@ import sys
 from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, non_negative_int, positive_float,
                                positive_int, resolve_device)
 
-from .setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
+from serve.core.setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
                     REPLAY_SHARE, _api_key, attach_kv_store, choose_kv_pool, load, load_api_side)  # (imported from here)
-from .wire import BACKLOG_MB
+from serve.core.wire import BACKLOG_MB
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
@@ -126,7 +126,7 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
-    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.tp)."""
+    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.core.tp)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
@@ -144,7 +144,7 @@ def run_tensor_parallel(args) -> int:
 
     from ds4_torch.parallel import init_tensor_parallel
 
-    from . import tp as tensor_parallel
+    from serve.core import tp as tensor_parallel
 
     timeout = args.tp_timeout or tensor_parallel.DEFAULT_TIMEOUT_S
     try:  # the group first, with our timeout: loading joins it
@@ -168,13 +168,13 @@ def run_tensor_parallel(args) -> int:
 
 def serve(args, model, tokenizer, config, peers=None) -> int:
     """Serve `model` until interrupted; 0, or 3 when the server could not start (uvicorn's code).
-    `peers` (a serve.tp.Lead): the other ranks of a tensor-parallel group; when they fail the
+    `peers` (a serve.core.tp.Lead): the other ranks of a tensor-parallel group; when they fail the
     server ends (status 1)."""
     import uvicorn
 
-    from .app import HTTP_PARSER, create_app
+    from serve.http.app import HTTP_PARSER, create_app
 
-    from .replay import ReplayStore
+    from serve.http.replay import ReplayStore
 
     # Exact-replay records go to the KV directory only once its lock is this process's.
     app = create_app(model, tokenizer, config, peers=peers, replay=ReplayStore())
@@ -188,7 +188,7 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                           access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
     if peers is not None:
-        from .tp import EXIT_GRACE_S, exit_soon
+        from serve.core.tp import EXIT_GRACE_S, exit_soon
 
         def end(reason: str) -> None:  # called by the engine's worker once every request has its 503
             server.should_exit = True
@@ -209,14 +209,14 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
 
 
 def serve_with_core(args) -> int:
-    """Serve with the engine core in a process of its own (serve.core): this process loads only
+    """Serve with the engine core in a process of its own (serve.core.process): this process loads only
     the tokenizer and runs the HTTP side; with `--api-servers N`, N - 1 more API processes
-    (serve.api_process) answer on the same port (SO_REUSEPORT), each with its own connection to
+    (serve.core.api_process) answer on the same port (SO_REUSEPORT), each with its own connection to
     the core. 0 after a clean shutdown (Ctrl-C, SIGTERM: the other API processes drain, then the
     core, which saves the conversations), 1 when the core died (every open request answered 503),
     2 when it refused the flags, 3 when the server could not start."""
-    from .api_process import connect_core, run_api_server
-    from .core import spawn_core
+    from serve.core.api_process import connect_core, run_api_server
+    from serve.core.process import spawn_core
 
     tokenizer, model_config = load_api_side(args)
     core = spawn_core(args)
@@ -228,7 +228,7 @@ def serve_with_core(args) -> int:
     sock = None
     workers: list = []
     if args.api_servers > 1:
-        from .api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
+        from serve.core.api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
 
         sock = reuse_port_socket(args.host, args.port)
         port = sock.getsockname()[1]
@@ -249,8 +249,8 @@ def serve_with_core(args) -> int:
 
 
 def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
-    """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.tp),
-    and `--api-servers` API processes (serve.api_process, its children) answer HTTP, on one port
+    """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.core.tp),
+    and `--api-servers` API processes (serve.core.api_process, its children) answer HTTP, on one port
     (SO_REUSEPORT) when there are several. SIGINT or SIGTERM: the other API processes drain, then
     the first, which drains the core (the other ranks are told to stop), then this process exits
     (by SIGTERM again, as uvicorn does); the group failing: 503s, status 1; the first API process
@@ -260,10 +260,10 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     import threading
     from multiprocessing.connection import Listener
 
-    from .api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
-    from .core import CoreProcess, EngineCore, new_address
-    from .engine import Engine
-    from .tp import EXIT_GRACE_S, exit_soon
+    from serve.core.api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
+    from serve.core.process import CoreProcess, EngineCore, new_address
+    from serve.engine.loop import Engine
+    from serve.core.tp import EXIT_GRACE_S, exit_soon
 
     engine = Engine.from_config(model, tokenizer, config, peers=lead)
     store = attach_kv_store(engine, args)

@@ -70,7 +70,7 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
                  prefill_chunk: int, memory_mb: float) -> dict:
     import httpx
 
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     system = _text(tokenizer, system_tokens, 0)

@@ -21,7 +21,7 @@ from .agents import _text
 
 
 def _server(model, tokenizer, *, ctx: int, kv_cache_mb: float, chats: int, prefill_chunk: int):
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=prefill_chunk, max_batch=chats,

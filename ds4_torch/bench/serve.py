@@ -172,7 +172,7 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     process): what the engine and its output thread give alone."""
     import threading
 
-    from serve.sequence import GenRequest
+    from serve.engine.sequence import GenRequest
 
     stamps: list[list[float]] = [[] for _ in prompts]
     left, done, lock = [len(prompts)], threading.Event(), threading.Lock()
@@ -403,7 +403,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
     engine core process) through every client count: its table printed, its rows."""
     import os
 
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=args.prefill_chunk,
@@ -413,8 +413,8 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                           speculative_policy=args.speculative_policy)
     core = None
     if engine_core == "process":
-        from serve.client import CoreClient
-        from serve.core import spawn_core
+        from serve.core.client import CoreClient
+        from serve.core.process import spawn_core
 
         threads = str(torch.get_num_threads())  # the core's model runs on as many threads as this one's
         saved, os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS"), threads

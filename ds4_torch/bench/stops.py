@@ -1,4 +1,4 @@
-"""`ds4-torch bench stops`: the stop-string matcher (`serve.stops`) against the plain scan it replaced.
+"""`ds4-torch bench stops`: the stop-string matcher (`serve.engine.stops`) against the plain scan it replaced.
 
 1. The matcher alone: microseconds per token (a 4-character piece, the nodes the automaton makes
    on the way included) and its steps per character, for stops of 10, 100 and 1,000 characters,
@@ -63,7 +63,7 @@ class _Naive:
 def matcher_table(lengths=(10, 100, 1000), counts=(1, 16, 64), tokens: int = 500) -> list[dict]:
     """Per cell: the automaton's microseconds per token (its nodes made on the way included) and
     steps per character, and the plain scan's microseconds per token, over the same tokens."""
-    from serve.stops import StopMatcher
+    from serve.engine.stops import StopMatcher
 
     rows = []
     for length in lengths:
@@ -110,9 +110,9 @@ def _gap_ms(stamps: list[float]) -> float:
 def gap_table(tokens: int, beside_tokens: int) -> list[dict]:
     import httpx
 
-    import serve.output
+    import serve.engine.output
     from ds4_torch.default_model import build_default_model, default_tokenizer
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     app = create_app(build_default_model(), default_tokenizer(), ServerConfig(model_name="bench", ctx=4096))
@@ -129,9 +129,9 @@ def gap_table(tokens: int, beside_tokens: int) -> list[dict]:
         prompt = "Now is the winter of our discontent"
         alone = _gap_ms(_stream(srv.url, prompt, tokens))
         for name, side_stops in (("no stops", None), ("automaton", stops), ("plain scan", stops)):
-            real = serve.output.StopMatcher
+            real = serve.engine.output.StopMatcher
             if name == "plain scan":
-                serve.output.StopMatcher = _Naive
+                serve.engine.output.StopMatcher = _Naive
             output = app.state.engine.output
             cpu0 = output.cpu_s
             try:
@@ -141,7 +141,7 @@ def gap_table(tokens: int, beside_tokens: int) -> list[dict]:
                 beside = _gap_ms(_stream(srv.url, prompt, tokens))
                 side.join()
             finally:
-                serve.output.StopMatcher = real
+                serve.engine.output.StopMatcher = real
             output.flush(10)
             rows.append({"beside": name, "gap_alone_ms": alone, "gap_beside_ms": beside, "ratio": beside / alone,
                          "output_us_per_token": 1e6 * (output.cpu_s - cpu0) / (tokens + beside_tokens),
