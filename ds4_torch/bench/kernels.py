@@ -65,7 +65,7 @@ def _cases(context: int, dtype, device, g):
             keys_read = WINDOW + visible
             fn = (lambda comp=comp: tk.attention(q, ring, new, start, comp, None, rate, sinks, scale))
             extra = 0
-        splits = _splits(tk, q, keys_read if kind == "HCA" else WINDOW + TOPK, device)
+        splits = _splits(tk, q, keys_read if kind == "HCA" else WINDOW + TOPK)
         partials = splits * HEADS * (HEAD_DIM + 1) * 4 * 2  # written by the partial kernel, read by the merge
         nbytes = (2 * HEADS * HEAD_DIM + keys_read * HEAD_DIM) * s + extra + partials
         out.append((f"attention {kind}", fn, nbytes))
@@ -94,10 +94,10 @@ def _cases(context: int, dtype, device, g):
     return out
 
 
-def _splits(tk, q, keys, device) -> int:
+def _splits(tk, q, keys) -> int:
     """The split count the attention launcher picks (each split writes a partial output)."""
     config = tk.attention_config(HEADS, HEAD_DIM, q.dtype)
-    return tk.attention_num_splits(math.ceil(HEADS / config["BLOCK_H"]), math.ceil(keys / config["BLOCK_N"]), device)
+    return tk.attention_num_splits(tk.attention_max_splits(q.shape[1]), math.ceil(keys / config["BLOCK_N"]))
 
 
 def run(contexts=(65536, 262144), dtypes=(torch.bfloat16,), csv_path=None) -> list[dict]:

@@ -18,10 +18,16 @@ K picks per query, L = K for CSA else C):
   writes a partial output plus its log-sum-exp (flash-decoding). T == 1 is decode, T > 1 is
   prefill: the same kernel, because the key list above is already per query (a CSA query has
   its own selection, so queries cannot share compressed tiles anyway).
+  Batch invariance: where a query's splits begin is a function of that query alone (its own
+  key count n_keys and the forward's T): each split takes bps = max(MIN_BLOCKS_PER_SPLIT,
+  cdiv(cdiv(n_keys, BLOCK_N), max_splits)) key blocks, max_splits = `attention_max_splits(T)`;
+  splits past its keys are empty. So the same query gives the same bits alone and beside any
+  other rows (whose positions and capacities only change how many empty splits the launch has).
   Launch sizes depend only on capacities (W, C or K, B, T, H), never on positions: `start` is
   read inside the kernel, visibility is a mask, and HCA stops at the last visible row with a
   device-side bound. The same launch is valid at every decode step (CUDA-graph friendly).
-- `_attention_merge_kernel`, grid (B*T, H): merges the splits and adds the per-head sink logit
+- `_attention_merge_kernel`, grid (B*T, H): merges the splits, in split order (an empty split
+  adds an exact 0, so the count of empty ones changes no bit), and adds the per-head sink logit
   to the denominator.
 - `_compress_rows_kernel`, grid (B*J,): per-channel online softmax over the S slots of `gate`,
   weights on `kv`, RMSNorm, interleaved RoPE on the last R channels, all fused. Channels are
@@ -54,7 +60,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attention_partial_kernel(
     q_ptr, ring_ptr, chunk_ptr, start_ptr, comp_ptr, sel_ptr, slots_ptr, o_ptr, lse_ptr,
-    T, H, D, W, C, L, rate, scale_log2e, blocks_per_split,
+    T, H, D, W, C, L, rate, scale_log2e, max_splits,
     s_qb, s_qt, s_qh,  # q [B, T, H, D]
     s_rb, s_rw,  # ring [B, W, D]
     s_cb, s_ct,  # chunk_kv [B, T, D]
@@ -63,7 +69,7 @@ def _attention_partial_kernel(
     s_pb, s_pw,  # comp_slots [B, C] (paged only)
     s_os, s_oh,  # partial o [B*T, S, H, D] (query stride = S * s_os)
     HAS_SEL: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr, KEY_OFFSET: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_BLOCKS: tl.constexpr,
 ):
     pid_q, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_splits = tl.num_programs(2)
@@ -86,6 +92,8 @@ def _attention_partial_kernel(
         n_keys = W + L  # every listed entry may be visible: mask them one by one
     else:
         n_keys = W + tl.minimum(L, n_visible)  # HCA: rows past the visible count are never read
+    # This query's own split of its keys (see the module docstring): nothing of the batch.
+    blocks_per_split = tl.maximum(MIN_BLOCKS, tl.cdiv(tl.cdiv(n_keys, BLOCK_N), max_splits))
     lo = pid_s * blocks_per_split * BLOCK_N
     hi = tl.minimum(lo + blocks_per_split * BLOCK_N, n_keys)
 
@@ -149,17 +157,20 @@ def _attention_merge_kernel(
     smask = splits < n_splits
     lse = tl.load(lse_ptr + (pid_q.to(tl.int64) * n_splits + splits) * H + h, mask=smask, other=float("-inf"))
     sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # LOG2E; the sink logit is not scaled
-    m = tl.maximum(tl.max(lse, axis=0), sink)  # finite: the sink always takes part
-    denom = tl.sum(tl.exp2(lse - m), axis=0) + tl.exp2(sink - m)  # empty splits add 0
+    m = tl.maximum(tl.max(lse, axis=0), sink)  # finite: the sink always takes part (a max is exact)
 
     dims = tl.arange(0, BLOCK_D)
     dmask = dims < D
     out = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(n_splits):  # one split at a time: a [splits, D] tile would not fit in registers
+    denom = 0.0
+    # One split at a time, in order (a [splits, D] tile would not fit in registers; a tree sum's
+    # order would follow the launch's split count): an empty split adds exactly 0 to both sums.
+    for s in range(n_splits):
         w = tl.exp2(tl.load(lse_ptr + (pid_q.to(tl.int64) * n_splits + s) * H + h) - m)
         o = tl.load(o_ptr + (pid_q.to(tl.int64) * n_splits + s) * s_os + h * s_oh + dims, mask=dmask, other=0.0)
+        denom += w
         out += w * o
-    out = out / denom
+    out = out / (denom + tl.exp2(sink - m))
     tl.store(out_ptr + pid_q.to(tl.int64) * s_ob + h * s_oh_out + dims, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
@@ -262,7 +273,10 @@ def _indexer_keys_kernel(
 # True when the decorators above produced interpreter functions (TRITON_INTERPRET=1 at import).
 INTERPRETED = not isinstance(_attention_partial_kernel, triton.runtime.JITFunction)
 MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than this costs more in merging than it saves
-INTERPRETER_SM_COUNT = 4  # stands in for the SM count when there is no GPU
+# A forward of T queries splits each query's keys into at most max(1, SPLIT_BUDGET // T) parts:
+# decode (T = 1) up to 16, which fills a GPU at long context even for one sequence; a prefill
+# chunk none (its many queries fill it). A function of T alone: batch invariant.
+SPLIT_BUDGET = 16
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -282,12 +296,6 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _sm_count(device) -> int:
-    if device.type == "cuda" and not INTERPRETED:
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return INTERPRETER_SM_COUNT
-
-
 def attention_config(H: int, D: int, dtype: torch.dtype) -> dict:
     """Block sizes and warps of the partial kernel. Wide heads (D >= 256, V4-Flash has 512) take
     16-head blocks (the smallest M of a tensor-core dot) and 8 warps: 153 registers, no spills at
@@ -303,17 +311,23 @@ def attention_config(H: int, D: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=block_d, num_warps=8)
 
 
-def attention_num_splits(programs: int, key_blocks: int, device) -> int:
-    """Splits of each query's key list: enough programs to fill the GPU twice, each split at
-    least MIN_BLOCKS_PER_SPLIT key blocks. Depends on capacities only (CUDA-graph safe)."""
-    want = triton.cdiv(2 * _sm_count(device), programs)
-    return max(1, min(want, triton.cdiv(key_blocks, MIN_BLOCKS_PER_SPLIT)))
+def attention_max_splits(T: int) -> int:
+    """The most parts a query of a forward of T queries splits its keys into."""
+    return max(1, SPLIT_BUDGET // T)
+
+
+def attention_num_splits(max_splits: int, key_blocks: int) -> int:
+    """The launch's splits for queries of at most `key_blocks` key blocks (the capacity), each
+    split at most `max_splits` ways: the most any of them uses (each query's own split is
+    computed in the kernel, see the module docstring). Depends on capacities only (CUDA-graph
+    safe)."""
+    return max(1, min(max_splits, triton.cdiv(key_blocks, MIN_BLOCKS_PER_SPLIT)))
 
 
 def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale: float, comp_slots=None,
               num_splits=None):
     """Triton version of `reference.attention` (same arguments; `comp_slots`: `comp` is a paged
-    pool, read in place); `num_splits` forces the split count (tests)."""
+    pool, read in place); `num_splits` forces the most splits of a query's keys (tests)."""
     B, T, H, D = q.shape
     paged = comp_slots is not None
     W, C = ring.shape[1], (comp_slots if paged else comp).shape[1]
@@ -328,8 +342,8 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     config = attention_config(H, D, q.dtype)
     head_blocks = triton.cdiv(H, config["BLOCK_H"])
     key_blocks = triton.cdiv(W + L, config["BLOCK_N"])
-    splits = num_splits or attention_num_splits(B * T * head_blocks, key_blocks, q.device)
-    blocks_per_split = triton.cdiv(key_blocks, splits)
+    max_splits = num_splits or attention_max_splits(T)
+    splits = attention_num_splits(max_splits, key_blocks)
 
     # A pool's rows are [P, D] with no batch stride; its slots are read where the rows were.
     comp_strides = (0, comp.stride(0)) if paged else (comp.stride(0), comp.stride(1))
@@ -347,7 +361,7 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
         return out
     _attention_partial_kernel[(B * T, head_blocks, splits)](
         q, ring, chunk_kv, start, comp, sel, slots, o, lse,
-        T, H, D, W, C, L, max(rate, 1), scale * LOG2E, blocks_per_split,
+        T, H, D, W, C, L, max(rate, 1), scale * LOG2E, max_splits,
         q.stride(0), q.stride(1), q.stride(2),
         ring.stride(0), ring.stride(1),
         chunk_kv.stride(0), chunk_kv.stride(1),
@@ -356,7 +370,7 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
         *slot_strides,
         o.stride(1), o.stride(2),
         HAS_SEL=has_sel, PAGED=paged, COMPUTE=_compute_dtype(q.dtype), KEY_OFFSET=tl.int64 if furthest >= 2 ** 31 else tl.int32,
-        **config,
+        MIN_BLOCKS=MIN_BLOCKS_PER_SPLIT, **config,
     )
     _attention_merge_kernel[(B * T, H)](
         o, lse, sinks, out,

@@ -87,15 +87,47 @@ def test_attention_split_counts_agree(num_splits):
 
 
 def test_attention_default_split_count_changes_with_size():
-    """The split count follows capacity; these sizes cross its steps and stay correct."""
+    """The split count follows capacity (and a prefill chunk of many queries splits none);
+    these sizes cross its steps and stay correct."""
     seen = {}
-    for C in (4, 40, 200):
+    block_n = tk.attention_config(2, 16, torch.float32)["BLOCK_N"]
+    for C in (4, 40, 200, 2000):
         args = attention_inputs(1, 1, 2, 16, 8, C, 2, [3 * C], None, torch.float32, seed=C)
-        block_n = tk.attention_config(2, 16, torch.float32)["BLOCK_N"]
-        splits = tk.attention_num_splits(1, -(-(8 + C) // block_n), torch.device("cpu"))
-        seen[C] = splits
+        seen[C] = tk.attention_num_splits(tk.attention_max_splits(1), -(-(8 + C) // block_n))
         assert_close(tk.attention(*args), reference.attention(*args), torch.float32)
-    assert seen[4] == 1 and seen[4] < seen[40] <= seen[200], seen
+    assert seen[4] == 1 and seen[4] < seen[40] < seen[200] < seen[2000] == tk.SPLIT_BUDGET, seen
+    assert tk.attention_num_splits(tk.attention_max_splits(64), 2000) == 1
+
+
+@pytest.mark.parametrize("rate,K", [(2, None), (2, 60)], ids=["hca", "csa"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_attention_row_is_bit_identical_alone_and_in_any_batch(rate, K, T):
+    """A row's output does not depend on the other rows of its launch (batch invariance, what
+    makes a served request's greedy tokens equal its tokens alone): the same query, ring, chunk
+    and compressed rows give the same bits alone (its own capacity) and in batches of 2 to 5
+    beside longer rows (more compressed rows passed, as a step holding a longer sequence
+    passes), however the launcher would split the keys."""
+    H, D, W = 2, 16, 8
+    own_c, start = 100, 180  # the row sees (start + 1) // rate compressed rows (seven key blocks with the window)
+    g = torch.Generator().manual_seed(9)
+    q, ring, chunk = randn(1, T, H, D, seed=1), randn(1, W, D, seed=2), randn(1, T, D, seed=3)
+    comp = randn(1, own_c, D, seed=4)
+    sel = distinct_selection(1, T, K, own_c, seed=5) if K else None
+    sinks = randn(H, seed=6)
+    alone = tk.attention(q, ring, chunk, torch.tensor([start]), comp, sel, rate, sinks, D ** -0.5)
+    for B, big_c, at in ((2, 120, 0), (4, 200, 2), (5, 400, 4)):
+        others = [randn(1, T, H, D, seed=10 + B), randn(1, W, D, seed=20 + B), randn(1, T, D, seed=30 + B)]
+        qs, rings, chunks = (torch.cat([x if b == at else o.expand_as(x) for b in range(B)])
+                             for x, o in zip((q, ring, chunk), others))
+        comps = randn(B, big_c, D, seed=40 + B)
+        comps[at, :own_c] = comp[0]
+        starts = torch.tensor([start if b == at else 2 * big_c - 1 - b for b in range(B)])
+        sels = None
+        if K:
+            sels = distinct_selection(B, T, K, big_c, seed=50 + B)
+            sels[at] = sel[0]
+        got = tk.attention(qs, rings, chunks, starts, comps, sels, rate, sinks, D ** -0.5)
+        assert torch.equal(got[at], alone[0]), (B, big_c, (got[at] - alone[0]).abs().max().item())
 
 
 def test_attention_no_compressed_rows_with_selection():
