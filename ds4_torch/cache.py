@@ -721,6 +721,10 @@ class DS4Cache:
         rows are reserved); a paged cache gives its sequences the blocks the tokens reach
         (`tentative`: a speculative verify step's, which a `Rollback` may take back)."""
 
+    def commit_tokens(self, index: int | None = None) -> None:
+        """After a forward that succeeded: its tokens' rows are written. Nothing for a static
+        cache; a paged cache registers the blocks they filled (`PagedDS4Cache`)."""
+
     def drop_tokens(self, index: int, n: int) -> None:
         """Sequence `index` gives back its last `n` tokens, which a `Rollback.apply` takes back:
         nothing for a static cache; a paged cache's table lets them go (`PagedDS4Cache`)."""

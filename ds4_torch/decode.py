@@ -181,6 +181,7 @@ class Decoder:
         except BaseException:
             self._fail(n)
             raise
+        self.cache.narrow(n).commit_tokens()
         return logits
 
     def _step(self, input_ids, n):

@@ -912,6 +912,13 @@ class DS4ForCausalLM(nn.Module):
             cache.check_room(T)
             if self.ops.name in BACKENDS:  # (training swaps in autograd-able reference functions)
                 kernel_for(self.ops.name, input_ids.device)  # a forced backend the device cannot run
+            try:
+                out = self._forward(input_ids, cache, logits_to_keep, return_streams)
+            except BaseException:  # half written: unusable until reset, and nothing of it cached
+                cache.invalidate(range(B))
+                raise
+            cache.commit_tokens()
+            return out
         return self._forward(input_ids, cache, logits_to_keep, return_streams)
 
     def _forward(self, input_ids, cache: DS4Cache, logits_to_keep: int = 0, return_streams: bool = False,

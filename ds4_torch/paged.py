@@ -158,7 +158,7 @@ class BlockPool:
             block = heapq.heappop(self._free)
         elif self._cached:
             block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._digest_of.pop(block)]
+            self.unregister(block)
             self.evictions += 1
         else:
             raise PoolExhausted(f"all {self.num_blocks} KV blocks of {self.block_tokens} tokens are in use")
@@ -189,9 +189,12 @@ class BlockPool:
             else:
                 heapq.heappush(self._free, block)
 
+    # A block's digest is added in `register` and removed in `unregister`, nowhere else: what
+    # watches the pool's cached contents (an event publisher) hooks these two.
     def register(self, block: int, digest: bytes) -> bool:
-        """Cache held, full `block` under `digest`. False (and nothing changes) when another
-        block already holds that digest: `block` stays a private copy."""
+        """Cache held, full `block` under `digest` (its rows are written: `BlockTable.commit`).
+        False (and nothing changes) when another block already holds that digest: `block` stays
+        a private copy."""
         if self._refcounts[block] <= 0:
             raise ValueError(f"block {block} is not held")
         if digest in self._block_of or block in self._digest_of:
@@ -199,6 +202,18 @@ class BlockPool:
         self._block_of[digest] = block
         self._digest_of[block] = digest
         return True
+
+    def unregister(self, block: int) -> None:
+        """`block` is no longer cached under its digest (reclaimed by `allocate`, or its rows
+        are not what the digest says: the forward writing them failed). A held block then
+        returns to the free list, not to the cached ones, when its last holder releases it."""
+        digest = self._digest_of.pop(block, None)
+        if digest is None:
+            return
+        del self._block_of[digest]
+        if block in self._cached:  # nobody holds it: free now
+            del self._cached[block]
+            heapq.heappush(self._free, block)
 
     def blocks_needed(self, tables: Sequence["BlockTable"], new_tokens: Sequence[int]) -> int:
         """Blocks appending new_tokens[i] tokens to tables[i], one table after the other, would
@@ -239,11 +254,12 @@ class BlockTable:
     digest of full block k, for the full blocks registered (or offered: another block may hold
     that digest already) so far.
 
-    A block is registered only once its tokens are final: an `append` registers the blocks it
-    fills, a `tentative` one (a speculative verify step, whose tokens a `Rollback` may take back
-    and whose rows it then clears) only those filled before it; `commit` registers the rest. A
-    block holding an unknown token id is never registered, nor is any after it (a digest covers
-    every token before it)."""
+    A block is registered only once its tokens are final and its rows written: an `append`
+    registers the blocks it fills, a `tentative` one (tokens whose rows a forward writes next, or
+    a speculative verify step's, which a `Rollback` may take back) only those filled before it;
+    `commit` registers the rest once the forward succeeded, and `uncommit` takes back what was
+    registered since the last `append` when it failed. A block holding an unknown token id is
+    never registered, nor is any after it (a digest covers every token before it)."""
 
     def __init__(self, pool: BlockPool, tenant: str | None = None):
         self.pool = pool
@@ -251,6 +267,7 @@ class BlockTable:
         self.blocks: list[int] = []
         self.tokens: list[int] = []
         self.digests: list[bytes] = []
+        self.committed = 0  # digests before the last append: what a failed forward leaves registered
 
     @classmethod
     def from_prefix(cls, pool: BlockPool, tokens: Sequence[int], tenant: str | None = None) -> "BlockTable":
@@ -263,6 +280,7 @@ class BlockTable:
             table.blocks.append(block)
             table.digests.append(pool.digest(block))
         table.tokens = list(tokens[:len(table.blocks) * pool.block_tokens])
+        table.committed = len(table.digests)
         return table
 
     @property
@@ -290,6 +308,7 @@ class BlockTable:
         while len(self.blocks) * bt < len(self.tokens):
             self.blocks.append(pool.allocate())
         self._register((n if tentative else len(self.tokens)) // bt)
+        self.committed = len(self.digests)
         return copies
 
     def _own_block(self, k: int) -> list[tuple[int, int]]:
@@ -314,8 +333,18 @@ class BlockTable:
             self.pool.register(self.blocks[k], self.digests[k])
 
     def commit(self) -> None:
-        """The tokens are final (no `Rollback` will take any back): register every full block."""
+        """The tokens are final and their rows written (the forward succeeded; no `Rollback` will
+        take any back): register every full block."""
         self._register(len(self.tokens) // self.pool.block_tokens)
+
+    def uncommit(self) -> None:
+        """The forward over the last appended tokens failed: the blocks registered since (by a
+        `commit` before a failure noticed late, an asynchronous device error) are unregistered,
+        as their rows may not be what their digests say."""
+        for k in range(self.committed, len(self.digests)):
+            if self.pool.digest(self.blocks[k]) == self.digests[k]:
+                self.pool.unregister(self.blocks[k])
+        del self.digests[self.committed:]
 
     def name_tokens(self, ids: Sequence[int]) -> None:
         """The last len(ids) tokens, appended with unknown ids (a tentative append), are `ids`."""
@@ -347,6 +376,7 @@ class BlockTable:
         for block in self.blocks:
             self.pool.incref(block)
         other.blocks, other.tokens, other.digests = list(self.blocks), list(self.tokens), list(self.digests)
+        other.committed = len(other.digests)
         return other
 
     def truncate(self, n: int) -> None:
@@ -358,6 +388,7 @@ class BlockTable:
         for block in reversed(self.blocks[keep:]):
             self.pool.decref(block)
         del self.blocks[keep:], self.tokens[n:], self.digests[n // self.pool.block_tokens:]
+        self.committed = min(self.committed, len(self.digests))
 
     def free(self) -> None:
         """Release every block (the last first: a cached chain loses its tail before its head)."""
@@ -372,14 +403,23 @@ class PagedDS4Cache(DS4Cache):
     """A `DS4Cache` whose compressed and indexer rows live in blocks of one `BlockPool` shared by
     its sequences (`pool`), one `BlockTable` per sequence (`tables`). Per layer and state, each
     row part (`CompressorState.row_parts`: `rows`, and for fp8 rows their scales and kept RoPE
-    channels) is a pool [num_blocks * bt / m + 1, width] (the last row a scratch row) and `slots`
-    [B, C+1] int64 the pool row of each sequence's row w, rebuilt in place from the tables (a
+    channels) is a pool [num_blocks * bt / m + 2, width] and `slots` [B, C+1] int64 the pool row
+    of each sequence's row w, rebuilt in place from the tables (a
     captured graph, which reads them as inputs, sees a sequence's new blocks); the model writes
     through it (`CompressorState.write_rows`) and hands the attention and top-k ops the pool and
     slots (`CompressorState.kernel_rows`: the Triton kernels read the rows in place, the
     reference gathers them; fp8 rows are gathered, dequantized, by `visible`), so its logits are
     the static cache's, bit for bit. The window ring, open windows and positions stay per
     sequence, as in `DS4Cache` (checkpoints take them as usual).
+
+    Isolation: the pool's last two rows are not blocks. The scratch row takes every predicated
+    write of a window that did not close (slot column C), so it holds whatever the last forward
+    left there; rows past a sequence's table point at the zero row, which nothing writes, so no
+    sequence can reach another's values through a row it does not hold. Rows are registered
+    under their digests only once the forward writing them succeeded (`commit_tokens`, which the
+    model's forward and the decoders call); a failed forward (`invalidate`) unregisters any it
+    registered, and a failed sequence's own blocks are zeroed when it is reset, so the next
+    holder starts from clean rows.
 
     Every forward takes its tokens first (`take_tokens`, called by the model's forward, `prefill`
     and the decoders; or `append_tokens(ids)` by the caller): each sequence gets the blocks its
@@ -416,15 +456,20 @@ class PagedDS4Cache(DS4Cache):
         self._root = self  # views keep it: what spans views runs here, by global index
 
     def _compressor_state(self, capacity, rate, dim, overlap, fp8_rope_kept) -> CompressorState:
-        per_block = self.pool.block_tokens // rate
-        scratch = self.pool.num_blocks * per_block
+        scratch = self._scratch_row(rate)
         state = _compressor_state(self.batch_size, 0, rate, dim, overlap, self.dtype, self.device, fp8_rope_kept)
-        state.allocate_rows(scratch + 1)
+        state.allocate_rows(scratch + 2)  # (the blocks' rows, the scratch row, the zero row)
         if rate not in self._slots:
-            self._slots[rate] = torch.full((self.batch_size, capacity + 1), scratch, dtype=torch.long,
-                                           device=self.device)
+            slots = torch.full((self.batch_size, capacity + 1), scratch + 1, dtype=torch.long, device=self.device)
+            slots[:, capacity] = scratch
+            self._slots[rate] = slots
         state.slots = self._slots[rate]
         return state
+
+    def _scratch_row(self, rate: int) -> int:
+        """The pool row of rate `rate` that predicated writes land on (written by every forward:
+        never read); the zero row (never written: what rows past a table read) follows it."""
+        return self.pool.num_blocks * (self.pool.block_tokens // rate)
 
     def tensors(self) -> list[torch.Tensor]:
         """The state's tensors (the pools', every sequence's own state), the slot maps last: graph
@@ -434,7 +479,7 @@ class PagedDS4Cache(DS4Cache):
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block across every layer's pools (its compressed and indexer rows)."""
-        rows = sum(t[:-1].numel() * t.element_size() for layer in self.layers for s in layer.states
+        rows = sum(t[:-2].numel() * t.element_size() for layer in self.layers for s in layer.states
                    for t in s.row_parts().values())  # (fp8 rows: their scales and kept RoPE channels too)
         return rows // self.pool.num_blocks
 
@@ -467,21 +512,35 @@ class PagedDS4Cache(DS4Cache):
                 w = torch.arange(lo, hi, dtype=torch.long)
                 k = w // per_block - first
                 row = torch.where(k < len(blocks) - first, held[k.clamp(max=len(held) - 1)] * per_block + w % per_block,
-                                  self.pool.num_blocks * per_block)  # (past the table: the scratch row)
+                                  self._scratch_row(rate) + 1)  # (past the table: the zero row)
                 slots[b, lo:hi] = row.to(slots.device)
             mapped[:] = blocks
+
+    def _pool_blocks(self):
+        """Every pool row part as [num_blocks, rows per block, width] (less the scratch and zero rows)."""
+        for layer in self.layers:
+            if not layer.states:  # (sliding layers hold no rows)
+                continue
+            per_block = self.pool.block_tokens // layer.rate
+            for state in layer.states:
+                for rows in state.row_parts().values():
+                    yield rows[:-2].view(-1, per_block, rows.shape[-1])
 
     def _copy_blocks(self, copies) -> None:
         """Copy whole blocks (source, destination) in every pool: a copy on write."""
         if not copies:  # (most appends)
             return
-        for layer in self.layers:
-            for state in layer.states:
-                per_block = self.pool.block_tokens // layer.rate
-                for rows in state.row_parts().values():
-                    blocks = rows[:-1].view(-1, per_block, rows.shape[-1])  # (less the scratch row)
-                    for src, dst in copies:
-                        blocks[dst] = blocks[src]
+        for blocks in self._pool_blocks():
+            for src, dst in copies:
+                blocks[dst] = blocks[src]
+
+    def _zero_blocks(self, blocks: list[int]) -> None:
+        """Zero every row of `blocks` in every pool (as allocated)."""
+        if not blocks:
+            return
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for rows in self._pool_blocks():  # (fp8 as bytes: index_fill_ has no float8 kernel)
+            (rows.view(torch.uint8) if rows.dtype == torch.float8_e4m3fn else rows).index_fill_(0, index, 0)
 
     def blocks_needed(self, new_tokens, n: int | None = None) -> int:
         """Blocks a forward of `new_tokens` tokens (an int, or one count per sequence) over the
@@ -510,8 +569,8 @@ class PagedDS4Cache(DS4Cache):
             raise PoolExhausted(f"{T} more tokens for {B} sequences need {need} KV blocks, {available} of "
                                 f"{self.pool.num_blocks} are available")
         rows = [[None] * T for _ in range(B)] if tentative else input_ids.tolist()
-        for b, row in enumerate(rows):
-            self._copy_blocks(self.table(b).append(row, tentative))
+        for b, row in enumerate(rows):  # (their rows are not written yet: registered by commit_tokens)
+            self._copy_blocks(self.table(b).append(row, tentative=True))
         self._refresh(range(B))
 
     def take_tokens(self, input_ids: torch.Tensor, tentative: bool = False) -> None:
@@ -546,10 +605,20 @@ class PagedDS4Cache(DS4Cache):
         can be registered once final)."""
         self.table(index).name_tokens(list(ids))
 
-    def commit_tokens(self, index: int) -> None:
-        """Sequence `index`'s tokens are final: its full blocks are registered now (a tentative
-        step's are otherwise at the next forward), so other sequences' prefixes find them."""
-        self.table(index).commit()
+    def commit_tokens(self, index: int | None = None) -> None:
+        """Sequence `index`'s (None: every sequence's) tokens are final and their rows written:
+        its full blocks are registered now, so other sequences' prefixes find them. The model's
+        forward and the decoders call it once a forward succeeded; a speculative step's tokens
+        once they are named (or at the next forward)."""
+        for b in range(self.batch_size) if index is None else [index]:
+            self.table(b).commit()
+
+    def invalidate(self, indices) -> None:
+        """As `DS4Cache.invalidate`; the blocks the failed forward registered are unregistered."""
+        indices = list(indices)
+        super().invalidate(indices)
+        for b in indices:
+            self.table(int(b)).uncommit()
 
     def check_room(self, new_tokens: int, n: int | None = None) -> None:
         super().check_room(new_tokens, n)
@@ -677,7 +746,7 @@ class PagedDS4Cache(DS4Cache):
                                 f"of {self.pool.num_blocks} are available")
         old.free()  # (first: its blocks may be the ones the new table needs)
         table = BlockTable(self.pool, tenant)
-        table.append([None] * n if tokens is None else tokens)
+        table.append([None] * n if tokens is None else tokens, tentative=True)
         self._install(index, table)
         self._write_sequence(index, state, n)
         for i, layer in enumerate(self.layers):
@@ -687,6 +756,7 @@ class PagedDS4Cache(DS4Cache):
                     for name, t in s.row_parts().items():
                         rows = state[f"layers.{i}.{part}.{name}"].to(t.device)
                         _flat_bytes(t).index_copy_(0, at, _flat_bytes(rows))
+        table.commit()  # (its rows are written)
 
     def _restore_checkpoint(self, index: int, checkpoint) -> None:
         super()._restore_checkpoint(index, checkpoint)
@@ -700,10 +770,15 @@ class PagedDS4Cache(DS4Cache):
         self.all_tables[self._offset + index] = BlockTable(self.pool, tenant)
 
     def reset(self, batch_index: int | None = None) -> None:
+        indices = range(self.batch_size) if batch_index is None else [batch_index]
+        # A failed sequence's own blocks hold whatever its forward left (NaN, half-written rows):
+        # zeroed before they go back to the pool.
+        failed = [b for b in indices if self.is_invalid(b)]
+        self._zero_blocks(sorted({k for b in failed for k in self.table(b).blocks if self.pool.writable(k)}))
         super().reset(batch_index)
-        for b in range(self.batch_size) if batch_index is None else [batch_index]:
+        for b in indices:
             self.table(b).free()
-        self._refresh(range(self.batch_size) if batch_index is None else [batch_index])
+        self._refresh(indices)
 
     def _view(self, start: int, n: int) -> "PagedDS4Cache":
         view = super()._view(start, n)  # the states' slots sliced, the pools shared

@@ -108,6 +108,9 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
     grows with the window and top-k, not with the context; otherwise the rows are read in place,
     never copied. The parts meet only in the softmax. Logits are [B*T, H, keys]: every matmul is a
     plain bmm, and masks are added (-inf) by the matmul itself where the layout allows.
+    Compressed rows a sequence does not see are zeroed before either matmul: such a row may be
+    another sequence's (a pool's stale or scratch row) and hold NaN or inf, which a -inf mask
+    (NaN + -inf) or a zero probability (0 x inf) would carry into this sequence's output.
     `comp_slots`: `comp` is a paged pool (see the module docstring): the picked rows, or all
     rows, gathered from it."""
     B, T, H, D = q.shape
@@ -130,13 +133,16 @@ def attention(q, ring, chunk_kv, start, comp, comp_sel, rate: int, sinks, scale:
             rows = comp.gather(1, comp_sel.clamp(min=0).reshape(B, T * K, 1).expand(-1, -1, D))
         else:  # straight from the pool: the picked rows only
             rows = gather_rows(comp, comp_slots.gather(1, comp_sel.clamp(min=0).reshape(B, T * K)))
-        rows = cast(cast(rows, ring.dtype), dtype).view(B * T, K, D)
-        bias = additive_mask((comp_sel >= 0) & (comp_sel < n_visible), dtype).view(B * T, 1, K)
-        comp_logits = torch.baddbmm(bias, queries, rows.transpose(1, 2), alpha=scale)
+        seen = ((comp_sel >= 0) & (comp_sel < n_visible)).view(B * T, K, 1)
+        rows = torch.where(seen, cast(cast(rows, ring.dtype), dtype).view(B * T, K, D), 0)  # (why: below)
+        comp_logits = torch.baddbmm(additive_mask(seen, dtype).view(B * T, 1, K), queries, rows.transpose(1, 2),
+                                    alpha=scale)
     else:
         if comp_slots is not None:
             comp = gather_rows(comp, comp_slots)
         rows = cast(cast(comp, ring.dtype), dtype)  # [B, C, D]
+        if C:  # (why: below) the rows no query of the sequence sees
+            rows = torch.where((torch.arange(C, device=q.device) < n_visible[:, -1]).view(B, C, 1), rows, 0)
         visible = torch.arange(C, device=q.device) < n_visible if C else q.new_zeros(B, T, 0, dtype=torch.bool)
         if comp_sel is not None and C:
             chosen = torch.zeros(B, T, C + 1, dtype=torch.bool, device=q.device)

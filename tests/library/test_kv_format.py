@@ -337,8 +337,8 @@ def test_static_sizes_are_what_a_cache_allocates():
 
 
 def test_a_paged_pool_holds_fp8_rows_at_their_bytes_per_token():
-    """The pool of a paged cache (every block's rows plus a scratch row per compressor and
-    indexer), by hand: a small config (2 CSA layers of rate 4, head 16 with 8 RoPE channels,
+    """The pool of a paged cache (every block's rows plus a scratch row and a zero row per
+    compressor and indexer), by hand: a small config (2 CSA layers of rate 4, head 16 with 8 RoPE channels,
     indexer 8; 1 HCA layer of rate 8; no MTP layer) in fp32."""
     from ds4_torch.config import DS4Config
     from ds4_torch.paged import PagedDS4Cache, block_nbytes
@@ -356,7 +356,7 @@ def test_a_paged_pool_holds_fp8_rows_at_their_bytes_per_token():
     fixed = 2 * sequence_fixed_bytes(cfg, torch.float32)  # two sequences' rings, open windows, positions
     for fmt in csa:
         cache = PagedDS4Cache(cfg, 2, 48, kv_rows=fmt, num_blocks=blocks, block_tokens=bt)
-        scratch = 2 * (csa[fmt] + idx[fmt]) + hca[fmt]
+        scratch = 2 * (2 * (csa[fmt] + idx[fmt]) + hca[fmt])  # the scratch and zero rows
         slot_maps = 8 * 2 * ((48 // 4 + 1) + (48 // 8 + 1))  # int64 [B, C+1] per rate
         assert cache.nbytes == fixed + blocks * bt * per_token[fmt] + scratch + slot_maps, fmt
         assert cache.block_nbytes == bt * per_token[fmt] == block_nbytes(cfg, torch.float32, bt, fmt)

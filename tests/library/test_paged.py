@@ -364,7 +364,8 @@ def assert_slots_follow_tables(cache):
         per_block, scratch = bt // rate, cache.pool.num_blocks * (bt // rate)
         for b in range(cache.batch_size):
             blocks = cache.table(b).blocks
-            want = [blocks[w // per_block] * per_block + w % per_block if w // per_block < len(blocks) else scratch
+            want = [blocks[w // per_block] * per_block + w % per_block if w // per_block < len(blocks)
+                    else scratch + 1  # (past the table: the zero row)
                     for w in range(slots.shape[1] - 1)] + [scratch]  # (row C: always the scratch row)
             assert slots[b].tolist() == want, (rate, b)
 
@@ -687,3 +688,95 @@ def test_pool_exhausted_changes_nothing(small_model):
     assert cache.blocks_needed(5) == pool.num_available == 5
     cache.append_tokens(torch.ones(3, 5, dtype=torch.long))  # exactly what is available: fits
     assert pool.num_available == 0 and len({b for t in cache.tables for b in t.blocks}) == 1 + 3 + 3
+
+
+# --------------------------------------------------------------------------- isolation (issue #43)
+def poisoned(model, token):
+    """A copy of `model` whose embedding of `token` is inf: stands in for an activation overflow
+    in one request (any request holding that token: alone or not, its logits are not finite)."""
+    import copy
+
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        bad.model.embed_tokens.weight[token] = float("inf")
+    return bad
+
+
+def alone(model, pieces, **cache):
+    """The logits of the last of `pieces` ([1, T] each, fed in order) into a fresh paged cache."""
+    fresh = PagedDS4Cache(model.config, 1, **cache)
+    with torch.inference_mode():
+        return [model(ids, fresh, logits_to_keep=1) for ids in pieces][-1]
+
+
+@pytest.mark.parametrize("case", ["reused_block", "beside"])
+def test_a_non_finite_sequence_never_reaches_another(model, case):
+    """A 32-token-block pool of 4 blocks at ctx 128: sequence A (90 tokens, its first token's
+    embedding inf) has NaN logits, its own. B then gets A's partly written block
+    (`reused_block`: A was released, its rows stay in the block; B prefills 10 tokens) or steps
+    beside A (`beside`: B prefilled 15 tokens, A prefills, then B's 16th token closes a window
+    of every rate, so B writes nothing on the scratch row, where A's writes of windows that did
+    not close landed and where every slot past a table pointed). B still has exactly the logits
+    it has alone: attention reads no other sequence's row, not through a zero probability
+    (0 x NaN) nor through an additive mask (NaN + -inf)."""
+    bad_token = 5
+    m = poisoned(model, bad_token)
+    g = torch.Generator().manual_seed(3)
+    a = torch.cat([torch.tensor([[bad_token]]), torch.randint(6, 1000, (1, 89), generator=g)], dim=1)
+    b = torch.randint(6, 1000, (1, 16), generator=g)
+    pieces = [b[:, :10]] if case == "reused_block" else [b[:, :15], b[:, 15:]]
+    cache = PagedDS4Cache(m.config, 2, 128, block_tokens=32, num_blocks=4)
+    with torch.inference_mode():
+        if case == "beside":
+            m(pieces[0], cache.slot(1))
+        assert not torch.isfinite(m(a, cache.slot(0), logits_to_keep=1)).all()
+        if case == "reused_block":
+            cache.reset(0)
+        got = m(pieces[-1], cache.slot(1), logits_to_keep=1)
+    if case == "reused_block":  # it took the block A left partly written
+        assert cache.table(1).blocks == [2]
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, alone(m, pieces, max_context=128, block_tokens=32, num_blocks=4))
+
+
+def test_a_block_is_registered_only_once_its_rows_are_written(model):
+    """Taking tokens for a forward registers nothing; the blocks they fill are registered once the
+    forward succeeds, and a forward that fails registers none (its rows were never all written):
+    `start_from_cache` then finds no cached prefix instead of never-written rows."""
+    bt = 16
+    cache = PagedDS4Cache(model.config, 2, 128, block_tokens=bt, num_blocks=16)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(6, 1000, (1, 40), generator=g)
+    with torch.inference_mode():
+        cache.slot(0).append_tokens(ids[:, :32])
+        assert cache.cached_tokens(ids[0].tolist()) == 0   # taken, not written
+        model(ids[:, :32], cache.slot(0))
+        assert cache.cached_tokens(ids[0].tolist()) == 32  # written: two full blocks
+        checkpoint = cache.take_checkpoint(0)
+        model(ids[:, 32:], cache.slot(0))
+
+    other = torch.randint(6, 1000, (1, 40), generator=g)
+    layer = model.model.layers[2]
+    real = layer.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the forward failed half way")
+
+    layer.forward = broken
+    try:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="injected"):
+            model(other, cache.slot(1))
+    finally:
+        layer.forward = real
+    assert cache.is_invalid(1)
+    assert cache.cached_tokens(other[0].tolist()) == 0
+    with pytest.raises(ValueError, match="whole blocks"):
+        cache.start_from_cache(1, other[0].tolist(), checkpoint)
+    cache.reset(1)
+    # the prefix written by a forward that succeeded still serves, bit for bit
+    fresh = PagedDS4Cache(model.config, 1, 128, block_tokens=bt, num_blocks=16)
+    with torch.inference_mode():
+        model(ids[:, :32], fresh)
+        cache.start_from_cache(1, ids[0].tolist(), checkpoint)
+        nxt = ids[:, 32:]
+        assert torch.equal(model(nxt, cache.slot(1)), model(nxt, fresh))
