@@ -45,6 +45,9 @@ class Admission:
             req = self.scheduler.next_waiting()
             if req is None:
                 return
+            if req.preemptions and not self.in_flight.room_to_resume(req):
+                self.scheduler.requeue([req])  # first in line still: it resumes once the pool has room
+                return
             seq = req.sequence()
             if not self.admit(req):  # its session held its whole sequence: it is decoding already
                 self.admit_same_sequence(seq)

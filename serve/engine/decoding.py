@@ -67,8 +67,10 @@ class Decoding:
 
     def step(self) -> None:
         """One decode step of every running request (after making the KV pool room for it): plain,
-        or speculative when the policy says so."""
-        self.in_flight.room_for_step()
+        or speculative when the policy says so and the pool holds a verify step's tokens (a
+        speculative step that does not fit runs plain: nobody is preempted for speculation)."""
+        wants = (lambda rows: bool(self.draft_tokens) and self.speculation.speculate(rows, dry=True))
+        speculative = self.in_flight.room_for_step(wants)
         if not self.in_flight.running:
             return
         self.last_step = {}
@@ -78,7 +80,7 @@ class Decoding:
         rows, model_s = len(self.in_flight.running), self.runner.model_s
         measuring = self.speculation.policy == "auto"  # "always" needs no timings
         generated = sum(len(r.generated) for r in self.in_flight.running) if measuring else 0
-        speculative = self.speculation.speculate(rows)
+        speculative = speculative and self.speculation.speculate(rows)
         fair = not (speculative and self.rejoin & set(self.in_flight.running))
         if speculative:
             reqs = list(self.in_flight.running)

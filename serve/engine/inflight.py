@@ -9,7 +9,11 @@
 
 Before a decode step the KV pool must hold every running row's next tokens (`room_for_step`):
 idle sessions leave first (serve.engine.sessions), then the request prefilling, then the requests that
-joined last are preempted: set aside and queued again, to resume from what they had sent.
+arrived last are preempted: set aside and queued again, to resume from what they had sent. A
+preempted request resumes only once the pool holds its whole sequence and a block of growth for
+every request decoding beside it (`room_to_resume`), so it makes progress before the pool can run
+short again (resuming as soon as one step fit, it re-prefilled its sequence for one token and was
+the first victim again).
 
 The runner, sessions and scheduler are the engine's, handed in: this module imports none of them.
 """
@@ -88,21 +92,38 @@ class InFlight:
         req.decode_slot = None
 
     # ------------------------------------------------------------------ the KV pool
-    def room_for_step(self) -> None:
-        """Before a decode step: room for every running row's next tokens (1, or 1 + the drafts
-        speculating). What idle sessions cannot free is taken from the request prefilling, then
-        from the requests that joined the batch last (preempted: set aside and resumed from what
-        they had sent, as a retry is); the longest-running keep going."""
+    def room_for_step(self, speculates=lambda rows: False) -> bool:
+        """Before a decode step: room for every running row's next tokens: 1 + the drafts when
+        `speculates(rows)` and the pool holds them, else 1 (a plain step). What idle sessions
+        cannot free is taken from the request prefilling, then from the requests that arrived
+        last (preempted: set aside and resumed from what they had sent, as a retry is); the
+        oldest keep going. Whether the step speculates."""
         self.pool_short = False
         while self.running:
-            need = self.runner.blocks_for_step(len(self.running))
             keep = [r.session for r in self.running]
-            if self.sessions.make_room(need, keep):
-                return
-            victim = self.prefilling if self.prefilling is not None and self.prefilling.session is not None \
-                else self.running[-1]
+            rows = len(self.running)
+            if speculates(rows) and self.sessions.make_room(self.runner.blocks_for_step(rows, True), keep):
+                return True
+            if self.sessions.make_room(self.runner.blocks_for_step(rows, False), keep):
+                return False
+            if self.prefilling is not None and self.prefilling.session is not None:
+                victim = self.prefilling
+            else:
+                victim = max(self.running, key=lambda r: (r.t_arrival, r.decode_slot))
             self.preempt(victim)
             self.pool_short = True  # no request is admitted in this iteration: it would be preempted next
+        return False
+
+    def room_to_resume(self, req: GenRequest) -> bool:
+        """Whether preempted `req` may resume now: the pool (its free and cached blocks, and what
+        idle sessions would free) holds its whole sequence, the copy of a shared last block, and
+        a block of growth for every request decoding beside it and for itself. Alone it always
+        may (the pool holds any one request)."""
+        if not self.running:
+            return True
+        bt = self.runner.pool.block_tokens
+        need = -(-len(req.sequence()) // bt) + len(self.running) + 2
+        return self.sessions.room(keep=[r.session for r in self.running]) >= need
 
     def preempt(self, req: GenRequest) -> None:
         """Set `req` aside to free the KV blocks it holds: its session leaves (to disk when a store
@@ -110,6 +131,7 @@ class InFlight:
         has sent (prefilled again, or restored), as a retry does, but counted as no attempt."""
         log.info("engine: %s preempted: the KV pool cannot hold the running requests' next tokens", req.id)
         self.metrics.preemptions.inc()
+        req.preemptions += 1
         session = req.session
         self.release(req)  # (its batch slot goes back to its session first)
         if session is not None:

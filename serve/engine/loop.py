@@ -213,6 +213,7 @@ class Engine:
                                    failed=self.recovery.failed, hand=self._hand)
 
         self._thread: threading.Thread | None = None
+        self._by_hand = False       # started without a thread: driven by `iterate()`
         self.served = 0
         self.host_cpu_s = 0.0       # engine-thread CPU time outside the model and the sampler (bench serve)
         self._iterating = False     # the engine thread is inside an iteration (see idle)
@@ -358,7 +359,15 @@ class Engine:
             return self._stop_tokens[stop]
 
     # ------------------------------------------------------------------ control (any thread)
-    def start(self) -> None:
+    def start(self, thread: bool = True) -> None:
+        """Start the worker thread; `thread` False: no threads at all, the caller drives the
+        engine by calling `iterate()` (a seeded simulation: every run the same), and each
+        iteration's records are output on its thread."""
+        if not thread:
+            self._by_hand = True
+            if not self.warm:
+                self.warmup()
+            return
         if self._thread is None:
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self.output.start()
@@ -378,6 +387,11 @@ class Engine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("engine: the worker did not stop within %.0f s", timeout)
+        elif self._by_hand:  # what the worker does as it ends, here
+            self._by_hand = False
+            with torch.no_grad():
+                self._shutdown()
+            self._hand_over()
         self.output.close()
 
     def _shutting_down(self) -> APIError:
@@ -385,7 +399,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._by_hand or (self._thread is not None and self._thread.is_alive())
 
     def health(self) -> str | None:
         """None when usable, else the reason."""
@@ -455,19 +469,7 @@ class Engine:
             if idle:
                 self.peers.heartbeat()
             else:
-                c0 = time.thread_time()
-                self.runner.clear_timers()
-                self._iterating = True
-                try:
-                    with torch.no_grad():
-                        self.step()
-                except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
-                    log.exception("engine: unexpected error; resetting the batch")
-                    self.recovery.recover_from_bug()
-                finally:
-                    self._hand_over()
-                    self._iterating = False
-                self.host_cpu_s += time.thread_time() - c0 - self.runner.cpu_s
+                self.iterate()
             if self.peers is not None and self.peers.broken is not None:
                 self.recovery.group_failed()
                 break
@@ -476,6 +478,23 @@ class Engine:
         self._hand_over()
         if self.peers is not None:
             self.peers.stop()
+
+    def iterate(self) -> None:
+        """One iteration of the loop (`step`), whatever it raises handled (a bug of ours resets
+        the batch, never ends the loop), its records handed to the output part."""
+        c0 = time.thread_time()
+        self.runner.clear_timers()
+        self._iterating = True
+        try:
+            with torch.no_grad():
+                self.step()
+        except BaseException:  # noqa: BLE001 - a bug of ours: never let it kill the worker
+            log.exception("engine: unexpected error; resetting the batch")
+            self.recovery.recover_from_bug()
+        finally:
+            self._hand_over()
+            self._iterating = False
+        self.host_cpu_s += time.thread_time() - c0 - self.runner.cpu_s
 
     def step(self) -> None:
         """One iteration: end the requests that are leaving, one decode step of the running ones,

@@ -97,11 +97,12 @@ class Runner:
         """Feed `piece` into resident slot `slot`: (the last token's logits, every token's or None)."""
         return self._timed_model("prefill", slot, piece, full_logits)
 
-    def blocks_for_step(self, rows: int) -> int:
+    def blocks_for_step(self, rows: int, speculative: bool) -> int:
         """The most KV blocks the next decode step of batch slots 0..rows-1 takes from the pool:
-        speculating, its verify forward's (1 + N tokens for every row it runs, padding rows of a
-        graph bucket too: they give theirs back after the step); else one token per row."""
-        if self.draft_tokens:
+        a speculative one, its verify forward's (1 + N tokens for every row it runs, padding rows
+        of a graph bucket too: they give theirs back after the step); a plain one, one token per
+        row."""
+        if speculative:
             return self.replica.speculator.blocks_needed(rows)
         return self.batch.blocks_needed(1, rows)
 

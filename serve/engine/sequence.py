@@ -81,6 +81,7 @@ class GenRequest:
     pending: int | None = field(default=None, repr=False)       # sampled, to be fed by the next step
     logits: torch.Tensor | None = field(default=None, repr=False)
     no_restore: bool = field(default=False, repr=False)         # a disk restore failed: prefill cleanly
+    preemptions: int = field(default=0, repr=False)             # set aside for the KV pool so far
     disk: Any = field(default=None, repr=False)                 # its disk state read off the engine thread:
                                                                 # a LoadedSnapshot, False for a miss, None: not read
     constraint: Any = field(default=None, repr=False)           # the grammar's state for this request

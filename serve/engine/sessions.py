@@ -279,6 +279,20 @@ class Sessions:
                 return False
         return True
 
+    def room(self, keep=()) -> int:
+        """The KV blocks `make_room` could have available for sessions `keep`: the pool's free and
+        cached ones, and those only idle sessions (not of `keep`) hold, which evicting them frees."""
+        kv, pool = self.replica.kv, self.replica.pool
+        kept = {s.slot for s in keep}
+        idle = {self.replica.batch_slots + s.slot for s in self.slots if s.request is None and s.slot not in kept}
+        holders: dict[int, int] = {}
+        for index, table in enumerate(kv.tables):
+            if index not in idle:
+                for block in table.blocks:
+                    holders[block] = 1
+        only_idle = {b for i in idle for b in kv.table(i).blocks if b not in holders}
+        return pool.num_available + len(only_idle)
+
     def evict(self, session: Session) -> None:
         """`session` leaves memory: snapshotted to the disk store first when there is one."""
         self.snapshot(session, self.replica.resident.slot(session.slot), session.tokens, session.last_logits, "evicted")

@@ -31,14 +31,16 @@ class SpeculationPolicy:
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
 
-    def speculate(self, rows: int) -> bool:
-        """Whether a step of `rows` sequences speculates."""
+    def speculate(self, rows: int, dry: bool = False) -> bool:
+        """Whether a step of `rows` sequences speculates (`dry`: the answer, nothing counted: the
+        step is not decided yet)."""
         if self.max_batch is not None and rows > self.max_batch:
             return False
         if self.policy == "always":
             return True
         if self.hold:
-            self.hold -= 1
+            if not dry:
+                self.hold -= 1
             return True
         b = self.bucket(rows)
         spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
@@ -47,7 +49,7 @@ class SpeculationPolicy:
         better = spec >= plain
         n = self.steps.get(b, 0)
         choice = (not better) if n % self.probe_every == self.probe_every - 1 else better
-        if choice and not better:
+        if choice and not better and not dry:
             self.hold = self.probe_steps - 1
         return choice
 
