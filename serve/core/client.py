@@ -7,6 +7,13 @@ client's reader thread: detokenizing, stop strings, the events of each request's
 none of that costs the engine's process anything. A stop string found here is sent back ("stop
 after token k"); the core ends the request at its next iteration.
 
+Submitting never waits for the core: the requests are sent and the caller (the event loop)
+goes on; the core's answer comes on the reader thread, and a refusal (queue full, stopped, a
+setting it cannot serve, a failure of its own) ends each request with that error as its event.
+A request is known here from before it is sent, so a cancel (the client left) always follows
+its submit to the core, which handles both in order: nothing submitted is left running there
+without an owner.
+
 The core dying (its connection closes) answers every open request 503 and calls `on_lost`
 (serve.cli ends the server with status 1).
 """
@@ -24,6 +31,7 @@ from serve.metrics import Metrics
 from serve.engine.output import End, Output, PromptLogprobs, Token
 from serve.errors import APIError
 from serve.engine.sequence import GenRequest, TokenOut
+from serve.http.chat import submit_error
 from .wire import dumps, error_fields, error_from, loads, request_bytes, set_stats
 
 log = logging.getLogger("ds4.serve")
@@ -56,6 +64,7 @@ class CoreClient:
         self._died = False
         self._send_lock = threading.Lock()
         self._calls: dict[int, list] = {}               # call id -> [event, value, error]
+        self._submits: dict[int, list[GenRequest]] = {}  # call id -> the requests of a submit not answered yet
         self._call_ids = itertools.count(1)
         self._stops_sent: set[str] = set()
         self._structured = None
@@ -128,26 +137,33 @@ class CoreClient:
         self.submit_all([req])
 
     def submit_all(self, reqs: list[GenRequest], continuation: bool = False) -> None:
-        if self.lost is not None:
-            raise EngineStopped(f"the engine core process is gone ({self.lost})")
+        """Send `reqs` to the core (together, or none queued there) and return at once: a refusal
+        arrives later and ends each request with its error (`_submitted`). EngineStopped now
+        when the core is gone."""
         items = [request_bytes(r) for r in reqs]
         for r in reqs:  # known before the core answers: its first records may come before the reply
             self.requests[r.id] = r
+            if r.state == "new":
+                r.state = "queued"
+        call = next(self._call_ids)
+        self._submits[call] = reqs
         try:
-            error = self._call("submit", items, continuation)
+            self._send(("submit", call, items, continuation))
         except CoreLost as e:
-            error = ("EngineStopped", str(e))
-        if error is None:
+            self._submits.pop(call, None)
             for r in reqs:
-                if r.state == "new":
-                    r.state = "queued"
+                self.requests.pop(r.id, None)
+            raise EngineStopped(f"the engine core process is gone ({e})") from None
+
+    def _submitted(self, call: int, error) -> None:
+        """The core's answer to submit `call`: None (queued), or why not: each request ends with it."""
+        reqs = self._submits.pop(call, [])
+        if error is None:
             return
-        for r in reqs:
-            self.requests.pop(r.id, None)
         kind, detail = error
-        if kind == "error":
-            raise error_from(detail)
-        raise SUBMIT_ERRORS[kind](detail)
+        failure = error_from(detail) if kind == "error" else submit_error(SUBMIT_ERRORS[kind](detail))
+        ended = [r for r in reqs if self.requests.pop(r.id, None) is not None]
+        self.output.put([End(r, "failed", error=failure) for r in ended])
 
     def cancel(self, req: GenRequest) -> None:
         req.cancel.set()
@@ -235,6 +251,8 @@ class CoreClient:
                 if kind == "step":
                     self._step(*message[1:])
                 elif kind == "reply":
+                    if message[1] in self._submits:
+                        self._submitted(message[1], message[2])
                     slot = self._calls.get(message[1])
                     if slot is not None:
                         slot[1], slot[2] = message[2], message[3]
@@ -332,6 +350,7 @@ class CoreClient:
             error = APIError(503, "the engine core process exited; the server is exiting", code="engine_unavailable",
                              headers={"Retry-After": str(self.retry_after_s)})
         open_requests, self.requests = list(self.requests.values()), {}
+        self._submits.clear()
         self.output.put([End(req, "failed", error=error) for req in open_requests])
         if not self._stopping:
             self.on_lost(reason)

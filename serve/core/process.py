@@ -354,7 +354,7 @@ class EngineCore:
                 self.engine.scheduler.wake()
         elif kind == "ack":
             self.output.acked(conn, message[1])
-        elif kind == "submit":
+        elif kind == "submit":  # answered whatever happens: the API process keeps the requests open until then
             _, call, items, continuation = message
             conn.send(("reply", call, self._submit(conn, items, continuation), None))
         elif kind == "call":
@@ -387,6 +387,12 @@ class EngineCore:
             for req in reqs:
                 self.forget(conn, req)
             return (type(e).__name__, str(e))
+        except Exception as e:  # noqa: BLE001 - a bug of ours: answered (500), nothing kept
+            log.exception("engine core: a submit from %s failed", conn.name)
+            for req in reqs:
+                self.forget(conn, req)
+            return ("error", error_fields(APIError(500, f"the engine core failed to queue this request "
+                                                        f"({type(e).__name__}: {e})", code="internal_error")))
 
     def _call(self, name: str):
         engine = self.engine

@@ -377,18 +377,26 @@ class Channel:
         return self.drain()
 
 
+def submit_error(e: QueueFull | EngineStopped | ValueError) -> APIError:
+    """The answer to a refused submit: 429 (queue full), 503 (stopped) or 400 (a setting the
+    model cannot serve, named)."""
+    if isinstance(e, QueueFull):
+        return APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(e, EngineStopped):
+        return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    return value_error(e)
+
+
 def queue_requests(engine, reqs: list[GenRequest], continuation: bool = False) -> None:
-    """Queue `reqs` in the engine together (or none); APIError 429 (queue full), 503 (stopped) or
-    400 (a setting the model cannot serve, named). `continuation`: see `Engine.submit_all`."""
+    """Queue `reqs` in the engine together (or none); a refusal known at once raises its
+    `submit_error`. An engine core in another process answers later: a refusal then ends each
+    request with that error as its event (serve.core.client), so submitting never waits on
+    another process. `continuation`: see `Engine.submit_all`."""
     try:
         engine.submit_all(reqs, continuation=continuation)
-    except QueueFull as e:
-        raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
-    except EngineStopped as e:
-        raise APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"}) from None
-    except ValueError as e:
-        raise value_error(e) from None
+    except (QueueFull, EngineStopped, ValueError) as e:
+        raise submit_error(e) from None
 
 
 class Generation:

@@ -149,6 +149,97 @@ def test_the_cores_refusals_are_the_same_errors(model):
     assert [g[0] for g in got[True]] == [429, 429]
 
 
+# --------------------------------------------------------------------------- submits (issue #43)
+SLOW_SUBMIT = 7  # the core takes 1.5 s to take a request with this max_tokens (a slow grammar build, say)
+
+
+@pytest.fixture
+def slow_core_submits(monkeypatch):
+    import serve.core.process as core_process
+
+    real = core_process.request_from
+
+    def request_from(data, structured):
+        req = real(data, structured)
+        if req.max_tokens == SLOW_SUBMIT:
+            time.sleep(1.5)
+        return req
+
+    monkeypatch.setattr(core_process, "request_from", request_from)
+
+
+def test_the_core_answers_a_submit_whatever_fails(model, monkeypatch):
+    """A submit that raises anything in the core is answered (a 500 naming it, at once), and the
+    core keeps nothing of it (it waited 30 s unanswered, its API process frozen, the request
+    left in the core's maps)."""
+    with server(model, True) as srv:
+        def broken(reqs, continuation=False):
+            raise RuntimeError("injected: a bug in queueing")
+
+        monkeypatch.setattr(srv.engine, "submit_all", broken)
+        t0 = time.monotonic()
+        r = post(srv, "/v1/completions", dict(prompt="ROMEO:", max_tokens=4))
+        assert r.status_code == 500 and "injected: a bug in queueing" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 10
+        core = srv.app.state.engine.core
+        assert not core.origin and all(not c.requests for c in core.connections)
+        assert not srv.app.state.engine.requests
+        monkeypatch.undo()
+        assert post(srv, "/v1/completions", dict(prompt="ROMEO:", max_tokens=4)).status_code == 200
+
+
+def test_submitting_never_blocks_the_api_process(model, slow_core_submits):
+    """While the core takes 1.5 s over one request's submit, another stream of the same API
+    process keeps receiving its tokens (submit was a blocking round trip on the event loop: every
+    stream of the process stalled for as long), and the slow request is answered too."""
+    with server(model, True) as srv:
+        srv.engine.token_delay = 0.05
+        arrivals, slow = [], {}
+
+        def slow_request():
+            slow["r"] = post(srv, "/v1/completions", dict(prompt="KING HENRY:", max_tokens=SLOW_SUBMIT,
+                                                         ignore_eos=True))
+
+        thread = threading.Thread(target=slow_request)
+        body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 5:
+                        thread.start()
+        thread.join(TIMEOUT)
+        assert slow["r"].status_code == 200 and slow["r"].json()["usage"]["completion_tokens"] == SLOW_SUBMIT
+        gaps = [b - a for a, b in zip(arrivals[5:], arrivals[6:])]
+        assert max(gaps) < 1.0, max(gaps)
+
+
+@pytest.mark.parametrize("client_waits", [True, False])
+def test_a_submit_the_core_answers_late_is_never_left_without_an_owner(model, slow_core_submits, monkeypatch,
+                                                                       client_waits):
+    """The core answers a submit later than the API process used to wait (0.5 s here, 30 s by
+    default): a client that waits gets its reply (it got a 503 while the core ran the request
+    to max_tokens for nobody); one that leaves first has its request cancelled in the core,
+    which runs none of it."""
+    from serve.core.client import CoreClient
+
+    monkeypatch.setitem(CoreClient._call.__kwdefaults__, "timeout", 0.5)
+    with server(model, True) as srv:
+        engine, body = srv.engine, dict(prompt="KING HENRY:", max_tokens=SLOW_SUBMIT, ignore_eos=True)
+        if client_waits:
+            r = post(srv, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == SLOW_SUBMIT
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body}, timeout=0.3)
+            time.sleep(2.0)  # the core took the request meanwhile
+            wait_for(lambda: engine.idle() and not srv.app.state.engine.requests, 10, "the engine to go idle")
+            assert engine.served == 0
+            assert sum(engine.metrics.value("ds4_requests_aborted_total", stage=stage)
+                       for stage in ("queued", "prefill", "decode")) == 1
+
+
 def test_a_disconnect_stops_prefill_within_one_chunk_through_the_core(model):
     ids = [(i * 7 + 5) % 251 + 1 for i in range(400)]  # 25 chunks of 16
     with server(model, True, ctx=1024, prefill_chunk=16, disconnect_poll_interval=0.02) as srv:
