@@ -237,7 +237,7 @@ def serve_with_core(args) -> int:
                                             args.host, port)
         client.before_stop = lambda: stop_api_workers(workers)
     try:
-        status = run_api_server(args, client, tokenizer, model_config, sock)
+        status = run_api_server(args, client, tokenizer, model_config, os.path.dirname(core.address), sock)
     finally:
         if workers:
             stop_api_workers(workers)

@@ -7,6 +7,14 @@ connections over them); they die with the first.
 One that dies leaves the others serving: the core cancels its open requests (its connection
 closed). At shutdown the first process ends them (SIGTERM: each drains its HTTP connections)
 before it drains the core.
+
+Exact replay (serve.http.replay) is one store for all of them: with N > 1 every process opens
+the same file, shared (in --kv-disk-dir, else in the core's private directory, removed with it),
+so a conversation's next turn is encoded from the sampled ids whichever process the kernel gives
+it to, and prefix reuse does not depend on that choice either. (The other way, the core owning
+the store and answering lookups over its socket, would put a round trip per assistant turn on
+each prompt's way, on the event loop; the file costs an indexed read, which a single process
+already paid on a memory miss.)
 """
 from __future__ import annotations
 
@@ -78,22 +86,34 @@ def connect_core(core, tokenizer, owner: bool):
         raise UserError(str(e)) from None
 
 
-def run_api_server(args, client, tokenizer, model_config, sock=None) -> int:
-    """The HTTP side over `client` until interrupted: on `sock` (pre-bound, shared by several API
-    processes) or on --host/--port. 0; 1 when the core died; 3 when it could not start."""
+def api_app(args, client, tokenizer, model_config, core_dir: str):
+    """The HTTP app of one API process over `client`. `core_dir`: the core's private directory,
+    where the API processes' shared exact-replay file lives when there is no --kv-disk-dir."""
     import types
 
-    import uvicorn
-
-    from serve.http.app import HTTP_PARSER, create_app
+    from serve.http.app import create_app
     from serve.http.replay import ReplayStore
 
-    config = client.config
-    app = create_app(types.SimpleNamespace(config=model_config), tokenizer, config, replay=ReplayStore(),
+    app = create_app(types.SimpleNamespace(config=model_config), tokenizer, client.config, replay=ReplayStore(),
                      engine=client)
+    shared = args.api_servers > 1  # one store for every API process (see the module docstring)
     if client.info["kv_budget"] is not None:  # the core holds the KV directory's lock: the server's
         app.state.replay.max_disk_bytes = client.info["kv_budget"] // REPLAY_SHARE
-        app.state.replay.open_directory(args.kv_disk_dir)
+        app.state.replay.open_directory(args.kv_disk_dir, shared)
+    elif shared:
+        app.state.replay.open_directory(core_dir, shared)
+    return app
+
+
+def run_api_server(args, client, tokenizer, model_config, core_dir: str, sock=None) -> int:
+    """The HTTP side over `client` until interrupted: on `sock` (pre-bound, shared by several API
+    processes) or on --host/--port. 0; 1 when the core died; 3 when it could not start."""
+    import uvicorn
+
+    from serve.http.app import HTTP_PARSER
+
+    config = client.config
+    app = api_app(args, client, tokenizer, model_config, core_dir)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and client.owner:
         logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
                                                args.host)
@@ -132,10 +152,11 @@ def main() -> int:
     except UserError as e:
         log.error("API process %d: %s", payload["number"], e)
         return 2
+    core_dir = os.path.dirname(payload["address"])
     if payload["port"] is None:
-        return run_api_server(args, client, tokenizer, model_config)
+        return run_api_server(args, client, tokenizer, model_config, core_dir)
     args.port = payload["port"]
-    return run_api_server(args, client, tokenizer, model_config, reuse_port_socket(args.host, payload["port"]))
+    return run_api_server(args, client, tokenizer, model_config, core_dir, reuse_port_socket(args.host, payload["port"]))
 
 
 if __name__ == "__main__":

@@ -283,6 +283,7 @@ class AppState:
                         return Response(status_code=CLIENT_CLOSED)
                 if gen.finished():  # every choice is done
                     status = 200
+                    await gen.recorded()
                     return JSONResponse(view.body())
         finally:
             gen.cancel()
@@ -340,6 +341,7 @@ class AppState:
                             done = True
                     if not done and gen.finished():  # every choice is done
                         outcome, done = 200, True
+                        await gen.recorded()  # (before the reply's end reaches the client)
                     pending = []
                     now = time.monotonic()
                     if data:

@@ -435,6 +435,7 @@ class Generation:
         self.requests: list[GenRequest] = []
         self.reply_text: list[str] = []      # every character fed to the parser
         self.reply_ids: list[int] = []       # the reply's tokens: forced ones and sampled ones
+        self.replay_written = None           # a shared replay store's write of this reply (`recorded`)
         self.calls: list[Call] = []
         self.returned_content: list[str] = []
         self.returned_reasoning: list[str] = []
@@ -546,6 +547,13 @@ class Generation:
 
     def finished(self) -> bool:
         return self._ended
+
+    async def recorded(self) -> None:
+        """Once the reply's exact-replay record is where every API process finds it (a shared
+        store's file): what the response's end waits for, so the client's next turn, whichever
+        process serves it, is encoded from the sampled ids."""
+        if self.replay_written is not None:
+            await asyncio.wrap_future(self.replay_written)
 
     # ------------------------------------------------------------------ events
     async def next_events(self, timeout: float) -> list[Event]:
@@ -724,7 +732,7 @@ class Generation:
         except ValueError:
             key = text
         try:
-            replay.record(key, self.reply_ids, sig, [c.id for c in self.calls], self.tenant)
+            self.replay_written = replay.record(key, self.reply_ids, sig, [c.id for c in self.calls], self.tenant)
         except Exception as e:  # noqa: BLE001 - replay is an optimisation: never fail the request
             log.warning("replay: recording failed: %s: %s", type(e).__name__, e)
 
@@ -775,6 +783,10 @@ class Choices:
 
     def finished(self) -> bool:
         return all(g.finished() for g in self.gens)
+
+    async def recorded(self) -> None:
+        for g in self.gens:
+            await g.recorded()
 
     # ------------------------------------------------------------------ for logs
     @property

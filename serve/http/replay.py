@@ -33,10 +33,18 @@ and the prompt is encoded as text.
 Tenants (the server's API keys, when it has several): a record is found only by requests of the
 tenant that made it (`tenant` scopes every key), so a tokenization one client planted (with
 `logit_bias` or a grammar) never shapes another client's prompt.
+
+Several API processes (`--api-servers N`) share one store: the file (in ``--kv-disk-dir``, else
+in the engine core's private directory), opened `shared`. A shared store keeps nothing in memory
+(every lookup reads the file, which every process writes), so a follow-up turn finds the same
+ids whichever process the kernel hands it to, and `record` returns a future done once the record
+is in the file: the reply ends only then (`serve.http.app`), so the client's next turn, on any
+process, finds it. Its SQLite runs in WAL mode (readers never wait for a writer).
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -83,8 +91,8 @@ def _busy(e: sqlite3.OperationalError) -> bool:
 
 
 class ReplayStore:
-    def __init__(self, directory: str | None = None, *, max_records: int = 4096, max_tokens: int = 2_000_000,
-                 max_disk_records: int = 20_000, max_disk_bytes: int = 64 * 2**20):
+    def __init__(self, directory: str | None = None, *, shared: bool = False, max_records: int = 4096,
+                 max_tokens: int = 2_000_000, max_disk_records: int = 20_000, max_disk_bytes: int = 64 * 2**20):
         self.max_records, self.max_tokens, self.max_disk_records = max_records, max_tokens, max_disk_records
         self.max_disk_bytes = max_disk_bytes
         self._turns: collections.OrderedDict[str, Turn] = collections.OrderedDict()
@@ -96,16 +104,19 @@ class ReplayStore:
         self._writes = 0
         self._pending: queue.Queue = queue.Queue()   # disk writes, for the writer thread
         self._writer: threading.Thread | None = None
+        self.shared = False                           # the file is the store, other processes write it too
         if directory is not None:
-            self.open_directory(directory)
+            self.open_directory(directory, shared)
 
     # ------------------------------------------------------------------ disk
-    def open_directory(self, directory: str) -> None:
-        """Keep the records in `directory` too (read back, written from now on)."""
+    def open_directory(self, directory: str, shared: bool = False) -> None:
+        """Keep the records in `directory` too (read back, written from now on); `shared`: the
+        file is the store of every API process (see the module docstring)."""
         path = os.path.join(directory, REPLAY_FILE)
         for attempt in range(OPEN_ATTEMPTS):
             try:
-                self._open(path)
+                self._open(path, shared)
+                self.shared = shared and self._db is not None
                 return
             except sqlite3.OperationalError as e:  # busy or locked: not damage
                 if attempt + 1 == OPEN_ATTEMPTS:
@@ -113,33 +124,35 @@ class ReplayStore:
                     return
                 time.sleep(1.0)
 
-    def _open(self, path: str) -> None:
+    def _open(self, path: str, shared: bool = False) -> None:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._db = self._connect(path)
+            self._db = self._connect(path, shared)
         except sqlite3.OperationalError as e:
             if _busy(e):
                 raise
-            self._damaged(path, e)
+            self._damaged(path, e, shared)
         except sqlite3.DatabaseError as e:
-            self._damaged(path, e)
+            self._damaged(path, e, shared)
         except OSError as e:
             log.warning("replay: cannot open %s (%s): replay records stay in memory only", path, e)
 
-    def _damaged(self, path: str, e: Exception) -> None:
+    def _damaged(self, path: str, e: Exception, shared: bool = False) -> None:
         """A damaged file: keep it aside, start a new one."""
         log.warning("replay: %s is unreadable (%s); moved aside, starting empty", path, e)
         try:
             os.replace(path, path + f".damaged-{int(time.time())}")
-            self._db = self._connect(path)
+            self._db = self._connect(path, shared)
         except (OSError, sqlite3.Error) as e2:
             log.warning("replay: cannot open %s (%s): replay records stay in memory only", path, e2)
 
     @staticmethod
-    def _connect(path: str) -> sqlite3.Connection:
+    def _connect(path: str, shared: bool = False) -> sqlite3.Connection:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=2.0)
         try:
             db.execute("PRAGMA quick_check").fetchall()  # raises DatabaseError on a damaged file
+            if shared:  # every API process reads and writes it: readers never wait for a writer
+                db.execute("PRAGMA journal_mode=WAL").fetchall()
         except sqlite3.Error:
             db.close()
             raise
@@ -168,21 +181,24 @@ class ReplayStore:
                 self._db.close()
                 self._db = None
 
-    def _write_behind(self, write) -> None:
-        """Run `write(db)` on the writer thread (started on first use)."""
+    def _write_behind(self, write) -> concurrent.futures.Future | None:
+        """Run `write(db)` on the writer thread (started on first use): a future done once it ran."""
         if self._db is None:
-            return
+            return None
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="ds4-replay-writer", daemon=True)
             self._writer.start()
-        self._pending.put(write)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending.put((write, done))
+        return done
 
     def _write_loop(self) -> None:
         while True:
-            write = self._pending.get()
+            write, done = self._pending.get()
             try:
                 self._disk("write", write)
             finally:
+                done.set_result(None)
                 self._pending.task_done()
 
     # ------------------------------------------------------------------ memory
@@ -199,7 +215,7 @@ class ReplayStore:
             self._calls.popitem(last=False)
 
     def _get(self, key: str, tenant: str | None) -> Turn | None:
-        turn = self._turns.get(key)
+        turn = None if self.shared else self._turns.get(key)  # (shared: the file is the store)
         if turn is not None:
             self._turns.move_to_end(key)
             return turn
@@ -216,21 +232,24 @@ class ReplayStore:
             return None
         used = time.time()
         self._write_behind(lambda db: db.execute("UPDATE turns SET used = ? WHERE key = ?", (used, key)))
-        self._remember(key, turn)
+        if not self.shared:
+            self._remember(key, turn)
         return turn
 
     # ------------------------------------------------------------------ API
     def record(self, text: str, ids: Iterable[int], signature: str, call_ids: Iterable[str] = (),
-               tenant: str | None = None) -> None:
-        """Remember a finished reply: its sampled text and ids, what it says, its calls' ids."""
+               tenant: str | None = None) -> concurrent.futures.Future | None:
+        """Remember a finished reply: its sampled text and ids, what it says, its calls' ids. A
+        shared store returns a future done once the record is in the file (else None)."""
         turn = Turn(text, tuple(int(i) for i in ids), signature)
         key = _key(text, tenant)
         call_ids = [_call_key(c, tenant) for c in call_ids]
         with self._lock:
-            self._remember(key, turn)
-            for call_id in call_ids:
-                self._calls[call_id] = key
-                self._calls.move_to_end(call_id)
+            if not self.shared:
+                self._remember(key, turn)
+                for call_id in call_ids:
+                    self._calls[call_id] = key
+                    self._calls.move_to_end(call_id)
 
             def write(db):
                 db.execute("BEGIN")
@@ -246,7 +265,8 @@ class ReplayStore:
                 if self._writes % 64 == 0:
                     self._trim(db)
 
-            self._write_behind(write)
+            written = self._write_behind(write)
+        return written if self.shared else None
 
     def _trim(self, db: sqlite3.Connection) -> None:
         """Keep the most recently used turns within `max_disk_records` and `max_disk_bytes`."""
@@ -273,7 +293,7 @@ class ReplayStore:
         with self._lock:
             keys = set()
             for call_id in (_call_key(c, tenant) for c in call_ids):
-                key = self._calls.get(call_id)
+                key = None if self.shared else self._calls.get(call_id)
                 if key is None:
                     row = self._disk("read", lambda db: db.execute(
                         "SELECT key FROM calls WHERE call_id = ?", (call_id,)).fetchone())

@@ -550,6 +550,37 @@ def test_a_stopped_api_process_never_holds_up_the_others(model, tok, capfd):
     wait_for(lambda: all(gone(pid) for pid in pids), 10, "no process left")
 
 
+def test_a_conversation_continues_the_same_on_either_api_process():
+    """Real processes, `--api-servers 2` (each API process on a port of its own, so the test picks
+    which serves a turn): five two-turn chats, turn 1 on A, turn 2 on B, then turn 2 again on A.
+    Exact replay is one store for both processes, so B encodes the reply A generated from its
+    sampled ids: the same prompt as A's, the same answer, and the cache reused through turn 1's
+    reply (each process had a store of its own: B re-encoded the reply from its text, a
+    different prompt in 4 of 5 of these chats, and lost the prefix)."""
+    with api_processes_on_ports_of_their_own("--ctx", "512", "--prefill-chunk", "32", "--api-servers", "2") as \
+            (_, api):
+        (_, a_url), (_, b_url) = api
+
+        def chat(url, messages):
+            r = httpx.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
+                "model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            data = r.json()
+            return data["choices"][0]["message"]["content"], data["usage"]
+
+        for k, (first, second) in enumerate([("Who art thou?", "Speak again."), ("Good morrow, sir.", "Why so?"),
+                                             ("What news?", "And then?"), ("Is the king dead?", "How now?"),
+                                             ("Where is Romeo?", "Go on.")]):
+            turn = [{"role": "user", "content": first}]
+            reply, usage1 = chat(a_url, turn)
+            turn2 = turn + [{"role": "assistant", "content": reply}, {"role": "user", "content": second}]
+            on_b, usage_b = chat(b_url, turn2)
+            on_a, usage_a = chat(a_url, turn2)
+            assert (on_b, usage_b["prompt_tokens"]) == (on_a, usage_a["prompt_tokens"]), (k, reply)
+            reused = usage_b["prompt_tokens_details"]["cached_tokens"]
+            assert reused >= usage1["prompt_tokens"] + usage1["completion_tokens"] - 1, (k, reused, usage1)
+
+
 def test_a_message_that_cannot_be_decoded_fails_its_request_alone(model, monkeypatch):
     """A request the core cannot decode, and a record of another the API process cannot read:
     each fails alone (500 naming the problem) while a third request beside them is answered."""

@@ -163,3 +163,17 @@ def test_records_are_found_by_their_tenant_only(tmp_path):
         assert store.by_text("hello") is None and store.by_text("hello", "b") is None
         assert store.by_calls(["call_1"], "s") is None and store.by_calls(["call_1"], "s", "b") is None
         assert store.by_text("bye").ids == (7,) and store.by_text("bye", "a") is None
+
+
+def test_a_shared_store_is_one_store_for_every_process(tmp_path):
+    """Two stores opened `shared` on one file (two API processes): a record is in the file once
+    its future is done, so the other finds it at once; a later record of the same text (other
+    ids) is what both find, never a stale copy kept in memory."""
+    a, b = ReplayStore(str(tmp_path), shared=True), ReplayStore(str(tmp_path), shared=True)
+    a.record("hello", [5, 6], "s", ["call_1"]).result(10)
+    assert b.by_text("hello").ids == (5, 6) and b.by_calls(["call_1"], "s").ids == (5, 6)
+    b.record("hello", [7], "s").result(10)
+    assert a.by_text("hello").ids == (7,) and b.by_text("hello").ids == (7,)
+    assert ReplayStore(str(tmp_path)).record("x", [1], "s") is None  # not shared: nothing to wait for
+    for store in (a, b):
+        store.close()
