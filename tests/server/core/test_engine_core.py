@@ -555,8 +555,8 @@ def test_a_conversation_continues_the_same_on_either_api_process():
     which serves a turn): five two-turn chats, turn 1 on A, turn 2 on B, then turn 2 again on A.
     Exact replay is one store for both processes, so B encodes the reply A generated from its
     sampled ids: the same prompt as A's, the same answer, and the cache reused through turn 1's
-    reply (each process had a store of its own: B re-encoded the reply from its text, a
-    different prompt in 4 of 5 of these chats, and lost the prefix)."""
+    reply (each process had a store of its own: B re-encoded the reply from its text, another
+    prompt, 28 tokens instead of 29 in the first chat, and another answer)."""
     with api_processes_on_ports_of_their_own("--ctx", "512", "--prefill-chunk", "32", "--api-servers", "2") as \
             (_, api):
         (_, a_url), (_, b_url) = api
