@@ -110,7 +110,6 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
         last_streams = carry
     for a in range(0, T, chunk):
         try:
-            fault_point("prefill")
             with torch.inference_mode():  # no autograd bookkeeping per op (transformers' generate does the same)
                 # Only the last token's logits unless the caller wants every token's (prompt logprobs).
                 keep = 0 if full_logits else 1
@@ -125,6 +124,7 @@ def prefill(model, cache: DS4Cache, input_ids: torch.Tensor, chunk: int = 256, o
                         model.mtp_forward(fed, input_ids[:, first:a + chunk], target, logits_to_keep=1)
                     last_streams = streams[:, -1:].clone()
             logits = every[:, -1].clone()  # a normal tensor: callers may update it in place
+            fault_point("prefill")  # (where an asynchronous device error surfaces: the forward ran)
             synchronize(cache.device)
         except BaseException:
             cache.invalidate(range(B))
@@ -175,8 +175,8 @@ class Decoder:
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         n = self._check(input_ids)
         try:
-            fault_point("decode")
             logits = self._step(input_ids.to(self.cache.device), n)
+            fault_point("decode")  # (where an asynchronous device error surfaces: the step ran)
             synchronize(self.cache.device)
         except BaseException:
             self._fail(n)

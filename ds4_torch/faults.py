@@ -1,10 +1,13 @@
 """Fault injection for recovery tests: env `DS4_TORCH_FAULT`.
 
 Grammar: comma-separated `SITE:N[:KIND[:always]]`
-- SITE  `prefill` | `decode` | `restore`: where the engine calls `fault_point(SITE)`;
+- SITE  `prefill` | `decode` | `restore` | `submit`: where the engine calls `fault_point(SITE)`
+        (a prefill chunk and a decode step once their forward ran, where an asynchronous device
+        error surfaces; the first step after a disk restore; the engine core taking a submit);
 - N     the 1-based occurrence of that site in this process that fails;
-- KIND  `device` (default: a RuntimeError worded like a CUDA error) or `oom`
-        (`torch.OutOfMemoryError`);
+- KIND  `device` (default: a RuntimeError worded like a CUDA error), `oom`
+        (`torch.OutOfMemoryError`) or `slow` (no error: the site takes `DS4_TORCH_FAULT_SLOW_S`
+        seconds, default 2);
 - `always`: every occurrence from the N-th on fails, not just the N-th.
 Example: `DS4_TORCH_FAULT=prefill:2,decode:5:oom` fails the second prefill chunk and the fifth
 decode step of the process.
@@ -14,13 +17,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
-SITES = ("prefill", "decode", "restore")
-KINDS = ("device", "oom")
+SITES = ("prefill", "decode", "restore", "submit")
+KINDS = ("device", "oom", "slow")
 ENV = "DS4_TORCH_FAULT"
+SLOW_ENV = "DS4_TORCH_FAULT_SLOW_S"
 
 
 class InjectedDeviceError(RuntimeError):
@@ -82,6 +87,9 @@ def fault_point(site: str) -> None:
     for rule in rules:
         if rule.site == site and rule.fires(count):
             message = f"injected {rule.kind} fault at {site} #{count} ({ENV})"
+            if rule.kind == "slow":
+                time.sleep(float(os.environ.get(SLOW_ENV, "2")))
+                continue
             if rule.kind == "oom":
                 raise torch.OutOfMemoryError(f"CUDA out of memory: {message}")
             raise InjectedDeviceError(f"CUDA error: an illegal memory access was encountered: {message}")

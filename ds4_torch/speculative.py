@@ -358,7 +358,6 @@ class Speculator:
         # the device: only the shape is read), so PoolExhausted leaves every row as it was.
         forwards.cache.take_tokens(pending.new_empty(B, T), tentative=True)
         try:
-            fault_point("decode")
             with self.grad_off():
                 drafts = self._draft(forwards, n, B) if n else pending.new_zeros(B, 0)
                 fed = torch.cat([pending.view(B, 1), drafts.to(pending.dtype)], dim=1)
@@ -393,6 +392,7 @@ class Speculator:
                 if usable is not None:
                     read.append(usable.view(B, 1))
                 host = torch.cat(read, dim=1).tolist()  # the one host read
+                fault_point("decode")  # (where an asynchronous device error surfaces: the step ran)
                 synchronize(device)
         except BaseException:
             self.cache.invalidate(range(B))

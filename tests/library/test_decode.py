@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -176,6 +178,20 @@ def test_always_faults_keep_failing(model, monkeypatch):
 def test_fault_spec_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_faults(spec)
+
+
+def test_a_slow_fault_takes_its_time_and_raises_nothing(monkeypatch):
+    from ds4_torch.faults import fault_point
+
+    monkeypatch.setenv("DS4_TORCH_FAULT", "submit:2:slow")
+    monkeypatch.setenv("DS4_TORCH_FAULT_SLOW_S", "0.3")
+    reset_fault_counts()
+    took = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fault_point("submit")
+        took.append(time.perf_counter() - t0)
+    assert took[1] >= 0.3 and took[0] < 0.1 and took[2] < 0.1
 
 
 def test_modes_and_capabilities(model, monkeypatch):
