@@ -262,3 +262,50 @@ def write_bpe(directory, config=None):
     if config is not None:
         (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return directory
+
+
+@contextlib.contextmanager
+def api_processes(*flags: str, count: int = 2, timeout: float = 120.0, env: dict | None = None):
+    """An engine core process and `count` API processes over it, started as `serve --api-servers
+    N` starts them but each on a port of its own, so a test chooses which one serves a request.
+    `env`: variables they get (none of DS4_TORCH_FAULT's otherwise). Yields the core (a
+    serve.core.process.CoreProcess) and [(Popen, url)] (the first the owner); at exit SIGTERM to
+    the others, then to the owner (which drains the core; the core itself when the owner is
+    gone), then the core is waited for. Their output goes to this process's (capfd reads it)."""
+    import socket
+
+    import pytest
+
+    from serve.cli import build_parser
+    from serve.core.api_process import spawn_api_worker, stop_api_workers
+    from serve.core.process import spawn_core
+
+    args = build_parser().parse_args(["--port", "0", *flags])
+    holds = []  # the ports, bound (not listening) until the API processes listen on them too
+    for _ in range(count):
+        holds.append(socket.socket())
+        holds[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holds[-1].bind(("127.0.0.1", 0))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        patch.delenv("DS4_TORCH_FAULT", raising=False)
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        core = spawn_core(args)
+        api = [(spawn_api_worker(args, core, hold.getsockname()[1], number, owner=number == 1),
+                f"http://127.0.0.1:{hold.getsockname()[1]}") for number, hold in enumerate(holds, 1)]
+    try:
+        deadline = time.monotonic() + timeout
+        for proc, url in api:
+            wait_healthy(url, deadline)
+        for hold in holds:
+            hold.close()
+        yield core, api
+    finally:
+        for hold in holds:
+            hold.close()
+        for proc, _ in api[1:] + api[:1]:
+            stop_api_workers([proc])
+        if core.proc.poll() is None and api[0][0].returncode not in (0, -signal.SIGTERM):
+            core.proc.send_signal(signal.SIGTERM)  # (its owner died: nobody asked it to drain)
+        core.wait(60)

@@ -10,6 +10,11 @@ back as "stop after token k": the engine ends the request at its next iteration,
 speculating it waits (up to `STOP_WAIT_S`) for the API process to have read the step's tokens
 (an "ack"), so a speculative step's tokens past the stop go back exactly as in one process.
 
+Submits are taken on threads of their own (`SUBMIT_THREADS`: building a request's grammar can
+take seconds), so one slow submit holds up neither the other messages of its API process nor
+its other submits; a cancel that arrives while its request's submit is being taken is applied
+once it is queued. Every submit is answered, whatever fails.
+
 Lifecycle: the core dies with the process that started it (PR_SET_PDEATHSIG: SIGKILL, like a
 `kill -9` of the server); Ctrl-C reaches the whole process group, so the core ignores SIGINT and
 drains when its parent asks ("shutdown"); SIGTERM drains too. An API process whose connection
@@ -20,6 +25,7 @@ reading never blocks the engine: its messages wait on a sender thread of its own
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -37,6 +43,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 
+from ds4_torch.faults import fault_point
 from serve.engine.loop import Engine, EngineStopped, QueueFull
 from serve.engine.output import End, PromptLogprobs, Started, Token
 from serve.errors import APIError
@@ -45,6 +52,7 @@ from .wire import BACKLOG_MB, dumps, error_fields, error_from, loads, request_fr
 log = logging.getLogger("ds4.serve")
 
 PR_SET_PDEATHSIG = 1
+SUBMIT_THREADS = 4  # submits taken at once (a request's grammar is built there)
 BYE_S = 10.0   # at shutdown, how long the API processes get to read what is left (a stopped one never does)
 
 
@@ -80,6 +88,8 @@ class APIConnection:
         pid = peer_pid(conn)  # the number is the order of connecting: the pid names it in the logs
         self.name = f"API process {number}" + ("" if pid is None else f" (process {pid})")
         self.requests: dict[str, object] = {}
+        self.submitting: set[str] = set()   # ids of requests whose submit is being taken (`EngineCore`)
+        self.cancelled: set[str] = set()    # ... of those, the ones cancelled meanwhile
         self.lock = threading.Lock()        # the engine thread and reader threads send: numbers and queue
         self._wake = threading.Condition(self.lock)
         self.alive = True
@@ -250,6 +260,7 @@ class EngineCore:
         self.output = CoreOutput(self)
         engine.output = self.output
         self._count = 0
+        self._submitter = concurrent.futures.ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="ds4-core-submit")
 
     def start(self, config=None, kv_budget: int | None = None) -> None:
         """Start the engine and wait for its warm-up (API processes are greeted once it is warm)."""
@@ -336,11 +347,15 @@ class EngineCore:
             self.engine.cancel(req)
         with self.output._acked:
             self.output._acked.notify_all()
+        # (a submit still being taken cancels its requests itself once it sees the connection gone)
 
     def _handle(self, conn: APIConnection, message: tuple) -> None:
         kind = message[0]
         if kind == "cancel":
-            req = conn.requests.get(message[1])
+            with self.lock:
+                req = conn.requests.get(message[1])
+                if req is None and message[1] in conn.submitting:
+                    conn.cancelled.add(message[1])  # applied once its submit is taken
             if req is not None:
                 self.engine.cancel(req)
         elif kind == "stop":
@@ -356,7 +371,13 @@ class EngineCore:
             self.output.acked(conn, message[1])
         elif kind == "submit":  # answered whatever happens: the API process keeps the requests open until then
             _, call, items, continuation = message
-            conn.send(("reply", call, self._submit(conn, items, continuation), None))
+            try:
+                ids = [loads(data)["id"] for data in items]
+            except Exception:  # noqa: BLE001 - the submit itself says what is wrong, below
+                ids = []
+            with self.lock:
+                conn.submitting.update(ids)
+            self._submitter.submit(self._take_submit, conn, call, items, continuation, ids)
         elif kind == "call":
             _, call, name = message
             try:
@@ -367,6 +388,23 @@ class EngineCore:
             self.stopping.set()
         else:
             log.warning("engine core: unknown message %r from %s", kind, conn.name)
+
+    def _take_submit(self, conn: APIConnection, call: int, items: list[bytes], continuation: bool,
+                     ids: list[str]) -> None:
+        """Take one submit (on a submit thread) and answer it; cancels that came meanwhile, or the
+        connection closing, cancel its requests now that they are queued."""
+        try:
+            answer = self._submit(conn, items, continuation)
+        except BaseException as e:  # noqa: BLE001 - answered whatever happens
+            answer = ("error", error_fields(APIError(500, f"the engine core failed to queue this request "
+                                                          f"({type(e).__name__}: {e})", code="internal_error")))
+        with self.lock:
+            conn.submitting.difference_update(ids)
+            cancel = [conn.requests[i] for i in ids if i in conn.requests and (i in conn.cancelled or not conn.alive)]
+            conn.cancelled.difference_update(ids)
+        conn.send(("reply", call, answer, None))
+        for req in cancel:
+            self.engine.cancel(req)
 
     def _submit(self, conn: APIConnection, items: list[bytes], continuation: bool):
         """Queue the requests of one HTTP request (all or none); None, or (kind, message)."""
@@ -381,6 +419,7 @@ class EngineCore:
                 self.origin[req] = conn
                 conn.requests[req.id] = req
         try:
+            fault_point("submit")
             self.engine.submit_all(reqs, continuation=continuation)
             return None
         except (QueueFull, EngineStopped, ValueError) as e:
