@@ -138,6 +138,15 @@ class Replica:
         getattr(self, cache).reset(slot)
         self._changed(cache, slot)
 
+    def set_tenant(self, slot: int, tenant) -> None:
+        """Resident slot `slot`, empty, starts a sequence of `tenant`: the blocks it fills are
+        registered under that tenant's digests (`ds4_torch.paged`), which no other tenant's
+        lookup can reach."""
+        table = self.resident.table(slot)
+        if table.blocks:
+            raise ValueError(f"resident slot {slot} is not empty: its blocks belong to {table.tenant!r}")
+        table.tenant = None if tenant is None else str(tenant)
+
     def import_sequence(self, slot: int, state: dict) -> None:
         """Resident slot `slot` continues from `state` (another rank's `export_sequence`)."""
         self.resident.import_sequence(slot, state)

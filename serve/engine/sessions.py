@@ -229,6 +229,8 @@ class Sessions:
         return 0, None
 
     def _attach(self, session: Session, req: "GenRequest") -> int:
+        if not session.tokens:  # an empty slot: what it computes is registered under this tenant
+            self.run("set_tenant", session.slot, req.tenant)
         if session.tenant != req.tenant or session.slot not in self.index:
             self.index.remove(session.slot)
             session.tenant = req.tenant

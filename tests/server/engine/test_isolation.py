@@ -195,3 +195,30 @@ def test_a_request_put_back_after_stop_is_answered(model, tok):
         time.sleep(0.005)
     assert req.state == "failed" and events[-1][0] == "error"
     assert events[-1][1].status == 503 and events[-1][1].code == "server_shutting_down"
+
+
+def test_a_tenants_blocks_are_registered_under_its_own_chain(model, tok):
+    """Two tenants send the same 40-token prompt (an engine driven by hand, 16-token blocks): each
+    conversation's full blocks are registered under its tenant's digests, so a lookup by one
+    tenant finds its own blocks and never the other's (the server's block tables had no tenant:
+    every tenant's blocks were registered under the tenant-less chain, which any lookup without
+    a tenant reached)."""
+    from ds4_torch.sampling import SamplingParams
+
+    engine = Engine(model, tok, ctx=256, prefill_chunk=32, decode_mode="eager", max_batch=2, max_sessions=2,
+                    kv_block_tokens=16, checkpoint_interval=0)
+    engine.start(thread=False)
+    prompt = [(i * 13 + 7) % 997 + 2 for i in range(40)]
+    reqs = [GenRequest(list(prompt), 3, SamplingParams(temperature=0), ignore_eos=True, tenant=t)
+            for t in ("alice", "bob")]
+    engine.submit_all(reqs)
+    while not all(r.finished() for r in reqs):
+        engine.iterate()
+    assert [r.state for r in reqs] == ["done", "done"]
+    pool, kv = engine.runner.pool, engine.replica.kv
+    tables = {s.tenant: kv.table(engine.replica.batch_slots + s.slot) for s in engine.sessions if s.tokens}
+    assert set(tables) == {"alice", "bob"}
+    alice, bob = pool.lookup(prompt, "alice"), pool.lookup(prompt, "bob")
+    assert alice == tables["alice"].blocks[:2] and bob == tables["bob"].blocks[:2]
+    assert not set(alice) & set(bob) and pool.lookup(prompt) == []
+    engine.stop()
