@@ -23,6 +23,7 @@ from simulation import REPLAY, simulate
 SEEDS = [2,    # a disk store: evictions written and restored; 2 tenants; a restore OOM (finds 1, 5)
          4,    # an OOM in a decode step, a device error in a prefill chunk (finds 4)
          18,   # speculation, a disk store, 3 tenants, 3 batch slots, step faults (finds 4, 5)
+         32,   # two prefill faults, one tenant, 2 batch slots (finds 1, 4)
          37,   # speculation over 4 batch slots in a 7-block pool, step faults (finds 4, 5)
          55]   # the graph path (the capture emulator), a disk store, restore faults
 if os.environ.get("DS4_SIM_SEED"):
