@@ -56,8 +56,8 @@ def test_a_blocks_bytes_are_what_a_pool_allocates(config):
         cache = PagedDS4Cache(config, 2, 1024, dtype=dtype, num_blocks=5, block_tokens=bt)
         assert block_nbytes(config, dtype, bt) == cache.block_nbytes
         rows = sum(s.rows.numel() * s.rows.element_size() for layer in cache.layers for s in layer.states)
-        per_scratch_row = sum(s.rows[-1].numel() * s.rows.element_size() for layer in cache.layers for s in layer.states)
-        assert rows == 5 * cache.block_nbytes + per_scratch_row
+        per_row = sum(s.rows[-1].numel() * s.rows.element_size() for layer in cache.layers for s in layer.states)
+        assert rows == 5 * cache.block_nbytes + 2 * per_row  # (the scratch row and the zero row)
 
 
 def test_serve_default_kv_pool_from_memory(config, monkeypatch, caplog):
