@@ -23,7 +23,6 @@ import dataclasses
 import json
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import anthropic
 import openai
@@ -32,11 +31,8 @@ import pytest
 from ds4_torch.chat_encoding import ASSISTANT, USER
 from ds4_torch.default_model import DEFAULT_MODEL_DIR
 from ds4_torch.sampling import BatchSampler
-from serve.app import ServerConfig, create_app
-from serve.background import BackgroundServer
+from helpers import DATA, MODEL, server
 
-MODEL = "ds4-default"
-DATA = Path(__file__).resolve().parent / "data"
 PROMPTS = json.loads((DATA / "plain_prompts.json").read_text(encoding="utf-8"))["prompts"]
 FIRST_PROMPTS = ["Hello", "What news?", "Who are you?", "Tell me a story about a king.", "How are you today?"]
 SEED = 4200            # sampled: prompt i draws with seed SEED + i
@@ -101,7 +97,7 @@ def srv(model, tok, seeded):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(BatchSampler, "admit", seeded_by_prompt)
-        with BackgroundServer(create_app(model, tok, ServerConfig(ctx=512, max_batch=16))) as s:
+        with server(model, tok, ctx=512, max_batch=16) as s:
             yield s
 
 
