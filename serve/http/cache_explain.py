@@ -74,6 +74,36 @@ def header(request: Request, report: dict | None, tokenizer) -> dict[str, str]:
     return {HEADER: "; ".join(f"{k}={v}" for k, v in _fields(client_view(report, tokenizer)))}
 
 
+SOURCES = {"session": "its conversation's resident session", "shared": "a running request's state (shared)",
+           "checkpoint": "a checkpoint", "disk": "a snapshot on disk", "none": "nowhere"}
+WHY = {
+    "new": "no earlier prompt shared a token with it",
+    "full": "no earlier prompt shared more",
+    "diverged": "an earlier prompt shared {shared} tokens: it differs from this one at token {diverged_at}, and "
+                "the nearest state before that was reused",
+    "no_checkpoint": "an earlier prompt shared {shared} tokens, but no state of it lay at or before token "
+                     "{diverged_at}, where they differ",
+    "evicted": "an earlier prompt that shared {shared} tokens left memory for another conversation (every "
+               "resident session was taken) and was not on disk",
+    "pool": "an earlier prompt that shared {shared} tokens left memory because the KV pool needed its blocks for "
+            "other requests, and was not on disk",
+    "evicted_to_disk": "an earlier prompt that shared {shared} tokens was written to the disk store when it left "
+                       "memory, and the store did not give it back",
+    "prompt_logprobs": "it asked for prompt logprobs: the whole prompt is prefilled for them",
+}
+
+
+def describe(view: dict) -> str:
+    """A report (the client view) in words: `ds4-torch cache-explain` prints it."""
+    lines = [f"request {view['request']}: {view['reused']:,} of {view['prompt']:,} prompt tokens reused, from "
+             f"{SOURCES.get(view['source'], view['source'])}",
+             f"why not more: {WHY.get(view['reason'], view['reason']).format_map(view)} ({view['reason']})"]
+    for key, name in (("before", "before it"), ("ours", "this prompt"), ("theirs", "the earlier one")):
+        if key in view:
+            lines.append(f"  {name:>15}: {json.dumps(view[key], ensure_ascii=False)}")
+    return "\n".join(lines)
+
+
 async def explain(state, request: Request) -> Response:
     """GET /v1/cache/explain/{request_id}: the client view of a recent request's report."""
     rid = request.path_params["request_id"]

@@ -138,7 +138,7 @@ def chat(srv, messages, key=None):
     return r
 
 
-def test_an_edited_early_turn_is_named_where_it_diverged(tok):
+def test_an_edited_early_turn_is_named_where_it_diverged(tok, capsys):
     """A conversation sent again with its first user turn edited in the middle: the report gives
     the position of the first token that differs, the text before it and both sides' words, and
     reuse goes back to the checkpoint at that turn's start."""
@@ -155,6 +155,15 @@ def test_an_edited_early_turn_is_named_where_it_diverged(tok):
         chat(srv, convo)
         r = chat(srv, edited)
         report = report_of(srv, r)
+        from ds4_torch.cli import main  # the operator's command, asking the server for the same report
+
+        assert main(["cache-explain", report["request"], "--url", srv.url]) == 0
+        said = capsys.readouterr().out
+        assert main(["cache-explain", "nope", "--url", srv.url]) == 2
+        assert "404: no cache report for request 'nope'" in capsys.readouterr().err
+    assert f"{report['reused']:,} of {report['prompt']:,} prompt tokens reused, from a checkpoint" in said
+    assert f"it differs from this one at token {p}" in said and "(diverged)" in said
+    assert f"this prompt: {json.dumps(report['ours'], ensure_ascii=False)}" in said
     assert report["reused"] == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == turn_start
     assert (report["reason"], report["source"], report["diverged_at"], report["shared"]) == \
         ("diverged", "checkpoint", p, p)
