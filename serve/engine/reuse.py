@@ -73,7 +73,7 @@ class ReuseReports:
     def left(self, tokens: Sequence[int], tenant: Hashable, cause: str, on_disk: bool) -> None:
         """A conversation left memory (`cause`: "sessions", for another conversation's slot, or
         "pool", for KV blocks); `on_disk`: a snapshot of it was handed to the disk store."""
-        if not tokens:
+        if not tokens or len(tokens) > DEPARTED_TOKENS:  # (one that long would push every other out)
             return
         m = self.departed.match(tenant, tokens)
         if m.common_key is not None and m.common == self._departed[m.common_key][2]:
