@@ -1,7 +1,7 @@
 """The `ds4-torch` command line (also `python -m ds4_torch`).
 
-`generate` and `info` live here; `serve` (the `serve` package) and `bench` (`ds4_torch.bench`)
-sit on top of the library and are imported only when their command runs.
+`generate` and `info` live here; `serve` and `cache-explain` (the `serve` package) and `bench`
+(`ds4_torch.bench`) sit on top of the library and are imported only when their command runs.
 """
 from __future__ import annotations
 
@@ -170,6 +170,12 @@ def _print_weight_memory(args, parameters: int, cache_bytes: int) -> int:
     return held
 
 
+def cmd_cache_explain(args) -> int:
+    from serve.cli import explain_cache
+
+    return explain_cache(args)
+
+
 def cmd_serve(args) -> int:
     from serve.cli import run
 
@@ -224,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (same flags as `python -m serve`)")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+    from serve.cli import add_explain_arguments
+
+    x = sub.add_parser("cache-explain", help="ask a running server what a past request reused of the KV cache, and "
+                                             "why not more")
+    add_explain_arguments(x)
+    x.set_defaults(func=cmd_cache_explain)
 
     from .bench import add_parser as add_bench_parser  # argparse only: each target loads on run
 

@@ -321,6 +321,43 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     return 0 if signals else 1
 
 
+def add_explain_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("request_id", help="the request's id: the access log's id=, the x-ds4-cache header's request=")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the running server (default http://127.0.0.1:8000)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help=f"a key of the server, the one the request was sent with (default: env {API_KEY_ENV})")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def explain_cache(args) -> int:
+    """`ds4-torch cache-explain ID`: ask a running server what a past request reused of the cache
+    and why not more (GET /v1/cache/explain/{ID}), and print it."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from serve.http.cache_explain import describe
+
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    url = f"{args.url.rstrip('/')}/v1/cache/explain/{urllib.parse.quote(args.request_id, safe='')}"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            view = json.load(r)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise UserError(f"{url}: {e.code}: {message}") from None
+    except OSError as e:
+        raise UserError(f"cannot reach {args.url}: {e}") from None
+    print(json.dumps(view, indent=1, ensure_ascii=False) if args.json else describe(view))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

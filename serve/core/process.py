@@ -206,7 +206,7 @@ class CoreOutput:
                              None if rec.error is None else error_fields(rec.error), rec.stage, stats(req)))
                 self.core.forget(conn, req)
             elif isinstance(rec, Started):
-                recs.append(("s", req.id, req.cached_tokens, req.t_start))
+                recs.append(("s", req.id, req.cached_tokens, req.t_start, req.cache_report))
             elif isinstance(rec, PromptLogprobs):
                 recs.append(("p", req.id, [(o.token_id, o.logprob, o.top) for o in rec.outs]))
         for conn, recs in out.items():
@@ -358,9 +358,9 @@ class EngineCore:
             _, call, items, continuation = message
             conn.send(("reply", call, self._submit(conn, items, continuation), None))
         elif kind == "call":
-            _, call, name = message
+            _, call, name, *args = message
             try:
-                conn.send(("reply", call, self._call(name), None))
+                conn.send(("reply", call, self._call(name, *args), None))
             except Exception as e:  # noqa: BLE001 - answered, so the caller does not wait
                 conn.send(("reply", call, None, f"{type(e).__name__}: {e}"))
         elif kind == "shutdown":
@@ -388,8 +388,10 @@ class EngineCore:
                 self.forget(conn, req)
             return (type(e).__name__, str(e))
 
-    def _call(self, name: str):
+    def _call(self, name: str, *args):
         engine = self.engine
+        if name == "cache_report":
+            return engine.cache_report(*args)
         if name == "health":
             return engine.health()
         if name == "queue_depth":

@@ -140,6 +140,7 @@ class EngineClient(Protocol):
     def structured_outputs(self): ...            # compiles the `GenRequest.grammar`s it takes
     def describe(self) -> str: ...               # for the start-up log line
     def metrics_text(self) -> bytes: ...         # the Prometheus exposition, the engine's metrics included
+    def cache_report(self, request_id: str) -> dict | None: ...  # what a recent request reused (serve.engine.reuse)
 
 
 def _part_attribute(part: str, name: str, doc: str) -> property:
@@ -255,6 +256,11 @@ class Engine:
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of the engine's metrics (the app's registry: one process)."""
         return self.metrics.render()
+
+    def cache_report(self, request_id: str) -> dict | None:
+        """What a recent request (of the last `serve.engine.reuse.REPORTS`) reused and why not more;
+        None for an id it does not know (any thread)."""
+        return self.sessions.reports.report(request_id)
 
     def timing(self) -> dict:
         """Counters `bench serve` takes differences of: CPU seconds of the engine thread outside the

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI, `serve.http.openai_api`),
 POST /v1/responses (OpenAI Responses, `serve.http.responses_api`), POST /v1/messages and
 /v1/messages/count_tokens (Anthropic, `serve.http.anthropic_api`), GET /v1/models, GET /health (and
-/api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+/api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize,
+GET /v1/cache/explain/{request_id} (what a recent request reused and why not more: `serve.http.cache_explain`).
 
 Each API module only translates: its JSON into one internal request (`serve.http.chat`), and the
 internal events of the `Generation` back into its JSON or SSE (a "view" with `start`, `feed`,
@@ -45,6 +46,7 @@ from starlette.routing import Route
 from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api
+from . import cache_explain
 from . import openai_api
 from . import responses_api
 from .chat import TENANT, Cancelled, Failed, Generation, dsml_tokens, encode_conversation, tenant_of
@@ -228,7 +230,8 @@ class AppState:
             f"finish={gen.done.finish if gen.done else req.finish_reason} tool_calls={len(gen.calls)} "
             f"queue={start - first_req.t_arrival:.3f}s prefill={(first or end) - start:.3f}s "
             f"ttft={f'{first - first_req.t_arrival:.3f}s' if first else '-'} decode={decode_s:.3f}s{rate} "
-            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}{self._speculation(gen)}"), error=error)
+            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}{self._speculation(gen)}"
+            f"{cache_explain.log_fields(first_req.cache_report, self.tokenizer)}"), error=error)
 
     @staticmethod
     def _speculation(gen: Generation) -> str:
@@ -283,7 +286,7 @@ class AppState:
                         return Response(status_code=CLIENT_CLOSED)
                 if gen.finished():  # every choice is done
                     status = 200
-                    return JSONResponse(view.body())
+                    return JSONResponse(view.body(), headers=self._cache_header(request, gen))
         finally:
             gen.cancel()
             self.log_request(request, status, gen, error=error)
@@ -354,8 +357,15 @@ class AppState:
                 gen.cancel()
                 self.log_request(request, outcome, gen, stream=True, error=error)
 
+        # (The report is known once the request was admitted: by its first event, unless it waited in
+        # the queue past the first keep-alive.)
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **self._cache_header(request, gen)})
+
+    def _cache_header(self, request: Request, gen: Generation) -> dict[str, str]:
+        first = gen.requests[0] if gen.requests else None
+        return cache_explain.header(request, None if first is None else first.cache_report, self.tokenizer)
 
     # ------------------------------------------------------------------ small endpoints
     def _model(self, name: str) -> dict:
@@ -486,6 +496,8 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         # Interactive Claude Code checks its base URL with HEAD /api/hello at start: answered as /health.
         endpoint("/api/hello", AppState.health, auth=False, method="GET"),
         endpoint("/metrics", AppState.metrics_text, auth=False, method="GET"),
+        endpoint("/v1/cache/explain/{request_id}", cache_explain.explain, method="GET",
+                 label="/v1/cache/explain/{request_id}"),
         endpoint("/tokenize", AppState.tokenize),
         endpoint("/detokenize", AppState.detokenize),
     ]

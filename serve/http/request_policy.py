@@ -96,14 +96,14 @@ def forget_logged() -> None:
         _logged.clear()
 
 
-def note_ignored(api: str, what: str, detail: str = "") -> None:
+def note_ignored(api: str, what: str, detail: str = "", level: int = logging.WARNING) -> None:
     """Log, once per (api, what), that something the client sent was ignored."""
     key = (api, what)
     with _lock:
         if key in _logged:
             return
         _logged.add(key)
-    log.warning("%s: ignoring %s%s (logged once)", api, what, f": {detail}" if detail else "")
+    log.log(level, "%s: ignoring %s%s (logged once)", api, what, f": {detail}" if detail else "")
 
 
 def ignore_unknown(api: str, obj: Mapping, known: Iterable[str], where: str = "") -> None:

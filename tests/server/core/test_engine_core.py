@@ -27,7 +27,7 @@ import pytest
 from ds4_torch.default_model import default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.sampling import SamplingParams
-from helpers import ROOT, gone, serve_process, wait_for, wait_healthy
+from helpers import ROOT, gone, prompt_ids, serve_process, wait_for, wait_healthy
 from serve.http.app import ServerConfig, create_app
 from serve.background import BackgroundServer
 from serve.core.process import threaded_core
@@ -177,6 +177,25 @@ def test_metrics_hold_both_processes(model):
     assert re.search(r'^ds4_requests_total\{code="200",endpoint="/v1/completions"\} 1\.0$', text, re.M), text
     assert re.search(r"^ds4_engine_healthy 1\.0$", text, re.M), text
     assert text.count("# TYPE ds4_generated_tokens_total counter") == 1
+
+
+def test_the_cache_report_crosses_the_core(model):
+    """What a request reused and why not more (serve.engine.reuse) is worked out in the core and
+    sent with the request's start: the header, the explain endpoint (a call to the core) and the
+    access log's reason are the same as with the engine in this process."""
+    first = prompt_ids(300, 1)
+    seen = {}
+    for core in (False, True):
+        with server(model, core, ctx=1024) as srv:
+            post(srv, "/v1/completions", dict(prompt=first, max_tokens=2))
+            r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": first[:100] + prompt_ids(9, 2),
+                                                              "max_tokens": 2}, headers={"x-ds4-cache": "1"})
+            rid, header = r.headers["x-ds4-cache"].split("; ", 1)
+            report = httpx.get(f"{srv.url}/v1/cache/explain/{rid.removeprefix('request=')}").json()
+            seen[core] = header, {k: v for k, v in report.items() if k != "request"}, \
+                srv.core_metrics.value("ds4_prompt_reuse_total", reason="no_checkpoint")
+    assert seen[True] == seen[False]
+    assert seen[True][1]["reason"] == "no_checkpoint" and seen[True][1]["diverged_at"] == 100 and seen[True][2] == 1
 
 
 def stream_text(url: str, body: dict, on_text=lambda: None) -> tuple[str, list]:
