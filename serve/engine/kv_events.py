@@ -12,7 +12,7 @@ vllm-router 0.1.17 decodes:
   epoch, a float; the rank 0). Each event is a map tagged with its class name under "type", as
   msgspec writes a tagged struct: `{"type": "BlockStored", "block_hashes": [bin, ...],
   "parent_block_hash": bin or nil, "token_ids": [int, ...], "block_size": int, "lora_id": nil,
-  "medium": "GPU" or "CPU", "lora_name": nil}` (several blocks of one sequence, each the parent of
+  "medium": "GPU", "lora_name": nil}` (several blocks of one sequence, each the parent of
   the next: token_ids holds block_size ids per hash), `{"type": "BlockRemoved", "block_hashes":
   [...], "medium": ...}` and `{"type": "AllBlocksCleared"}`.
 - A block hash is 32 bytes: a keyed BLAKE2b of the pool's chain digest (`ds4_torch.paged`), the key
@@ -53,6 +53,10 @@ MAX_EVENTS = 1024              # raw pool events per batch at most (vllm-router 
 REPLAY_POLL_S = 0.05           # how often the publishing thread looks for a replay request when idle
 CLOSE_LINGER_MS = 1000         # how long the last batch may take to leave when the server stops
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# vLLM's tier names: "GPU" is the cache the model computes from (routers credit it in full; "CPU" and
+# "STORAGE" are offload tiers a block must first be brought back from). The pool is that cache on
+# whatever device the model runs.
+MEDIUM = "GPU"
 
 
 # --------------------------------------------------------------------------- msgpack
@@ -136,11 +140,10 @@ class KVEventPublisher:
     port `*` takes a free one; `endpoint` / `replay_endpoint` then say which); one that cannot be
     bound is a UserError."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, block_tokens: int,
-                 medium: str = "GPU", topic: str = ""):
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, block_tokens: int, topic: str = ""):
         import zmq
 
-        self.block_tokens, self.medium, self.topic = block_tokens, medium, topic.encode()
+        self.block_tokens, self.topic = block_tokens, topic.encode()
         self._key = os.urandom(32)
         self._ctx = zmq.Context()
         self._pub = self._bind(zmq.PUB, endpoint, "--kv-events")
@@ -244,7 +247,7 @@ class KVEventPublisher:
                     events.append({"type": "BlockStored", "block_hashes": [self._hash(digest)],
                                    "parent_block_hash": None if parent is None else self._hash(parent),
                                    "token_ids": [int(t) for t in tokens], "block_size": self.block_tokens,
-                                   "lora_id": None, "medium": self.medium, "lora_name": None})
+                                   "lora_id": None, "medium": MEDIUM, "lora_name": None})
                 last_stored = digest
                 continue
             last_stored = None
@@ -253,7 +256,7 @@ class KVEventPublisher:
                     events[-1]["block_hashes"].append(self._hash(rest[0]))
                 else:
                     events.append({"type": "BlockRemoved", "block_hashes": [self._hash(rest[0])],
-                                   "medium": self.medium})
+                                   "medium": MEDIUM})
             else:
                 events.append({"type": "AllBlocksCleared"})
         return events

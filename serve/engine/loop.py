@@ -202,8 +202,7 @@ class Engine:
         if kv_events is not None:
             from .kv_events import KVEventPublisher
 
-            self.kv_events = KVEventPublisher(kv_events, kv_events_replay, block_tokens=pool.block_tokens,
-                                              medium="GPU" if self.device.type == "cuda" else "CPU")
+            self.kv_events = KVEventPublisher(kv_events, kv_events_replay, block_tokens=pool.block_tokens)
             pool.listener = self.kv_events
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),

@@ -176,7 +176,7 @@ def test_a_prefill_publishes_its_full_blocks_and_a_stop_clears_them(model):
         sub.wait(lambda: len(sub.chain(prompt)) == 4, "BlockStored for the prompt's 4 full blocks")
         assert isinstance(sub.events[0], AllBlocksCleared)  # seq 0: the pool starts empty
         stored = [e for e in sub.events if isinstance(e, BlockStored)]
-        assert stored[0].parent_block_hash is None and stored[0].medium == "CPU"
+        assert stored[0].parent_block_hash is None and stored[0].medium == "GPU"
         wait_idle(srv)
         sub.pump()  # the 4 reply tokens fill no block: exactly the prompt's blocks are held
         assert sorted(sub.held.values()) == sorted(prompt[k * BT:(k + 1) * BT] for k in range(4))
