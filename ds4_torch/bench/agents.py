@@ -16,7 +16,7 @@ kv_aware by default), and runs the same conversations through each (streamed, to
 token); `--router-url URL` runs them once through a router already running. Printed per policy:
 requests, prompt tokens, reused, the reuse of every request and of the later ones (each
 conversation's requests after its first: the ones a router can send to the replica holding the
-conversation), and time to first token (p50, p90).
+conversation), the later ones' tokens prefilled again, and time to first token (p50, p90).
 """
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def _totals(results: list[list[dict]]) -> dict:
     ttfts = sorted(r["ttft"] for r in reqs)
     return {"requests": len(reqs), "prompt_tokens": prompt, "reused": cached, "prefilled": prompt - cached,
             "reuse": cached / prompt, "later_reuse": sum(r["cached"] for r in later) / sum(r["prompt"] for r in later),
+            "later_prefilled": sum(r["prompt"] - r["cached"] for r in later),
             "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]}
 
 
@@ -210,13 +211,14 @@ def run_routed(args, tokenizer) -> int:
             rows.append({"policy": policy, **_totals(results), "wall_s": wall})
     where = f"through {args.router_url}" if args.router_url else f"{args.replicas} replicas behind vllm-router"
     header = (f"{'policy':>12} {'requests':>8} {'prompt tok':>10} {'reused':>8} {'reuse':>6} {'later turns':>11} "
-              f"{'TTFT p50 s':>10} {'TTFT p90 s':>10} {'wall s':>7}")
+              f"{'later prefilled':>15} {'TTFT p50 s':>10} {'TTFT p90 s':>10} {'wall s':>7}")
     print_table(
         f"agents {where}: {CONVERSATIONS} conversations, {AT_A_TIME} at a time, a {args.system_tokens}-token system "
         f"prompt, {TURNS} turns (user ~{args.user_tokens} tokens, replies {args.new_tokens}), checkpoints every "
         f"{args.checkpoint_interval}; {machine()}", header,
         [f"{r['policy']:>12} {r['requests']:>8} {r['prompt_tokens']:>10} {r['reused']:>8} {100 * r['reuse']:>5.1f}% "
-         f"{100 * r['later_reuse']:>10.1f}% {r['ttft_p50_s']:>10.3f} {r['ttft_p90_s']:>10.3f} {r['wall_s']:>7.1f}"
+         f"{100 * r['later_reuse']:>10.1f}% {r['later_prefilled']:>15} {r['ttft_p50_s']:>10.3f} "
+         f"{r['ttft_p90_s']:>10.3f} {r['wall_s']:>7.1f}"
          for r in rows])
     if args.csv:
         write_csv(rows, args.csv)

@@ -531,8 +531,9 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         endpoint("/v1/chat/completions/render", AppState.render_chat),
         endpoint("/v1/completions/render", AppState.render_completion),
         endpoint("/v1/responses/render", AppState.render_response),
-        endpoint("/get_server_info", AppState.server_info, method="GET"),
-        endpoint("/kv_event_sources", AppState.kv_event_sources, method="GET"),
+        # Open, as /health: a router finds a replica's events before any client's key reaches it.
+        endpoint("/get_server_info", AppState.server_info, auth=False, method="GET"),
+        endpoint("/kv_event_sources", AppState.kv_event_sources, auth=False, method="GET"),
     ]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
