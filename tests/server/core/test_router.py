@@ -41,9 +41,10 @@ def routed():
         yield router, replicas
 
 
-def chat(url: str, msgs: list[dict], max_tokens: int = 8) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+def chat(url: str, msgs: list[dict], max_tokens: int = 8, key: str | None = None) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {key}"} if key else {},
+                   json={"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -104,23 +105,39 @@ def test_a_conversations_later_turns_reach_the_replica_holding_it(routed):
     spreads them over both replicas), then three more turns each, interleaved (an odd number: no
     fixed rotation keeps each on one replica): every later turn reuses at least the whole previous
     prompt, which only the replica that served it holds."""
-    router, replicas = routed
+    converse_where_held(*routed, keys=[None] * 3)
+
+
+def converse_where_held(router, replicas, keys: list[str | None]) -> None:
     served = [prompt_tokens_served(r) for r in replicas]
-    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user(c, 0)}] for c in range(3)]
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user(c, 0)}] for c in range(len(keys))]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        firsts = list(pool.map(lambda m: chat(router.url, m), convs))
+        firsts = list(pool.map(lambda c: chat(router.url, convs[c], key=keys[c]), range(len(keys))))
     previous = [r["usage"]["prompt_tokens"] for r in firsts]
     for c, r in enumerate(firsts):
         convs[c] += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
     assert all(prompt_tokens_served(r) > s for r, s in zip(replicas, served)), "both replicas take conversations"
     for turn in range(1, 4):
-        for c in range(3):
+        for c in range(len(keys)):
             convs[c].append({"role": "user", "content": user(c, turn)})
-            r = chat(router.url, convs[c])
+            r = chat(router.url, convs[c], key=keys[c])
             usage = r["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= previous[c], (c, turn, usage, previous[c])
             previous[c] = usage["prompt_tokens"]
             convs[c].append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+
+
+def test_tenants_keys_go_through_the_router():
+    """Replicas with two keys (two tenants) and --kv-events-all-tenants, the router given none: a
+    request without a key is refused by the replica, through the router; each tenant's
+    conversations reach the replica holding them, the router rendering each prompt with the
+    client's own key (a tenant's replayed turns are its own)."""
+    tenants = ["--api-key", "alice-key", "--api-key", "bob-key", "--kv-events-all-tenants"]
+    with replicas_behind_router(2, REPLICA + tenants, "kv_aware", ROUTER) as (router, replicas):
+        r = httpx.post(router.url + "/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 401, r.text
+        converse_where_held(router, replicas, keys=["alice-key", "bob-key", "alice-key"])
 
 
 # --------------------------------------------------------------------------- failover
