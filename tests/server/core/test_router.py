@@ -193,3 +193,24 @@ def test_a_replica_killed_mid_run_leaves_the_other_serving():
                 "model": MODEL, "messages": convs[c], "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, (c, r.status_code, r.text)
         assert httpx.get(alive.url + "/health").status_code == 200
+
+
+# --------------------------------------------------------------------------- the benchmark
+def test_the_agents_benchmark_through_replicas(tmp_path, capsys):
+    """`bench serve --scenario agents --replicas 2`, small, kv_aware only: 58 requests through the
+    router, and each conversation's later turns reuse at least 90% of their prompts (the target)."""
+    import csv
+
+    from ds4_torch.bench.serve import run
+    from ds4_torch.cli import build_parser
+
+    out = tmp_path / "agents.csv"
+    args = build_parser().parse_args(["bench", "serve", "--scenario", "agents", "--replicas", "2", "--policies",
+                                      "kv_aware", "--system-tokens", "300", "--user-tokens", "20", "--new-tokens", "4",
+                                      "--checkpoint-interval", "64", "--prefill-chunk", "128", "--router", ROUTER,
+                                      "--csv", str(out)])
+    assert run(args) == 0
+    (row,) = list(csv.DictReader(out.open()))
+    assert row["policy"] == "kv_aware" and int(row["requests"]) == 58
+    assert float(row["later_reuse"]) >= 0.9, row
+    assert "kv_aware" in capsys.readouterr().out
