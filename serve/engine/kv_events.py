@@ -189,12 +189,14 @@ class KVEventPublisher:
 
     # ------------------------------------------------------------------ PoolListener (the pool's thread)
     def stored(self, digest: bytes, parent: bytes | None, tokens: Sequence[int], tenant: str | None) -> None:
-        self._queue.append(("stored", digest, parent, tokens))
-        self._wake.set()
+        if self._thread.is_alive():  # (a publisher that failed queues nothing more)
+            self._queue.append(("stored", digest, parent, tokens))
+            self._wake.set()
 
     def removed(self, digest: bytes) -> None:
-        self._queue.append(("removed", digest))
-        self._wake.set()
+        if self._thread.is_alive():
+            self._queue.append(("removed", digest))
+            self._wake.set()
 
     def close(self, timeout: float = 2.0) -> None:
         """Publish AllBlocksCleared (this replica's cache goes away) after what is queued, then stop."""
