@@ -11,7 +11,8 @@ from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, 
                                positive_int, resolve_device)
 
 from serve.core.setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
-                    REPLAY_SHARE, _api_key, attach_kv_store, choose_kv_pool, load, load_api_side)  # (imported from here)
+                    REPLAY_SHARE, _api_key, attach_kv_store, check_kv_events, choose_kv_pool, load,
+                    load_api_side)  # (imported from here)
 from serve.core.wire import BACKLOG_MB
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
@@ -99,6 +100,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="browser origins given CORS headers (repeatable; none by default)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
+    p.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                   help="publish the KV pool's full blocks as they are stored and removed, on a ZeroMQ PUB socket "
+                        "bound at ENDPOINT (e.g. tcp://127.0.0.1:5557; port * takes a free one), in vLLM 0.29's "
+                        "KV-event format: what KV-aware routers (vllm-router --policy kv_aware) place requests by. "
+                        "The events carry the blocks' token ids and the socket has no authentication: bind it where "
+                        "only the router reaches it (docs/scaling-out.md) (default: none)")
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
+                   help="with --kv-events: also bind a ZeroMQ ROUTER socket there that sends a subscriber the "
+                        "batches it missed (the last 10,000), as vLLM's replay endpoint does (default: none)")
+    p.add_argument("--kv-events-all-tenants", action="store_true",
+                   help="with --kv-events and several --api-key: publish every tenant's blocks (their token ids) "
+                        "to whoever subscribes (a router forwarding every tenant's requests sees them anyway); "
+                        "without it, several keys and --kv-events are refused")
     p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
                    help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
                         "detokenizes and streams its own requests; with --tp, over rank 0's core; not with "
@@ -132,6 +146,7 @@ def run(args) -> int:
         raise UserError("--tp-timeout needs --tp N with N > 1")
     if args.api_servers > 1 and args.engine_core == "thread":
         raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread)")
+    check_kv_events(args)
     if args.tp == 1 and args.engine_core == "process":
         return serve_with_core(args)
     if args.tp == 1:

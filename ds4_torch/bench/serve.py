@@ -19,7 +19,8 @@
    plus one chunk.
 
 `--scenario agents` runs `ds4_torch.bench.agents` instead: the tokens agents' conversations make
-the server prefill, with cache checkpoints on and off. `--scenario pool` runs
+the server prefill, with cache checkpoints on and off; with `--replicas N` (or `--router-url`),
+through vllm-router in front of N replicas, per routing policy. `--scenario pool` runs
 `ds4_torch.bench.pool`: what the paged KV pool holds for chats on one system prompt and for long
 sessions.
 """
@@ -53,6 +54,20 @@ def add_arguments(p) -> None:
                    help="agents: the server's --checkpoint-interval in the run with checkpoints (default 256)")
     p.add_argument("--checkpoint-memory-mb", type=float, default=1024,
                    help="agents: the server's --checkpoint-memory-mb (default 1024)")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="agents: run the conversations through vllm-router in front of N replicas (`python -m serve` "
+                        "processes with --kv-events), a fresh set for each of --policies, and compare the policies "
+                        "(default: one server, in this process)")
+    p.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware", "kv_aware"], metavar="POLICY",
+                   choices=("round_robin", "random", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
+                            "sticky_least_loaded"),
+                   help="agents with --replicas: vllm-router's --policy values to run (default round_robin "
+                        "cache_aware kv_aware)")
+    p.add_argument("--router-url", metavar="URL", default=None,
+                   help="agents: run the conversations through the router (or server) at URL instead")
+    p.add_argument("--router", metavar="PATH", default=None,
+                   help="agents with --replicas: the vllm-router executable (default: the one installed beside this "
+                        "Python, else on PATH)")
     p.add_argument("--clients", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
                    help="concurrent streaming clients, one run per count (default 1 2 4 8 16)")
     p.add_argument("--max-batch", type=positive_int, default=None,
@@ -252,6 +267,14 @@ def run(args) -> int:
         raise UserError(f"--new-tokens must be >= 2 (a decode rate needs two tokens), got {args.new_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if (args.replicas or args.router_url) and args.scenario != "agents":
+        raise UserError("--replicas and --router-url run the agents scenario: add --scenario agents")
+    if args.replicas and args.router_url:
+        raise UserError("--replicas starts a router; --router-url uses one: give one of them")
+    if args.scenario == "agents" and (args.replicas or args.router_url):
+        from . import agents
+
+        return agents.run_routed(args, load_model_tokenizer(args.model))  # (the replicas load the model)
     model = load_model(args.model, device=args.device, dtype=args.dtype, quantized=args.quantized)
     tokenizer = load_model_tokenizer(args.model)
     if args.scenario == "agents":

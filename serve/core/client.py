@@ -115,6 +115,9 @@ class CoreClient:
     def describe(self) -> str:
         return f"{self.info['describe']} (engine core: process {self.info['pid']})"
 
+    def kv_event_info(self) -> dict:
+        return self.info["kv_events"]
+
     def structured_outputs(self):
         """The `StructuredOutputs` of this tokenizer: the grammars built here travel as their spec."""
         with self._structured_lock:

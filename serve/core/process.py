@@ -257,8 +257,8 @@ class EngineCore:
         engine.start()
         while not engine.warm and engine.alive:
             time.sleep(0.01)
-        self.info.update(config=config, describe=engine.describe(),
-                         vocab_size=engine.model.config.vocab_size, kv_budget=kv_budget, pid=os.getpid())
+        self.info.update(config=config, describe=engine.describe(), vocab_size=engine.model.config.vocab_size,
+                         kv_budget=kv_budget, pid=os.getpid(), kv_events=engine.kv_event_info())
 
     def serve(self) -> None:
         """Accept API processes until asked to stop (by one of them or SIGTERM); then drain."""

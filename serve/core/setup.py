@@ -121,8 +121,26 @@ def load(args, group=None):
         keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
         strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
         allowed_hosts=tuple(args.allowed_hosts), cors_origins=tuple(args.cors_origins),
+        kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
     )
     return model, tokenizer, config
+
+
+def check_kv_events(args) -> None:
+    """UserError for --kv-events flags that do not go together. Several API keys are several
+    tenants: their blocks' token ids go to every subscriber only when --kv-events-all-tenants says so."""
+    if args.kv_events is None:
+        for flag, given in (("--kv-events-replay", args.kv_events_replay is not None),
+                            ("--kv-events-all-tenants", args.kv_events_all_tenants)):
+            if given:
+                raise UserError(f"{flag} needs --kv-events ENDPOINT")
+        return
+    keys = len(set(args.api_key or ()))
+    if keys > 1 and not args.kv_events_all_tenants:
+        raise UserError(f"--kv-events publishes the token ids of every block the KV pool caches, and with {keys} "
+                        f"--api-key values they are {keys} tenants' prompts: anyone who connects to {args.kv_events} "
+                        f"reads them all. Add --kv-events-all-tenants if its subscribers may (a router in front of "
+                        f"every tenant sees their requests anyway), or run one server per tenant")
 
 
 def _api_key(keys: list[str]) -> str | tuple[str, ...]:

@@ -5,6 +5,9 @@ POST /v1/responses (OpenAI Responses, `serve.http.responses_api`), POST /v1/mess
 /v1/messages/count_tokens (Anthropic, `serve.http.anthropic_api`), GET /v1/models, GET /health (and
 /api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize,
 GET /v1/cache/explain/{request_id} (what a recent request reused and why not more: `serve.http.cache_explain`).
+For routers in front of several replicas (docs/scaling-out.md): POST /v1/chat/completions/render,
+/v1/completions/render and /v1/responses/render (the prompt's token ids, as vLLM's), GET
+/get_server_info and /kv_event_sources (this run's id, the KV block size, where `--kv-events` publishes).
 
 Each API module only translates: its JSON into one internal request (`serve.http.chat`), and the
 internal events of the `Generation` back into its JSON or SSE (a "view" with `start`, `feed`,
@@ -49,7 +52,7 @@ from . import anthropic_api
 from . import cache_explain
 from . import openai_api
 from . import responses_api
-from .chat import TENANT, Cancelled, Failed, Generation, dsml_tokens, encode_conversation, tenant_of
+from .chat import TENANT, Cancelled, Failed, Generation, chat_prompt, dsml_tokens, encode_conversation, tenant_of
 from serve.engine.loop import Engine, EngineClient
 from .guard import BrowserGuard
 from serve.metrics import Metrics
@@ -102,6 +105,8 @@ class ServerConfig:
     keepalive_interval: float = 5.0       # seconds without output before a `: keep-alive` comment
     disconnect_poll_interval: float = 0.05
     max_body_bytes: int = 32 * 2**20      # larger bodies: 413
+    kv_events: str | None = None          # publish the KV pool's blocks there, vLLM's format (serve.engine.kv_events)
+    kv_events_replay: str | None = None   # and answer replay requests there
 
 
 class TokenText:
@@ -428,6 +433,41 @@ class AppState:
                 raise bad(str(e), "messages") from None
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.config.ctx})
 
+    async def render_chat(self, request: Request) -> Response:
+        """The token ids the chat request would prefill (vLLM's /v1/chat/completions/render: what a
+        KV-aware router hashes to find the replica holding the most of them)."""
+        creq, opts = openai_api.parse_chat(await self.read_json(request), state=self)
+        self.check_model(opts.model)
+        return JSONResponse({"token_ids": chat_prompt(self, creq), "model": opts.model or self.config.model_name})
+
+    async def render_response(self, request: Request) -> Response:
+        """The token ids a Responses request would prefill (as `render_chat`)."""
+        creq, echo = responses_api.parse_request(await self.read_json(request), self)
+        self.check_model(echo["model"])
+        return JSONResponse({"token_ids": chat_prompt(self, creq), "model": echo["model"] or self.config.model_name})
+
+    async def render_completion(self, request: Request) -> Response:
+        """The token ids of each prompt of a completions request (a list, as vLLM's)."""
+        body = await self.read_json(request)
+        self.check_model(body.get("model"))
+        name = body.get("model") or self.config.model_name
+        return JSONResponse([{"token_ids": ids, "model": name} for ids, _ in openai_api.parse_prompts(body, self)])
+
+    async def server_info(self, request: Request) -> Response:
+        """What a router's discovery reads (vllm-router's kv_aware: the model identity replicas
+        share, this run's id, the KV block size its events' blocks have)."""
+        info = self.engine.kv_event_info()
+        return JSONResponse({"model_id": self.config.model_name, "instance_id": info["instance_id"],
+                             "kv_block_size": info["kv_block_size"], "kv_events": info["sources"] is not None})
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        """Where this server publishes its KV events, by data-parallel rank (404 without --kv-events)."""
+        sources = self.engine.kv_event_info()["sources"]
+        if sources is None:
+            raise APIError(404, "this server publishes no KV events: start it with --kv-events ENDPOINT",
+                           code="not_found")
+        return JSONResponse(sources)
+
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_json(request)
         ignore_unknown("detokenize", body, {"model", "tokens"})
@@ -500,6 +540,12 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
                  label="/v1/cache/explain/{request_id}"),
         endpoint("/tokenize", AppState.tokenize),
         endpoint("/detokenize", AppState.detokenize),
+        endpoint("/v1/chat/completions/render", AppState.render_chat),
+        endpoint("/v1/completions/render", AppState.render_completion),
+        endpoint("/v1/responses/render", AppState.render_response),
+        # Open, as /health: a router finds a replica's events before any client's key reaches it.
+        endpoint("/get_server_info", AppState.server_info, auth=False, method="GET"),
+        endpoint("/kv_event_sources", AppState.kv_event_sources, auth=False, method="GET"),
     ]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
