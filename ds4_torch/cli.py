@@ -81,7 +81,7 @@ def _generate(args, tok, model, seed, lead: bool) -> int:
 
 
 def cmd_info(args) -> int:
-    from .capabilities import capabilities
+    from .hardware import capabilities
     from .model import DS4ForCausalLM
 
     cfg = load_config(args.model)
