@@ -21,6 +21,7 @@ CONVERSATIONS = 8
 AT_A_TIME = 2
 TURNS = 5
 RETRYING = 2  # conversations that drop their last assistant turn and retry
+REQUESTS = CONVERSATIONS * (TURNS + 2) + RETRYING  # per run: each turn, a regenerate, an edit; the retries
 WORDS = ("the company rehearses scenes before the evening performance while the prompter follows every line "
          "and the players wait behind the painted flats for their cues").split()
 
@@ -35,8 +36,9 @@ def _text(tokenizer, n_tokens: int, seed: int) -> str:
             return " ".join(words)
 
 
-def _conversation(http, url: str, c: int, system: str, users: list[str], edit: str, new_tokens: int) -> list[dict]:
-    """One conversation's requests: each (prompt tokens, cached tokens)."""
+def _conversation(http, url: str, c: int, system: str, users: list[str], edit: str, new_tokens: int,
+                  bar=None) -> list[dict]:
+    """One conversation's requests: each (prompt tokens, cached tokens); `bar` counts them."""
     out = []
 
     def ask(turns):
@@ -49,6 +51,8 @@ def _conversation(http, url: str, c: int, system: str, users: list[str], edit: s
         body = r.json()
         usage = body["usage"]
         out.append({"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]})
+        if bar is not None:
+            bar.update()
         return body["choices"][0]["message"]["content"] or ""
 
     turns: list[str] = []
@@ -70,6 +74,8 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
                  prefill_chunk: int, memory_mb: float) -> dict:
     import httpx
 
+    from .report import progress
+
     from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
@@ -81,11 +87,12 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
     logging.getLogger("ds4").setLevel(logging.ERROR)  # the small model's stray markup is logged per reply
     jobs = [(c, [_text(tokenizer, user_tokens, 100 * c + t + 1) for t in range(TURNS)],
              _text(tokenizer, user_tokens, 100 * c + 99)) for c in range(CONVERSATIONS)]
-    with BackgroundServer(app) as srv, httpx.Client(timeout=3600) as http:
+    bar = progress(REQUESTS, f"agents, checkpoints {f'every {interval}' if interval else 'off'}", unit="request")
+    with BackgroundServer(app) as srv, httpx.Client(timeout=3600) as http, bar:
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(AT_A_TIME) as pool:
-            results = list(pool.map(lambda j: _conversation(http, srv.url, j[0], system, j[1], j[2], new_tokens),
-                                    jobs))
+            results = list(pool.map(lambda j: _conversation(http, srv.url, j[0], system, j[1], j[2], new_tokens,
+                                                            bar), jobs))
         wall = time.perf_counter() - start
         metrics = app.state.metrics
         branches, rewinds = metrics.value("ds4_branches_total"), metrics.value("ds4_rewinds_total")
@@ -102,8 +109,12 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
 
 
 def run(args, model, tokenizer) -> int:
-    from .report import machine, print_table, write_csv
+    from .report import announce, machine, print_table, write_csv
 
+    announce(f"agents: {CONVERSATIONS} conversations, {AT_A_TIME} at a time, on a {args.system_tokens}-token system "
+             f"prompt, {REQUESTS} requests through /v1/chat/completions, twice, each on a fresh server: checkpoints "
+             f"every {args.checkpoint_interval} tokens, then off (about 4 minutes on a 2-core CPU with the defaults; "
+             f"the table comes at the end)")
     rows = []
     for interval in (args.checkpoint_interval, 0):
         rows.append(run_scenario(model, tokenizer, system_tokens=args.system_tokens, user_tokens=args.user_tokens,

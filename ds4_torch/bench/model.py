@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .report import machine
+from .report import machine, progress
 
 # --------------------------------------------------------------------------- measuring
 def _storage_bytes(obj, seen: set[int]) -> int:
@@ -168,11 +168,15 @@ def run(args) -> int:
           f"best of {repeats} interleaved runs per implementation", file=sys.stderr)
     spec_name = f"ds4_torch+mtp{spec}"
     runs = {"ds4_torch": [], "transformers": []} | ({spec_name: []} if spec else {})
-    for _ in range(repeats):  # interleaved, so a noisy stretch of the machine hits all alike
-        runs["ds4_torch"].append(bench_ours(model, prompt, args.new_tokens))
-        runs["transformers"].append(bench_transformers(hf_model, prompt, args.new_tokens))
-        if spec:
-            runs[spec_name].append(bench_ours(model, prompt, args.new_tokens, spec))
+    with progress(repeats * len(runs), "bench model") as bar:
+        for _ in range(repeats):  # interleaved, so a noisy stretch of the machine hits all alike
+            runs["ds4_torch"].append(bench_ours(model, prompt, args.new_tokens))
+            bar.update()
+            runs["transformers"].append(bench_transformers(hf_model, prompt, args.new_tokens))
+            bar.update()
+            if spec:
+                runs[spec_name].append(bench_ours(model, prompt, args.new_tokens, spec))
+                bar.update()
     results = {name: dict(r[0], prefill_s=min(x["prefill_s"] for x in r), decode_s=min(x["decode_s"] for x in r))
                for name, r in runs.items()}
     agree = sum(a == b for a, b in zip(results["ds4_torch"]["tokens"], results["transformers"]["tokens"]))

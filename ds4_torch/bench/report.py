@@ -1,8 +1,10 @@
-"""What every benchmark writes besides its printed table."""
+"""What every benchmark writes besides its printed table: what it will do and its progress (on
+stderr, from the start), the CSV, the machine's description."""
 from __future__ import annotations
 
 import csv
 import platform
+import sys
 
 
 def write_csv(rows: list[dict], path) -> None:
@@ -41,3 +43,17 @@ def machine() -> str:
     except OSError:
         pass
     return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def announce(text: str) -> None:
+    """What a benchmark is about to do, on stderr before its first measurement (its tables come at
+    the end, on stdout)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def progress(total: int, desc: str, unit: str = "run"):
+    """A progress bar on stderr over a benchmark's `total` units of work (tqdm; `.update()` per
+    unit, a context manager)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
