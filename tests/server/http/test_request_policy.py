@@ -276,8 +276,8 @@ def test_strict_model_names_and_served_names(model, tok):
 def test_a_path_without_v1_is_told_the_path_with_it(srv):
     """An OpenAI client whose base URL lacks /v1, or an Anthropic client whose base URL has it,
     gets a 404 naming the path it meant."""
-    for method, path, meant in [("POST", "/chat/completions", "/v1/chat/completions"),
-                                ("GET", "/models", "/v1/models"), ("GET", "/models/ds4-default", "/v1/models/ds4-default"),
+    for method, path, meant in [("POST", "/chat/completions", "/v1/chat/completions"), ("GET", "/models", "/v1/models"),
+                                ("GET", "/models/ds4-default", "/v1/models/ds4-default"),
                                 ("POST", "/v1/v1/messages", "/v1/messages"), ("POST", "/responses", "/v1/responses")]:
         r = httpx.request(method, srv.url + path, json=base_body("chat"))
         assert r.status_code == 404 and f"did you mean {meant}?" in r.json()["error"]["message"], (path, r.text)
