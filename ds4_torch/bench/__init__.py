@@ -110,14 +110,15 @@ def _run_stops(args) -> int:
 
 def announce(args, parser, description: str) -> None:
     """Every target's first line, on stderr: what it measures and the settings given (its table
-    comes at the end; a progress bar shows how far it is)."""
+    comes at the end; a progress bar shows how far it is), said once it starts measuring."""
     from .report import announce as say
 
     given = [(k, v) for k, v in vars(args).items()
              if k not in ("func", "command", "target") and v != parser.get_default(k)]
     settings = ", ".join(f"--{k.replace('_', '-')}" + ("" if v is True else " " + (" ".join(map(str, v))
                                                       if isinstance(v, list) else str(v))) for k, v in given)
-    say(f"ds4-torch bench {args.target}: {description}" + (f" ({settings})" if settings else " (the defaults)"))
+    say(f"ds4-torch bench {args.target}: {description}" + (f" ({settings})" if settings else " (the defaults)"),
+        pending=True)
 
 
 def add_parser(sub) -> None:

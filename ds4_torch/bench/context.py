@@ -5,12 +5,11 @@ tokens (CSA's top-k of them), and only the sliding window reads tokens one by on
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
-from .report import machine, progress, write_csv
+from .report import announce, machine, progress, write_csv
 from ..decode import make_decoder, prefill
 
 
@@ -25,9 +24,9 @@ def run(args) -> int:
     if longest > capacity:
         raise UserError(f"context {max(args.contexts)} + {args.new_tokens} new tokens does not fit the cache "
                         f"({capacity} tokens; --ctx)")
-    print(f"bench context: {args.model or 'built-in default'}, cache of {capacity} tokens, prefill chunks of "
-          f"{args.prefill_chunk}, {args.new_tokens} decode steps, {args.dtype}, {torch.get_num_threads()} threads; "
-          f"{machine()}", file=sys.stderr)
+    announce(f"bench context: {args.model or 'built-in default'}, cache of {capacity} tokens, prefill chunks of "
+             f"{args.prefill_chunk}, {args.new_tokens} decode steps, {args.dtype}, {torch.get_num_threads()} threads; "
+             f"{machine()}")
     g = torch.Generator().manual_seed(0)
     rows = []
     bar = progress(sum(args.contexts) + len(args.contexts) * args.new_tokens, "bench context", unit="token")

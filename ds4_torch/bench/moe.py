@@ -16,7 +16,6 @@ two implementations, and the largest output difference from ds4_torch.
 
 from __future__ import annotations
 
-import sys
 import time
 from types import SimpleNamespace
 
@@ -131,13 +130,13 @@ def measure(args, dtype_name: str, bar=None) -> list[dict]:
 
 
 def run(args) -> int:
-    from .report import progress, write_csv
+    from .report import announce, progress, write_csv
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"bench moe: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
-          f"top-{args.top_k}, {torch.get_num_threads()} threads, backend {args.backend}, "
-          f"best of {args.decode_repeats} (decode) / {args.repeats} (prefill)", file=sys.stderr)
+    announce(f"bench moe: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
+             f"top-{args.top_k}, {torch.get_num_threads()} threads, backend {args.backend}, "
+             f"best of {args.decode_repeats} (decode) / {args.repeats} (prefill)")
     with progress(2 * len(args.dtypes), "bench moe", unit="case") as bar:  # decode and prefill per dtype
         rows = [row for name in args.dtypes for row in measure(args, name, bar)]
     header = (f"{'dtype':<5} {'case':<11} {'impl':<24} {'ms':>9} {'ms/token':>9} {'floor MB':>9} {'GB/s':>6} "

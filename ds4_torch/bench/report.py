@@ -45,10 +45,19 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
 
 
-def announce(text: str) -> None:
+_pending: list[str] = []  # the target's announcement, said with its first plan or progress bar
+
+
+def announce(text: str, pending: bool = False) -> None:
     """What a benchmark is about to do, on stderr before its first measurement (its tables come at
-    the end, on stdout)."""
-    print(text, file=sys.stderr, flush=True)
+    the end, on stdout). `pending`: said only when the benchmark starts (its first `announce` or
+    `progress`), so a bad argument found before that stays a one-line error."""
+    if pending:
+        _pending[:] = [text]
+        return
+    for line in [*_pending, text]:
+        print(line, file=sys.stderr, flush=True)
+    _pending.clear()
 
 
 def progress(total: int, desc: str, unit: str = "run"):
@@ -56,4 +65,6 @@ def progress(total: int, desc: str, unit: str = "run"):
     unit, a context manager)."""
     from tqdm import tqdm
 
+    if _pending:
+        print(_pending.pop(), file=sys.stderr, flush=True)
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)

@@ -246,7 +246,7 @@ def _gaps(stamps: list[float]) -> list[float]:
 def run(args) -> int:
     from ..decode import prefill
     from ..runtime import UserError, load_model, load_model_tokenizer
-    from .report import progress, write_csv
+    from .report import announce, progress, write_csv
 
     if args.new_tokens < 2:
         raise UserError(f"--new-tokens must be >= 2 (a decode rate needs two tokens), got {args.new_tokens}")
@@ -271,9 +271,8 @@ def run(args) -> int:
     counts = sorted(set(args.clients))
     # Room for the long prompt beside the streams: a prefill starts only when a batch slot is free.
     max_batch = args.max_batch or max(*counts, args.stall_clients + 1)
-    print(f"bench serve: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
-          f"tokens, clients {counts}, max batch {max_batch}, {torch.get_num_threads()} threads, greedy",
-          file=sys.stderr)
+    announce(f"bench serve: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
+             f"tokens, clients {counts}, max batch {max_batch}, {torch.get_num_threads()} threads, greedy")
     cores = ("thread", "process") if args.engine_core == "both" else (args.engine_core,)
     # runs: direct decode, the model alone per count, then per server the engine alone and HTTP per count
     bar = progress(args.repeat + len(counts) + len(cores) * len(args.speculative_tokens) * 2 * len(counts)

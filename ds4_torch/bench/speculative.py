@@ -11,12 +11,11 @@ more experts) and its MTP block is one layer of 43 (N passes, m = N/43).
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
-from .report import machine, progress
+from .report import announce, machine, progress
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
                   "Arise, fair sun, and kill the envious moon,\n")
@@ -89,9 +88,9 @@ def run(args) -> int:
 
         tok = default_tokenizer()
     prompt = tok.encode(args.prompt or DEFAULT_PROMPT)
-    print(f"bench speculative: {args.model or 'built-in default'}, prompt {len(prompt)} tokens, {args.new_tokens} new "
-          f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, {args.decode_mode}; {machine()}; best of "
-          f"{args.repeats} interleaved runs", file=sys.stderr)
+    announce(f"bench speculative: {args.model or 'built-in default'}, prompt {len(prompt)} tokens, {args.new_tokens} new "
+             f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, {args.decode_mode}; {machine()}; best of "
+             f"{args.repeats} interleaved runs")
     print(f"{'draft tokens':>12} {'decode tok/s':>13} {'speed-up':>9} {'drafted':>8} {'accepted':>9} {'accept len':>11} "
           f"{'verify cost':>12} {'MTP cost':>9} {'predicted':>10} {'V4-Flash':>9} {'identical':>10}")
     rows = []

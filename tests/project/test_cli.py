@@ -258,8 +258,10 @@ def test_a_benchmark_says_what_it_will_do_first_and_ctrl_c_says_it_stopped(capsy
     """Before its first measurement a benchmark names itself and its settings on stderr (its table
     comes at the end, on stdout); Ctrl-C (here, during the run) ends it with status 130 and says so."""
     import ds4_torch.bench as bench
+    from ds4_torch.bench.report import progress
 
     def interrupted(args):
+        progress(5, "bench checkpoint").update()  # under way
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench, "_run_checkpoint", interrupted)

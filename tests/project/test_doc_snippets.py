@@ -525,6 +525,17 @@ def test_the_block_runs_and_prints_what_the_page_shows(block, everything):
     assert not problems, "\n".join(problems)
 
 
+def test_the_readme_python_prints_text_in_a_fresh_process_offline(everything):
+    """README's Python block, as written: the first thing the runner process runs (so it starts as
+    a fresh interpreter would, from a scratch directory, with no network), it prints the reply."""
+    results, _ = everything
+    readme = next(b for b in runnable() if b.page.name == "README.md" and b.lang == "python")
+    (r,) = results[(str(readme.page), readme.line)]
+    first = next(b for b in runnable() if any(j.kind not in ("serve",) for j in jobs_of(b)))
+    assert first is readme, f"{first.where} runs before README's Python block"
+    assert r.rc == 0 and r.out.strip() and r.out.endswith("\n"), (r.out, r.err[-2000:])
+
+
 def test_the_markers_are_checked():
     """On text written here: an unknown reason, a reason the page does not say, a block with
     smaller arguments on a page that does not say so, and outputs compared as the docstring says."""
