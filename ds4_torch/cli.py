@@ -81,7 +81,7 @@ def _generate(args, tok, model, seed, lead: bool) -> int:
 
 
 def cmd_info(args) -> int:
-    from .capabilities import capabilities
+    from .hardware import capabilities
     from .model import DS4ForCausalLM
 
     cfg = load_config(args.model)
@@ -252,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"ds4-torch: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: said, on a line of its own (not a traceback, not silence)
+        print(f"\nds4-torch: interrupted ({args.command}{' ' + args.target if args.command == 'bench' else ''})",
+              file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `ds4-torch generate ... | head`
         return 0

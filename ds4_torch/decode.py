@@ -33,7 +33,7 @@ import os
 import torch
 
 from .cache import DS4Cache, Rollback
-from .capabilities import capabilities
+from .hardware import capabilities
 from .faults import fault_point
 
 MODES = ("auto", "eager", "graph", "compile")

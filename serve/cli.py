@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, non_negative_int, positive_float,
-                               positive_int, resolve_device)
+from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, load_config, non_negative_int,
+                               positive_float, positive_int, resolve_device)
 
 from serve.core.setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
                     REPLAY_SHARE, _api_key, attach_kv_store, check_kv_events, choose_kv_pool, load,
@@ -65,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
     p.add_argument("--api-key", metavar="KEY", action="append", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (repeatable: any of "
-                        f"the keys; each is a tenant of its own, and cached prefixes and replayed turns never "
-                        f"cross keys) (default: env {API_KEY_ENV}, else none)")
+                   help=f"require the key on /v1/*, /tokenize, /detokenize, as 'Authorization: Bearer KEY' or "
+                        f"'x-api-key: KEY' (Anthropic's clients) (repeatable: any of the keys; each is a tenant of its "
+                        f"own, and cached prefixes and replayed turns never cross keys) (default: env {API_KEY_ENV}, "
+                        f"else none)")
     p.add_argument("--checkpoint-interval", type=non_negative_int, default=256, metavar="N",
                    help="checkpoint a conversation's cache every N tokens of prefill and decode, besides prompt "
                         "ends and message starts, so a later request diverging from it resumes there "
@@ -138,15 +139,55 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for DS4 models."))
 
 
-def run(args) -> int:
-    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
-    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.core.tp)."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def check_flags(args) -> None:
+    """The flag errors found without the weights, raised (UserError) before anything loads or logs:
+    the flags among themselves, against the model's config.json, and the port."""
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
     if args.api_servers > 1 and args.engine_core == "thread":
         raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread)")
     check_kv_events(args)
+    if args.max_sessions is not None and args.max_sessions < args.max_batch:
+        raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
+                        "decoding request holds a resident session")
+    if args.kv_disk_space_mb is not None and args.kv_disk_dir is None:
+        raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
+    config = load_config(args.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and args.ctx is not None and args.ctx > limit:
+        raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
+    rates = sorted({config.compress_rate(i) for i in range(config.num_hidden_layers)} - {0})
+    if any(args.kv_block_tokens % m for m in rates):
+        raise UserError(f"--kv-block-tokens {args.kv_block_tokens} must be a multiple of every compression rate of "
+                        f"the model ({rates}): a block holds whole compressed rows")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, global rank 0 answers HTTP
+        check_port_free(args.host, args.port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UserError when `host`:`port` cannot be bound: found before the model loads, not after the
+    server has logged its start-up."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use (another server?): stop it, or choose another "
+                                f"port with --port (0: any free one)") from None
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run(args) -> int:
+    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
+    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.core.tp)."""
+    check_flags(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp == 1 and args.engine_core == "process":
         return serve_with_core(args)
     if args.tp == 1:

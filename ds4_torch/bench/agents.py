@@ -29,6 +29,7 @@ CONVERSATIONS = 8
 AT_A_TIME = 2
 TURNS = 5
 RETRYING = 2  # conversations that drop their last assistant turn and retry
+REQUESTS = CONVERSATIONS * (TURNS + 2) + RETRYING  # per run: each turn, a regenerate, an edit; the retries
 WORDS = ("the company rehearses scenes before the evening performance while the prompter follows every line "
          "and the players wait behind the painted flats for their cues").split()
 
@@ -71,8 +72,10 @@ def _ask(http, url: str, msgs: list[dict], new_tokens: int) -> tuple[dict, str]:
              "ttft": ttft if ttft is not None else time.perf_counter() - start}, "".join(text))
 
 
-def _conversation(http, url: str, c: int, system: str, users: list[str], edit: str, new_tokens: int) -> list[dict]:
-    """One conversation's requests, in order: each {prompt tokens, cached tokens, time to first token}."""
+def _conversation(http, url: str, c: int, system: str, users: list[str], edit: str, new_tokens: int,
+                  bar=None) -> list[dict]:
+    """One conversation's requests, in order: each {prompt tokens, cached tokens, time to first token};
+    `bar` counts them."""
     out = []
 
     def ask(turns):
@@ -80,6 +83,8 @@ def _conversation(http, url: str, c: int, system: str, users: list[str], edit: s
             {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
         stats, reply = _ask(http, url, msgs, new_tokens)
         out.append(stats)
+        if bar is not None:
+            bar.update()
         return reply
 
     turns: list[str] = []
@@ -103,14 +108,18 @@ def _jobs(tokenizer, user_tokens: int) -> list[tuple[int, list[str], str]]:
              _text(tokenizer, user_tokens, 100 * c + 99)) for c in range(CONVERSATIONS)]
 
 
-def _converse(url: str, system: str, jobs, new_tokens: int) -> tuple[list[list[dict]], float]:
-    """Every conversation through `url`, AT_A_TIME at once: (each one's requests, wall seconds)."""
+def _converse(url: str, system: str, jobs, new_tokens: int, what: str) -> tuple[list[list[dict]], float]:
+    """Every conversation through `url`, AT_A_TIME at once, a progress bar saying `what`: (each one's
+    requests, wall seconds)."""
     import httpx
 
-    with httpx.Client(timeout=3600) as http:
+    from .report import progress
+
+    with httpx.Client(timeout=3600) as http, progress(REQUESTS, what, unit="request") as bar:
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(AT_A_TIME) as pool:
-            results = list(pool.map(lambda j: _conversation(http, url, j[0], system, j[1], j[2], new_tokens), jobs))
+            results = list(pool.map(lambda j: _conversation(http, url, j[0], system, j[1], j[2], new_tokens, bar),
+                                    jobs))
         return results, time.perf_counter() - start
 
 
@@ -139,7 +148,8 @@ def run_scenario(model, tokenizer, *, system_tokens: int, user_tokens: int, new_
     app = create_app(model, tokenizer, config)
     logging.getLogger("ds4").setLevel(logging.ERROR)  # the small model's stray markup is logged per reply
     with BackgroundServer(app) as srv:
-        results, wall = _converse(srv.url, system, _jobs(tokenizer, user_tokens), new_tokens)
+        results, wall = _converse(srv.url, system, _jobs(tokenizer, user_tokens), new_tokens,
+                                  f"agents, checkpoints {f'every {interval}' if interval else 'off'}")
         metrics = app.state.metrics
         branches, rewinds = metrics.value("ds4_branches_total"), metrics.value("ds4_rewinds_total")
         engine = app.state.engine
@@ -154,8 +164,12 @@ def _context(system_tokens: int, user_tokens: int, new_tokens: int) -> int:
 
 
 def run(args, model, tokenizer) -> int:
-    from .report import machine, print_table, write_csv
+    from .report import announce, machine, print_table, write_csv
 
+    announce(f"agents: {CONVERSATIONS} conversations, {AT_A_TIME} at a time, on a {args.system_tokens}-token system "
+             f"prompt, {REQUESTS} requests through /v1/chat/completions, twice, each on a fresh server: checkpoints "
+             f"every {args.checkpoint_interval} tokens, then off (about 4 minutes on a 2-core CPU with the defaults; "
+             f"the table comes at the end)")
     rows = []
     for interval in (args.checkpoint_interval, 0):
         rows.append(run_scenario(model, tokenizer, system_tokens=args.system_tokens, user_tokens=args.user_tokens,
@@ -191,13 +205,17 @@ def run_routed(args, tokenizer) -> int:
     (`--policies`, each in its own run), or at `--router-url` (one run, whatever is behind it)."""
     from ..runtime import UserError
     from .replicas import replicas_behind_router, router_executable
-    from .report import machine, print_table, write_csv
+    from .report import announce, machine, print_table, write_csv
 
+    announce(f"agents through vllm-router: {CONVERSATIONS} conversations, {AT_A_TIME} at a time, {REQUESTS} requests "
+             f"per run, " + (f"at {args.router_url}" if args.router_url else
+                             f"{args.replicas} fresh replicas per policy ({', '.join(args.policies)}); each run "
+                             f"starts its replicas and router first (minutes per policy on a 2-core CPU)"))
     system = _text(tokenizer, args.system_tokens, 0)
     jobs = _jobs(tokenizer, args.user_tokens)
     rows = []
     if args.router_url:
-        results, wall = _converse(args.router_url.rstrip("/"), system, jobs, args.new_tokens)
+        results, wall = _converse(args.router_url.rstrip("/"), system, jobs, args.new_tokens, "agents via the router")
         rows.append({"policy": args.router_url, **_totals(results), "wall_s": wall})
     else:
         executable = router_executable(args.router)
@@ -207,7 +225,7 @@ def run_routed(args, tokenizer) -> int:
         serve_args = replica_args(args, _context(args.system_tokens, args.user_tokens, args.new_tokens))
         for policy in args.policies:
             with replicas_behind_router(args.replicas, serve_args, policy, executable) as (router, _):
-                results, wall = _converse(router.url, system, jobs, args.new_tokens)
+                results, wall = _converse(router.url, system, jobs, args.new_tokens, f"agents, {policy}")
             rows.append({"policy": policy, **_totals(results), "wall_s": wall})
     where = f"through {args.router_url}" if args.router_url else f"{args.replicas} replicas behind vllm-router"
     header = (f"{'policy':>12} {'requests':>8} {'prompt tok':>10} {'reused':>8} {'reuse':>6} {'later turns':>11} "

@@ -88,19 +88,10 @@ def load(args, group=None):
     tokenizer = load_model_tokenizer(args.model)
     check_tokenizer_vocabulary(tokenizer, load_config(args.model).vocab_size, args.allow_vocab_mismatch)
     model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
-    if args.max_sessions is not None and args.max_sessions < args.max_batch:
-        raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
-                        "decoding request holds a resident session")
+    # (serve.cli.check_flags has checked what needs no weights, before anything loaded)
     if args.speculative_tokens and getattr(model, "mtp", None) is None:
         raise UserError(f"--speculative-tokens {args.speculative_tokens} needs a model with an MTP layer "
                         "(num_nextn_predict_layers >= 1 and mtp.* weights); this one has none")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and args.ctx is not None and args.ctx > limit:
-        raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
-    rates = sorted({model.config.compress_rate(i) for i in range(model.config.num_hidden_layers)} - {0})
-    if any(args.kv_block_tokens % m for m in rates):
-        raise UserError(f"--kv-block-tokens {args.kv_block_tokens} must be a multiple of every compression rate of "
-                        f"the model ({rates}): a block holds whole compressed rows")
     args.kv_cache_mb, args.ctx = choose_kv_pool(model, args.ctx, args.max_sessions, args.max_batch, args.kv_cache_mb,
                                                 args.kv_block_tokens, group, args.kv_dtype)
     if args.model is None:
@@ -155,8 +146,6 @@ def attach_kv_store(engine, args):
     from serve.kvstore.store import KVStore
 
     if args.kv_disk_dir is None:
-        if args.kv_disk_space_mb is not None:
-            raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
         return None
     try:
         store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,

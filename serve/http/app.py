@@ -168,8 +168,12 @@ class AppState:
         if name is not None and not isinstance(name, str):
             raise bad(f"'model' must be a string, got {type_name(name)}", "model", "invalid_type")
         if self.config.strict_model_name and name is not None and name not in self.names:
-            raise bad(f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                      "model", "model_not_found")
+            raise bad(self.unknown_model(name), "model", "model_not_found")
+
+    def unknown_model(self, name: str) -> str:
+        """What a model name not served gets told: every name /v1/models lists."""
+        served = ", ".join(f"'{n}'" for n in dict.fromkeys([self.config.model_name, *self.config.served_model_names]))
+        return f"The model '{name}' does not exist; this server serves {served} (GET /v1/models lists them)"
 
     async def read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
@@ -389,8 +393,7 @@ class AppState:
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
         if self.config.strict_model_name and name not in self.names:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(404, self.unknown_model(name), param="model", code="model_not_found")
         return JSONResponse(self._model(name))
 
     async def root(self, request: Request) -> Response:
@@ -548,9 +551,21 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         endpoint("/kv_event_sources", AppState.kv_event_sources, auth=False, method="GET"),
     ]
 
+    paths = {route.path for route in routes}
+
+    def did_you_mean(path: str) -> str:
+        """The API path a client likely meant: its base URL without `/v1` (OpenAI's clients want
+        it in the base URL, Anthropic's add it) or with it twice."""
+        for candidate in ("/v1" + path, path.removeprefix("/v1")):
+            if candidate != path and (candidate in paths or candidate.startswith("/v1/models/")):
+                return (f"; did you mean {candidate}? (an OpenAI client's base URL ends in /v1, an Anthropic "
+                        f"client's does not)")
+        return ""
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        hint = did_you_mean(request.url.path) if exc.status_code == 404 else ""
+        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{hint}", code=code)
         shape = anthropic if request.url.path.startswith("/v1/messages") else openai_api.error_response
         state.access(request, exc.status_code, error=e.message)
         return shape(e)

@@ -43,6 +43,40 @@ def test_api_servers_need_the_engine_core_process(capsys):
     assert "--api-servers N needs the engine core in a process of its own" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--max-sessions", "2", "--max-batch", "4"], "--max-sessions 2 is less than --max-batch 4"),
+    (["--kv-disk-space-mb", "64"], "--kv-disk-space-mb needs --kv-disk-dir"),
+    (["--ctx", "999999999"], "--ctx 999999999 is larger than the model's max_position_embeddings"),
+    (["--kv-block-tokens", "100"], "--kv-block-tokens 100 must be a multiple of every compression rate"),
+    (["--tp-timeout", "5"], "--tp-timeout needs --tp N"),
+    (["--port", "BUSY"], "is in use"),
+])
+def test_flag_errors_come_before_anything_loads(capsys, monkeypatch, argv, fragment):
+    """A flag error that needs no weights is one line, before the tokenizer or the model loads and
+    before anything is logged (a port in use included: not after "Application startup complete")."""
+    import socket
+
+    import serve.core.setup as setup
+
+    def loading(*args, **kwargs):
+        raise AssertionError("loaded before the flags were checked")
+
+    monkeypatch.setattr(setup, "load_model_tokenizer", loading)
+    monkeypatch.setattr(setup, "load_model", loading)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ds4-torch: error: ") and fragment in err, err
+
+
+def test_the_api_key_help_names_both_headers():
+    help_text = next(a.help for a in serve_parser()._actions if "--api-key" in a.option_strings)
+    assert "Authorization: Bearer KEY" in help_text and "x-api-key: KEY" in help_text
+
+
 def test_serve_bad_model_dir(capsys, tmp_path):
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "model directory not found" in capsys.readouterr().err

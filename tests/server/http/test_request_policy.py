@@ -105,7 +105,7 @@ def test_refused_fields_are_400s_naming_them(srv, api, field):
     r = post(srv, PATHS[api], {**base_body(api), field: ASKING[field]})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert field in err["message"]
+    assert field in err["message"] and err["message"].count("not supported") == 1, err["message"]
     if api != "anthropic":
         assert err["param"] == field and err["code"] == "unsupported_parameter"
 
@@ -264,9 +264,25 @@ def test_strict_model_names_and_served_names(model, tok):
         assert ok.status_code == 200
         r = httpx.post(s.url + "/v1/chat/completions", json={**base_body("chat"), "model": "gpt-17"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
-        assert [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]] == ["ds4-default", "deepseek-v4"]
+        listed = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert listed == ["ds4-default", "deepseek-v4"]
         assert httpx.get(s.url + "/v1/models/deepseek-v4").status_code == 200
-        assert httpx.get(s.url + "/v1/models/gpt-17").status_code == 404
+        missing = httpx.get(s.url + "/v1/models/gpt-17")
+        assert missing.status_code == 404
+        for refusal in (r, missing):  # the error names every name the server answers to
+            assert all(f"'{name}'" in refusal.json()["error"]["message"] for name in listed), refusal.text
+
+
+def test_a_path_without_v1_is_told_the_path_with_it(srv):
+    """An OpenAI client whose base URL lacks /v1, or an Anthropic client whose base URL has it,
+    gets a 404 naming the path it meant."""
+    for method, path, meant in [("POST", "/chat/completions", "/v1/chat/completions"), ("GET", "/models", "/v1/models"),
+                                ("GET", "/models/ds4-default", "/v1/models/ds4-default"),
+                                ("POST", "/v1/v1/messages", "/v1/messages"), ("POST", "/responses", "/v1/responses")]:
+        r = httpx.request(method, srv.url + path, json=base_body("chat"))
+        assert r.status_code == 404 and f"did you mean {meant}?" in r.json()["error"]["message"], (path, r.text)
+    r = httpx.get(srv.url + "/v1/nothing")
+    assert r.status_code == 404 and "did you mean" not in r.text
 
 
 # --------------------------------------------------------------------------- the access log

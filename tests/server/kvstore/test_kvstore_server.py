@@ -282,7 +282,7 @@ def test_budget_holds_through_the_server(tmp_path, model, tok):
 
 def test_cli_flags_attach_a_store(tmp_path, model, tok):
     from ds4_torch.runtime import UserError
-    from serve.cli import attach_kv_store, build_parser
+    from serve.cli import attach_kv_store, build_parser, check_flags
 
     args = build_parser().parse_args(["--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-space-mb", "3",
                                       "--kv-disk-every", "64", "--kv-disk-min-tokens", "20", "--ctx", "512"])
@@ -297,7 +297,7 @@ def test_cli_flags_attach_a_store(tmp_path, model, tok):
     finally:
         store.close()
     with pytest.raises(UserError, match="needs --kv-disk-dir"):
-        attach_kv_store(app.state.engine, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
+        check_flags(build_parser().parse_args(["--kv-disk-space-mb", "3"]))
     assert attach_kv_store(app.state.engine, build_parser().parse_args([])) is None
 
 
