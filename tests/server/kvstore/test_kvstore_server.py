@@ -67,10 +67,7 @@ def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
     # 1. A write made slow (test hook: sleep between sections); SIGKILL once its temp file exists.
     with process(d, {"DS4_TORCH_KV_WRITE_DELAY": "0.5"}) as p:
         threading.Thread(target=quietly, args=(chat, p.url, turn1), daemon=True).start()
-        deadline = time.monotonic() + 30
-        while not temps(d):
-            assert time.monotonic() < deadline, "".join(p.lines)
-            time.sleep(0.02)
+        wait_for(lambda: temps(d), 30, "a snapshot's temporary file")
         p.kill()
         p.wait(10)
     assert temps(d) and not snapshots(d)  # half a file under a temporary name, no visible snapshot
