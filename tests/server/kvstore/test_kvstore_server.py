@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import threading
-import time
 
 import httpx
 import pytest
