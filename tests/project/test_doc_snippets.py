@@ -62,6 +62,7 @@ NEEDS = {
     "network": r"install|network|PyPI",
     "suite": r"pytest|test suite|the tests",
     "big": r"GiB|minutes",
+    "past-request": r"request_id|request id|\bid=",  # names a request of another run (its id is new each run)
 }
 SMALLER_SAID = re.compile(r"smaller arguments", re.I)
 NUMBERS_SAID = re.compile(r"numbers[^.]*\bvary\b", re.I)
