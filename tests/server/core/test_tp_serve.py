@@ -237,25 +237,12 @@ def test_a_fault_on_one_rank_only_is_a_group_failure(tmp_path):
         ranks.kill()
 
 
-def test_graceful_shutdown_stops_every_rank(tmp_path):
-    """SIGTERM to rank 0 (a service manager stopping the server): it shuts down gracefully, tells
-    the follower to stop, and exits by the signal, as uvicorn does after a graceful shutdown."""
-    ranks = launch_ranks(tmp_path).wait_ready()
-    try:
-        assert len(ask(ranks.client(), "ROMEO:", n=4)) > 0
-        ranks.procs[0].send_signal(signal.SIGTERM)
-        codes = [p.wait(15) for p in ranks.procs]  # (a hang raises)
-        assert codes == [-signal.SIGTERM, 0], ranks.text()
-        assert "Application shutdown complete" in ranks.text() and "rank 1: stopped by rank 0" in ranks.text()
-    finally:
-        ranks.kill()
-
-
 def test_api_servers_over_the_tensor_parallel_core(tmp_path, single):
     """`--api-servers 2 --tp 2`: rank 0's core serves two API processes on one port; concurrent
     requests (spread over both by the kernel) answer as the single-process server; the second
-    killed, the first answers alone; SIGTERM then drains it, the core and the follower, and no
-    process is left."""
+    killed, the first answers alone; SIGTERM to rank 0 (a service manager stopping the server) then
+    drains it gracefully, the core tells the follower to stop, each exits as uvicorn does after a
+    graceful shutdown, and no process is left."""
     ranks = launch_ranks(tmp_path, "--api-servers", "2").wait_ready()
     try:
         wait_for(lambda: ranks.text().count("Application startup complete") == 2, 60, "both API processes")
@@ -269,6 +256,7 @@ def test_api_servers_over_the_tensor_parallel_core(tmp_path, single):
         ranks.procs[0].send_signal(signal.SIGTERM)
         assert [p.wait(30) for p in ranks.procs] == [-signal.SIGTERM, 0], ranks.text()
         assert ranks.text().count("Application shutdown complete") == 1, ranks.text()  # the survivor's
+        assert "rank 1: stopped by rank 0" in ranks.text(), ranks.text()
         wait_for(lambda: all(gone(pid) for pid in api), 10, "the API processes to exit")
     finally:
         ranks.kill()
