@@ -12,7 +12,7 @@ from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, 
 
 from serve.core.setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
                     REPLAY_SHARE, _api_key, attach_kv_store, check_kv_events, choose_kv_pool, load,
-                    load_api_side)  # (imported from here)
+                    load_api_side, warn_if_open)  # (imported from here)
 from serve.core.wire import BACKLOG_MB
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
@@ -238,9 +238,7 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
     if store is not None:
         app.state.replay.max_disk_bytes = store.budget // REPLAY_SHARE
         app.state.replay.open_directory(args.kv_disk_dir)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
-        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
-                                               args.host)
+    warn_if_open(args.host, config.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                           access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
     if peers is not None:

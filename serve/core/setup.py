@@ -134,6 +134,20 @@ def check_kv_events(args) -> None:
                         f"every tenant sees their requests anyway), or run one server per tenant")
 
 
+def warn_if_open(host: str, api_key) -> None:
+    """One warning when the server listens beyond loopback (any 127.x address, ::1, localhost) with
+    no key: anyone who can reach the address can use it."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if not loopback and not api_key:
+        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
+                                               host)
+
+
 def _api_key(keys: list[str]) -> str | tuple[str, ...]:
     """One key as before (a string), several as a tuple: each its own tenant."""
     keys = list(dict.fromkeys(keys))

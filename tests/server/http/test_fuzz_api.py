@@ -39,6 +39,8 @@ VALID = {
     "/tokenize": {"model": MODEL, "prompt": "hi"},
     "/detokenize": {"model": MODEL, "tokens": [5, 6]},
 }
+# The render routes (a router's) read the request of their API: the same bodies.
+VALID.update({route + "/render": VALID[route] for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses")})
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
 
