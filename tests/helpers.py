@@ -54,6 +54,60 @@ def wait_for(cond, timeout=10.0, what="condition"):
         time.sleep(0.005)
 
 
+class PrefillGate:
+    """Holds an engine inside its prefill chunks, each until the test lets it run (`held_prefill`):
+    `entered` counts the chunks that reached the gate; `allow(n)` lets n more run; `open()` lets
+    every one run from then on. What the engine does meanwhile (queueing, cancels, keep-alives)
+    is then ordered by the test, not by how fast the machine is."""
+
+    def __init__(self):
+        self.entered, self.permits, self.is_open = 0, 0, False
+        self.cond = threading.Condition()
+
+    def wait_turn(self) -> None:
+        with self.cond:
+            self.entered += 1
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: self.is_open or self.permits > 0, timeout=120):
+                raise AssertionError("a held prefill chunk was never let through")
+            if not self.is_open:
+                self.permits -= 1
+
+    def allow(self, n: int = 1) -> None:
+        with self.cond:
+            self.permits += n
+            self.cond.notify_all()
+
+    def open(self) -> None:
+        with self.cond:
+            self.is_open = True
+            self.cond.notify_all()
+
+    def wait_entered(self, n: int, timeout: float = 30.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.entered >= n, timeout=timeout):
+                raise AssertionError(f"{self.entered} prefill chunk(s) reached the gate, waiting for {n}")
+
+
+@contextlib.contextmanager
+def held_prefill(engine):
+    """A `PrefillGate` on `engine`'s prefill chunks (an in-process engine's runner) for the block;
+    opened at its end."""
+    runner, gate = engine.runner, PrefillGate()
+    prefill = runner.prefill
+
+    def gated(*args, **kwargs):
+        gate.wait_turn()
+        return prefill(*args, **kwargs)
+
+    runner.prefill = gated
+    try:
+        yield gate
+    finally:
+        gate.open()
+        del runner.prefill  # the class's method again
+
+
 def reference_logprobs(model, ids):
     """log_softmax of a stateless forward over `ids` [T, V]: row i predicts token i + 1."""
     with torch.no_grad():

@@ -217,20 +217,28 @@ def _child(*argv) -> dict:
 
 
 def run(args) -> int:
-    from .report import machine, write_csv
+    from .report import machine, progress, write_csv
 
     written = None
     path = Path(args.model) if args.model else None
+    bar = progress((path is None) + 1 + len(MODES), "bench quant", unit="stage")
     if path is None:
         written = path = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))
-        print(f"bench quant: writing a real-size {args.layers}-layer, {args.experts}-expert upstream-layout "
-              f"checkpoint to {path} ...", file=sys.stderr)
+        bar.set_postfix_str(f"writing a real-size {args.layers}-layer, {args.experts}-expert checkpoint to {path}")
         write_checkpoint(path, real_size_config(args.layers, args.experts))
+        bar.update()
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
         threads = args.threads or 0
+        bar.set_postfix_str("speed, both modes loaded in one process")
         speed = _child("speed", path, args.device, threads, args.prompt_len, args.new_tokens, args.repeats)
-        rows = [{**_child("memory", path, args.device, threads, mode), **speed[mode]} for mode in MODES]
+        bar.update()
+        rows = []
+        for mode in MODES:
+            bar.set_postfix_str(f"memory, {mode}, in a process of its own")
+            rows.append({**_child("memory", path, args.device, threads, mode), **speed[mode]})
+            bar.update()
+        bar.close()
         for r in rows:
             r["weight_gb_s"] = r["decode_weight_bytes"] / r["decode_ms_per_token"] / 1e6
     finally:

@@ -27,7 +27,7 @@ import sys
 
 from ds4_torch.runtime import UserError
 
-from .setup import REPLAY_SHARE
+from .setup import REPLAY_SHARE, warn_if_open
 from .wire import dumps, loads
 
 log = logging.getLogger("ds4.serve")
@@ -114,9 +114,8 @@ def run_api_server(args, client, tokenizer, model_config, core_dir: str, sock=No
 
     config = client.config
     app = api_app(args, client, tokenizer, model_config, core_dir)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key and client.owner:
-        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
-                                               args.host)
+    if client.owner:  # (one warning for the N API processes)
+        warn_if_open(args.host, config.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                           access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
 

@@ -124,6 +124,9 @@ class CoreClient:
     def describe(self) -> str:
         return f"{self.info['describe']} (engine core: process {self.info['pid']})"
 
+    def kv_event_info(self) -> dict:
+        return self.info["kv_events"]
+
     def structured_outputs(self):
         """The `StructuredOutputs` of this tokenizer: the grammars built here travel as their spec."""
         with self._structured_lock:
@@ -191,6 +194,10 @@ class CoreClient:
         """The core's `Engine.timing()`, and `api_cpu_s`: this process's reader thread (the
         output part, detokenizing), in CPU seconds (bench serve)."""
         return {**self._call("call", "timing"), "api_cpu_s": self.cpu_s}
+
+    def cache_report(self, request_id: str) -> dict | None:
+        """The core's report of what a recent request reused (`Engine.cache_report`)."""
+        return self._call("call", "cache_report", request_id, timeout=5.0)
 
     def idle(self) -> bool:
         return not self.requests and self._call("call", "idle")
@@ -283,7 +290,7 @@ class CoreClient:
                     batch.append(Token(req, token, end, logprob, top, sampled_at))
                     touched.append(req)
                 elif kind == "s":
-                    req.state, req.cached_tokens, req.t_start = "running", rec[2], rec[3]
+                    req.state, req.cached_tokens, req.t_start, req.cache_report = "running", *rec[2:5]
                 elif kind == "p":
                     outs = [TokenOut(t, "", lp, top) for t, lp, top in rec[2]]
                     req.prompt_logprob_outs = outs

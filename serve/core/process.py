@@ -216,7 +216,7 @@ class CoreOutput:
                              None if rec.error is None else error_fields(rec.error), rec.stage, stats(req)))
                 self.core.forget(conn, req)
             elif isinstance(rec, Started):
-                recs.append(("s", req.id, req.cached_tokens, req.t_start))
+                recs.append(("s", req.id, req.cached_tokens, req.t_start, req.cache_report))
             elif isinstance(rec, PromptLogprobs):
                 recs.append(("p", req.id, [(o.token_id, o.logprob, o.top) for o in rec.outs]))
         for conn, recs in out.items():
@@ -268,8 +268,8 @@ class EngineCore:
         engine.start()
         while not engine.warm and engine.alive:
             time.sleep(0.01)
-        self.info.update(config=config, describe=engine.describe(),
-                         vocab_size=engine.model.config.vocab_size, kv_budget=kv_budget, pid=os.getpid())
+        self.info.update(config=config, describe=engine.describe(), vocab_size=engine.model.config.vocab_size,
+                         kv_budget=kv_budget, pid=os.getpid(), kv_events=engine.kv_event_info())
 
     def serve(self) -> None:
         """Accept API processes until asked to stop (by one of them or SIGTERM); then drain."""
@@ -379,9 +379,9 @@ class EngineCore:
                 conn.submitting.update(ids)
             self._submitter.submit(self._take_submit, conn, call, items, continuation, ids)
         elif kind == "call":
-            _, call, name = message
+            _, call, name, *args = message
             try:
-                conn.send(("reply", call, self._call(name), None))
+                conn.send(("reply", call, self._call(name, *args), None))
             except Exception as e:  # noqa: BLE001 - answered, so the caller does not wait
                 conn.send(("reply", call, None, f"{type(e).__name__}: {e}"))
         elif kind == "shutdown":
@@ -433,8 +433,10 @@ class EngineCore:
             return ("error", error_fields(APIError(500, f"the engine core failed to queue this request "
                                                         f"({type(e).__name__}: {e})", code="internal_error")))
 
-    def _call(self, name: str):
+    def _call(self, name: str, *args):
         engine = self.engine
+        if name == "cache_report":
+            return engine.cache_report(*args)
         if name == "health":
             return engine.health()
         if name == "queue_depth":

@@ -88,19 +88,10 @@ def load(args, group=None):
     tokenizer = load_model_tokenizer(args.model)
     check_tokenizer_vocabulary(tokenizer, load_config(args.model).vocab_size, args.allow_vocab_mismatch)
     model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)
-    if args.max_sessions is not None and args.max_sessions < args.max_batch:
-        raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
-                        "decoding request holds a resident session")
+    # (serve.cli.check_flags has checked what needs no weights, before anything loaded)
     if args.speculative_tokens and getattr(model, "mtp", None) is None:
         raise UserError(f"--speculative-tokens {args.speculative_tokens} needs a model with an MTP layer "
                         "(num_nextn_predict_layers >= 1 and mtp.* weights); this one has none")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and args.ctx is not None and args.ctx > limit:
-        raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
-    rates = sorted({model.config.compress_rate(i) for i in range(model.config.num_hidden_layers)} - {0})
-    if any(args.kv_block_tokens % m for m in rates):
-        raise UserError(f"--kv-block-tokens {args.kv_block_tokens} must be a multiple of every compression rate of "
-                        f"the model ({rates}): a block holds whole compressed rows")
     args.kv_cache_mb, args.ctx = choose_kv_pool(model, args.ctx, args.max_sessions, args.max_batch, args.kv_cache_mb,
                                                 args.kv_block_tokens, group, args.kv_dtype)
     if args.model is None:
@@ -121,8 +112,40 @@ def load(args, group=None):
         keepalive_interval=args.keepalive_interval, served_model_names=tuple(args.served_model_name),
         strict_model_name=args.strict_model_name, access_log=args.access_log == "on", host=args.host,
         allowed_hosts=tuple(args.allowed_hosts), cors_origins=tuple(args.cors_origins),
+        kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
     )
     return model, tokenizer, config
+
+
+def check_kv_events(args) -> None:
+    """UserError for --kv-events flags that do not go together. Several API keys are several
+    tenants: their blocks' token ids go to every subscriber only when --kv-events-all-tenants says so."""
+    if args.kv_events is None:
+        for flag, given in (("--kv-events-replay", args.kv_events_replay is not None),
+                            ("--kv-events-all-tenants", args.kv_events_all_tenants)):
+            if given:
+                raise UserError(f"{flag} needs --kv-events ENDPOINT")
+        return
+    keys = len(set(args.api_key or ()))
+    if keys > 1 and not args.kv_events_all_tenants:
+        raise UserError(f"--kv-events publishes the token ids of every block the KV pool caches, and with {keys} "
+                        f"--api-key values they are {keys} tenants' prompts: anyone who connects to {args.kv_events} "
+                        f"reads them all. Add --kv-events-all-tenants if its subscribers may (a router in front of "
+                        f"every tenant sees their requests anyway), or run one server per tenant")
+
+
+def warn_if_open(host: str, api_key) -> None:
+    """One warning when the server listens beyond loopback (any 127.x address, ::1, localhost) with
+    no key: anyone who can reach the address can use it."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if not loopback and not api_key:
+        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
+                                               host)
 
 
 def _api_key(keys: list[str]) -> str | tuple[str, ...]:
@@ -137,8 +160,6 @@ def attach_kv_store(engine, args):
     from serve.kvstore.store import KVStore
 
     if args.kv_disk_dir is None:
-        if args.kv_disk_space_mb is not None:
-            raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
         return None
     try:
         store = KVStore(args.kv_disk_dir, args.kv_disk_space_mb or KV_DISK_DEFAULT_MB, engine.model, ctx=engine.ctx,

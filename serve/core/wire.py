@@ -14,7 +14,8 @@ API process -> core:
   ("stop", id, k, error | None)                      a stop string ends the reply at its k-th token
                                                      (or detokenizing it failed: `error`)
   ("ack", seq)                                       step message `seq` was processed
-  ("call", call, name)                               health, queue_depth, metrics: ("reply", call, value)
+  ("call", call, name, *args)                        health, queue_depth, metrics, cache_report (a request
+                                                     id): ("reply", call, value)
   ("shutdown",)                                      drain, save the conversations, exit
 core -> API process:
   ("hello", info)                                    once, when the engine is built
@@ -23,7 +24,7 @@ core -> API process:
   ("dropped", [id])                                  these requests' output was dropped (the API process
                                                      left too much unread) and the core cancelled them
 Records: ("t", id, token, end, logprob, top, sampled_at), ("e", id, outcome, reason, error, stage,
-stats), ("p", id, [(token, logprob, top)]), ("s", id, cached_tokens, t_start). `perf_counter`
+stats), ("p", id, [(token, logprob, top)]), ("s", id, cached_tokens, t_start, cache_report). `perf_counter`
 times are comparable across processes (CLOCK_MONOTONIC on Linux).
 
 A request travels as its `GenRequest` fields: the whole `SamplingParams` as it is, grammars as

@@ -4,7 +4,8 @@ handed to `output`) and never import each other:
 
 - `scheduler`: who runs next (the queue, disk reads aside);
 - `sessions`: resident sessions, checkpoints, branch and rewind, eviction, disk snapshots, over
-  `prefix_index` (which registered sequence and checkpoint a prompt can reuse);
+  `prefix_index` (which registered sequence and checkpoint a prompt can reuse) and `reuse` (what
+  each request reused and why not more);
 - `runner`: the only part touching tensors (prefill, decode, speculative steps, the batched
   sampler), through `replica` (what --tp broadcasts);
 - `output`: token ids to text, stop strings (`stops`), events, on its own thread;

@@ -135,6 +135,6 @@ class InFlight:
         session = req.session
         self.release(req)  # (its batch slot goes back to its session first)
         if session is not None:
-            self.sessions.evict(session)
+            self.sessions.evict(session, "pool")
         req.decode_slot, req.pending, req.held = None, None, []
         self.scheduler.requeue([req])

@@ -38,6 +38,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from typing import Protocol
 
 import torch
@@ -139,7 +140,9 @@ class EngineClient(Protocol):
     def queue_depth(self) -> int: ...
     def structured_outputs(self): ...            # compiles the `GenRequest.grammar`s it takes
     def describe(self) -> str: ...               # for the start-up log line
+    def kv_event_info(self) -> dict: ...         # this run's id, the KV block size, where KV events go
     def metrics_text(self) -> bytes: ...         # the Prometheus exposition, the engine's metrics included
+    def cache_report(self, request_id: str) -> dict | None: ...  # what a recent request reused (serve.engine.reuse)
 
 
 def _part_attribute(part: str, name: str, doc: str) -> property:
@@ -156,7 +159,7 @@ class Engine:
                  checkpoint_memory_mb: float = DEFAULT_CHECKPOINT_MEMORY_MB, speculative_tokens: int = 0,
                  speculative_max_batch: int | None = None, speculative_policy: str = "always",
                  kv_cache_mb: float | None = None, kv_block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 kv_rows: str = "full"):
+                 kv_rows: str = "full", kv_events: str | None = None, kv_events_replay: str | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_draft_tokens(model, speculative_tokens)
@@ -192,6 +195,16 @@ class Engine:
         self.metrics.kv_blocks_total.set(pool.num_blocks)
         self.metrics.kv_block_tokens.set(pool.block_tokens)
         self.metrics.kv_block_bytes.set(self.replica.kv.block_nbytes)
+        # This run's name for routers (GET /get_server_info); they key this replica's KV events by it.
+        self.instance_id = uuid.uuid4().hex
+        # `kv_events`: publish the pool's stored and removed blocks there, in vLLM's format (UserError:
+        # the address cannot be bound).
+        self.kv_events = None
+        if kv_events is not None:
+            from .kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(kv_events, kv_events_replay, block_tokens=pool.block_tokens)
+            pool.listener = self.kv_events
         self.sessions = Sessions(self.replica, self.runner.run, self.metrics, max_sessions,
                                  interval=checkpoint_interval, memory_bytes=int(checkpoint_memory_mb * 2**20),
                                  kv_store=kv_store, peers=peers)
@@ -238,7 +251,8 @@ class Engine:
                    checkpoint_interval=config.checkpoint_interval, checkpoint_memory_mb=config.checkpoint_memory_mb,
                    speculative_tokens=config.speculative_tokens, speculative_max_batch=config.speculative_max_batch,
                    speculative_policy=config.speculative_policy, kv_cache_mb=config.kv_cache_mb,
-                   kv_block_tokens=config.kv_block_tokens, kv_rows=config.kv_rows)
+                   kv_block_tokens=config.kv_block_tokens, kv_rows=config.kv_rows, kv_events=config.kv_events,
+                   kv_events_replay=config.kv_events_replay)
 
     def describe(self) -> str:
         """What the start-up log line says about the engine: decode mode, batch, sessions, cache."""
@@ -256,6 +270,11 @@ class Engine:
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of the engine's metrics (the app's registry: one process)."""
         return self.metrics.render()
+
+    def cache_report(self, request_id: str) -> dict | None:
+        """What a recent request (of the last `serve.engine.reuse.REPORTS`) reused and why not more;
+        None for an id it does not know (any thread)."""
+        return self.sessions.reports.report(request_id)
 
     def timing(self) -> dict:
         """Counters `bench serve` takes differences of: CPU seconds of the engine thread outside the
@@ -393,6 +412,14 @@ class Engine:
                 self._shutdown()
             self._hand_over()
         self.output.close()
+        if self.kv_events is not None:
+            self.kv_events.close()  # (AllBlocksCleared: what this replica held goes with it)
+
+    def kv_event_info(self) -> dict:
+        """What a router learns of this engine's KV events (GET /get_server_info, /kv_event_sources):
+        this run's id, the pool's block size, and where the events are published (None: not published)."""
+        return {"instance_id": self.instance_id, "kv_block_size": self.runner.pool.block_tokens,
+                "sources": None if self.kv_events is None else self.kv_events.sources()}
 
     def _shutting_down(self) -> APIError:
         return self.recovery.unavailable("the server is shutting down", "server_shutting_down")

@@ -83,18 +83,29 @@ class PrefixIndex:
     def __contains__(self, key) -> bool:
         return key in self._entries
 
-    def tokens(self, key) -> list[int]:
-        return list(self._entry(key).tokens)
+    def tokens(self, key, start: int = 0, end: int | None = None) -> list[int]:
+        return self._entry(key).tokens[start:end]
 
     def checkpoints(self, key) -> list[int]:
         return sorted(self._entry(key).checkpoints)
 
-    def match(self, tenant: Hashable, prompt: Sequence[int], max_reuse: int | None = None) -> PrefixMatch:
+    def tenants(self) -> set:
+        """The tenants with a sequence here."""
+        return {e.tenant for e in self._entries.values()}
+
+    def chain(self, prompt: Sequence[int]) -> list[int]:
+        """The hashes of `prompt`'s full blocks, [h_{-1}, h_0, ...]: the same for every tenant and
+        every index of this block size, so one prompt is hashed once (`match`, `shares`)."""
+        return self._chain(None, prompt, len(prompt) // self.block_size)
+
+    def match(self, tenant: Hashable, prompt: Sequence[int], max_reuse: int | None = None,
+              chain: list[int] | None = None) -> PrefixMatch:
         """The longest common prefix and the best reusable state for `prompt` among `tenant`'s
         sequences (see the module's doc), that state at most at `max_reuse` when given (e.g.
-        len(prompt) - 1, to leave a token to prefill where no logits were kept)."""
+        len(prompt) - 1, to leave a token to prefill where no logits were kept). `chain`:
+        `chain(prompt)`, when the caller has it."""
         B = self.block_size
-        chain = self._chain(tenant, prompt, len(prompt) // B)
+        chain = self._chain(tenant, prompt, len(prompt) // B) if chain is None else chain
         walked = [self._nodes.get((tenant, chain[0]))]
         if walked[0] is None:
             return PrefixMatch(0, None, 0, ())
@@ -123,6 +134,20 @@ class PrefixIndex:
                 sources = sorted({h for p, holders in found if p == reuse for h in holders}, key=repr)
                 return PrefixMatch(common, best_key if common else None, reuse, tuple(sources))
         return PrefixMatch(common, best_key if common else None, 0, ())
+
+    def shares(self, tenant: Hashable, prompt: Sequence[int], n: int, chain: list[int]) -> bool:
+        """Whether a sequence of `tenant` shares at least the first `n` tokens of `prompt`
+        (`chain`: `chain(prompt)`): one lookup and the next blocks' first tokens, not a walk. A
+        hash collision can make it say True wrongly; `match` is exact."""
+        B = self.block_size
+        if n > len(prompt):
+            return False
+        k = max(n, 0) // B
+        node = self._nodes.get((tenant, chain[k]))
+        if node is None:
+            return False
+        rest = tuple(prompt[k * B:n])
+        return not rest or any(block[:len(rest)] == rest for block in node.continuations)
 
     # ------------------------------------------------------------------ writing
     def add(self, key: Hashable, tenant: Hashable, tokens: Sequence[int], checkpoints: Sequence[int] = ()) -> None:

@@ -58,6 +58,8 @@ class GenRequest:
     generated: list[int] = field(default_factory=list)
     text: str = ""
     cached_tokens: int = 0
+    # What it reused and why not more (serve.engine.reuse), from its first admission on (with `cached_tokens`).
+    cache_report: dict | None = None
     prefilled_tokens: int = 0          # tokens run through prefill (recomputed), retries included
     prefill_chunks: int = 0
     finish_reason: str | None = None
@@ -140,6 +142,6 @@ class PromptLogprobs:
 
 @dataclass
 class Started:
-    """`req` was admitted (its `cached_tokens` and `t_start` are known): nothing to do in this
-    process; an engine core in another process sends it on (serve.core.process)."""
+    """`req` was admitted (its `cached_tokens`, `cache_report` and `t_start` are known): nothing to
+    do in this process; an engine core in another process sends it on (serve.core.process)."""
     req: GenRequest

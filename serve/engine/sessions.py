@@ -45,7 +45,8 @@ from typing import Callable
 
 import torch
 
-from .prefix_index import CHECKPOINT, END, PrefixIndex
+from .prefix_index import CHECKPOINT, END, PrefixIndex, PrefixMatch
+from .reuse import Look, ReuseReports
 from .sequence import GenRequest
 
 # A session's request is a serve.engine.sequence.GenRequest (the one type the engine's parts share).
@@ -148,6 +149,7 @@ class Sessions:
         self.writer: SnapshotWriter | None = None
         self.slots = [Session(i) for i in range(count)]
         self.index = PrefixIndex()
+        self.reports = ReuseReports(self.index, metrics)  # what each request reused, and why not more
         self._ids = itertools.count()
         self._held: dict[int, Checkpoint] = {}   # id -> checkpoint (resident or pending)
         vocab = replica.model.config.vocab_size
@@ -170,52 +172,69 @@ class Sessions:
 
     # ------------------------------------------------------------------ claiming
     def claim(self, req: "GenRequest") -> int:
-        """Give `req` a session holding a prefix of its sequence; return the tokens it reuses."""
+        """Give `req` a session holding a prefix of its sequence; return the tokens it reuses. On
+        its first admission `req.cache_report` says what it reused and why not more (serve.engine.reuse)."""
         seq = req.sequence()
         loaded, req.disk = req.disk, None  # what was read for it: applied below or not at all, then released
+        first = req.attempts <= 1 and not req.generated  # what its usage reports (serve.engine.admission)
         if req.wants_prompt_logprobs():
             # Cached tokens have no logits: prefill the whole prompt in a fresh session.
             session = self.free_session()
             req.plp = []
-            return self._attach(session, req)
-        reuse, source = self._best(req.tenant, seq)
+            return self._reported(req, first, Look(len(seq)), "none", self._attach(session, req), "prompt_logprobs")
+        reuse, source, match, chain = self._best_match(req.tenant, seq)
         disk = self._stored_prefix(seq, req.tenant) if self.kv_store is not None and not req.no_restore else 0
+        look = self.reports.look(req.tenant, seq, chain, match, max(reuse, disk)) if first else None
         if source is None or disk > reuse:
             session = self.free_session()
             if disk:
                 self.restore(session, seq, req.tenant, loaded)
-            return self._attach(session, req)
+            return self._reported(req, first, look, "disk" if session.tokens else "none", self._attach(session, req))
         session, kind = source
         if kind == END and session.request is None:
-            return self._attach(session, req)          # take over an idle session: nothing to copy
+            return self._reported(req, first, look, "session", self._attach(session, req))  # taken over: no copy
         if kind == END:  # busy: fork its state
             target = self.free_session(keep=session)
             self.run("copy", "resident", target.slot, session.slot, "resident")
             target.tokens, target.last_logits = list(session.tokens), session.last_logits
-            return self._attach(target, req)
+            return self._reported(req, first, look, "shared", self._attach(target, req))
         ck = session.checkpoints[reuse]
         ck.last_used = time.monotonic()
         if session.request is None and not any(s.request is None and not s.tokens for s in self.slots):
             self.run("restore_checkpoint", "resident", session.slot, ck.id)
             self._truncate(session, reuse, ck.logits)
             self.metrics.rewinds.inc()
-            return self._attach(session, req)
+            return self._reported(req, first, look, "checkpoint", self._attach(session, req))
         target = self.free_session(keep=session)
         self.run("branch_from_checkpoint", "resident", target.slot, "resident", session.slot, ck.id)
         target.tokens, target.last_logits = list(seq[:reuse]), ck.logits
         self.metrics.branches.inc()
-        return self._attach(target, req)
+        return self._reported(req, first, look, "checkpoint", self._attach(target, req))
+
+    def _reported(self, req: "GenRequest", first: bool, look, source: str, reused: int,
+                  reason: str | None = None) -> int:
+        if first:
+            req.cache_report = self.reports.finish(req.id, req.tenant, look, reused,
+                                                   source if reused else "none", reason)
+        return reused
 
     def _best(self, tenant, seq: list[int]) -> tuple[int, tuple[Session, str] | None]:
+        return self._best_match(tenant, seq)[:2]
+
+    def _best_match(self, tenant, seq: list[int]):
         """The furthest reusable state of `tenant`'s sessions for `seq`: (position, (session,
-        END or CHECKPOINT)), preferring an idle session's end, then a checkpoint, then a busy end.
+        END or CHECKPOINT)), preferring an idle session's end, then a checkpoint, then a busy end;
+        and the index's match (its `common`) and `seq`'s block hashes, for the request's report.
         A state at the whole sequence needs its logits (else a token is left to prefill)."""
+        chain = self.index.chain(seq)
+        widest = None
         for cap in (len(seq), len(seq) - 1):
             if cap <= 0:
                 break
-            m = self.index.match(tenant, seq, max_reuse=cap)
+            m = self.index.match(tenant, seq, max_reuse=cap, chain=chain)
+            widest = widest or m
             if m.reuse == 0:
-                return 0, None
+                return 0, None, widest, chain
             usable = []
             for slot, kind in m.sources:
                 s = self.slots[slot]
@@ -225,8 +244,8 @@ class Sessions:
                     usable.append((rank, s.slot, s, kind))
             if usable:
                 _, _, s, kind = min(usable, key=lambda u: u[:2])
-                return m.reuse, (s, kind)
-        return 0, None
+                return m.reuse, (s, kind), widest, chain
+        return 0, None, widest or PrefixMatch(0, None, 0, ()), chain
 
     def _attach(self, session: Session, req: "GenRequest") -> int:
         if not session.tokens:  # an empty slot: what it computes is registered under this tenant
@@ -268,7 +287,7 @@ class Sessions:
         idle = [s for s in self.slots if s.request is None and s.tokens and s not in keep]
         if not idle:
             return False
-        self.evict(min(idle, key=lambda s: s.last_used))
+        self.evict(min(idle, key=lambda s: s.last_used), "pool")
         return True
 
     def make_room(self, need: int, keep=()) -> bool:
@@ -295,9 +314,14 @@ class Sessions:
         only_idle = {b for i in idle for b in kv.table(i).blocks if b not in holders}
         return pool.num_available + len(only_idle)
 
-    def evict(self, session: Session) -> None:
-        """`session` leaves memory: snapshotted to the disk store first when there is one."""
-        self.snapshot(session, self.replica.resident.slot(session.slot), session.tokens, session.last_logits, "evicted")
+    def evict(self, session: Session, cause: str = "sessions") -> None:
+        """`session` leaves memory: snapshotted to the disk store first when there is one. `cause`:
+        "sessions" (its slot is needed) or "pool" (its KV blocks are), for later requests' reports."""
+        written = self.snapshot(session, self.replica.resident.slot(session.slot), session.tokens, session.last_logits,
+                                "evicted")
+        on_disk = self.kv_store is not None and written and (session.saved_at >= len(session.tokens)
+                                                               or session.restored is not None)
+        self.reports.left(session.tokens, session.tenant, cause, on_disk)
         self.clear(session)
         self.metrics.session_evictions.inc()
 

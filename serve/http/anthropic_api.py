@@ -8,7 +8,9 @@ reply's text is JSON valid against the schema, written under the same grammar as
 ``response_format``; a schema feature that cannot be enforced is a 400 naming it), ``stop_sequences``, ``max_tokens``, ``stream``, and ``temperature``, ``top_p``,
 ``top_k`` (which Anthropic's SDK now sends through ``extra_body``). Consecutive
 messages of one role are merged, as Anthropic does. A ``system`` message inside ``messages``
-(Claude Code sends them) is rendered where it stands (see `ds4_torch.chat_encoding`). Server
+(Claude Code sends them) is rendered where it stands (see `ds4_torch.chat_encoding`). A ``system``
+block of client metadata (Claude Code's ``x-anthropic-billing-header: ...``) is left out of the prompt,
+logged once at debug level: it is no instruction and differs per task. Server
 tools (web search, ...) are left out of the prompt; unknown fields and block types are ignored
 and logged; images, non-text documents and a final assistant message (prefill) are answered
 400 (`serve.http.request_policy` has the rules).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -59,6 +62,11 @@ IGNORED_BLOCKS = {"redacted_thinking", "server_tool_use", "web_search_tool_resul
 IGNORED = {"metadata", "service_tier", "container", "context_management", "cache_control", "diagnostics",
            "inference_geo", "speed", "user_profile_id", "workspace_id"}
 SIGNATURE_PREFIX = "ds4-thinking:"  # our thinking-block signature: the thinking text, base64
+# System blocks that are client metadata, not instructions: Claude Code's first one is
+# `x-anthropic-billing-header: cc_version=2.1.197.6e2; cc_entrypoint=sdk-cli;` (the version's suffix
+# differs per task; some versions add a per-request `cch=`, a subagent `cc_is_subagent=`). In the
+# prompt, a few tokens in, it would end the prefix two tasks share (their ~40K-token system prompt).
+CLIENT_METADATA_PREFIXES = ("x-anthropic-billing-header:",)
 
 STOP_REASON = {"end": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -82,6 +90,11 @@ def _event(name: str, data: dict) -> bytes:
 
 
 # --------------------------------------------------------------------------- request
+def is_client_metadata(text: str) -> bool:
+    """A top-level system block's text that is client metadata (`CLIENT_METADATA_PREFIXES`)."""
+    return text.lstrip().lower().startswith(CLIENT_METADATA_PREFIXES)
+
+
 def _blocks(content: Any, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -208,7 +221,12 @@ def _messages(body: dict, hints: list[int] | None = None) -> list[dict]:
         for j, b in enumerate(system):
             if not isinstance(b, dict) or b.get("type") != "text":
                 raise bad(f"system[{j}] must be a text block", f"system[{j}]", "invalid_type")
-            out.append({"role": "system", "content": _text_of(b, f"system[{j}]")})
+            text = _text_of(b, f"system[{j}]")
+            if is_client_metadata(text):
+                note_ignored("anthropic", "system blocks of client metadata (x-anthropic-billing-header)",
+                             "not an instruction, and it differs per task: left out of the prompt", logging.DEBUG)
+                continue
+            out.append({"role": "system", "content": text})
             if _hint(b):
                 hints.append(len(out))
     elif system is not None:

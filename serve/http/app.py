@@ -3,7 +3,11 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI, `serve.http.openai_api`),
 POST /v1/responses (OpenAI Responses, `serve.http.responses_api`), POST /v1/messages and
 /v1/messages/count_tokens (Anthropic, `serve.http.anthropic_api`), GET /v1/models, GET /health (and
-/api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+/api/hello, Claude Code's connectivity check), GET /metrics (Prometheus), POST /tokenize, POST /detokenize,
+GET /v1/cache/explain/{request_id} (what a recent request reused and why not more: `serve.http.cache_explain`).
+For routers in front of several replicas (docs/scaling-out.md): POST /v1/chat/completions/render,
+/v1/completions/render and /v1/responses/render (the prompt's token ids, as vLLM's), GET
+/get_server_info and /kv_event_sources (this run's id, the KV block size, where `--kv-events` publishes).
 
 Each API module only translates: its JSON into one internal request (`serve.http.chat`), and the
 internal events of the `Generation` back into its JSON or SSE (a "view" with `start`, `feed`,
@@ -45,9 +49,10 @@ from starlette.routing import Route
 from ds4_torch.sampling import stop_token_ids
 
 from . import anthropic_api
+from . import cache_explain
 from . import openai_api
 from . import responses_api
-from .chat import TENANT, Cancelled, Failed, Generation, dsml_tokens, encode_conversation, tenant_of
+from .chat import TENANT, Cancelled, Failed, Generation, chat_prompt, dsml_tokens, encode_conversation, tenant_of
 from serve.engine.loop import Engine, EngineClient
 from .guard import BrowserGuard
 from serve.metrics import Metrics
@@ -100,6 +105,8 @@ class ServerConfig:
     keepalive_interval: float = 5.0       # seconds without output before a `: keep-alive` comment
     disconnect_poll_interval: float = 0.05
     max_body_bytes: int = 32 * 2**20      # larger bodies: 413
+    kv_events: str | None = None          # publish the KV pool's blocks there, vLLM's format (serve.engine.kv_events)
+    kv_events_replay: str | None = None   # and answer replay requests there
 
 
 class TokenText:
@@ -161,8 +168,12 @@ class AppState:
         if name is not None and not isinstance(name, str):
             raise bad(f"'model' must be a string, got {type_name(name)}", "model", "invalid_type")
         if self.config.strict_model_name and name is not None and name not in self.names:
-            raise bad(f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                      "model", "model_not_found")
+            raise bad(self.unknown_model(name), "model", "model_not_found")
+
+    def unknown_model(self, name: str) -> str:
+        """What a model name not served gets told: every name /v1/models lists."""
+        served = ", ".join(f"'{n}'" for n in dict.fromkeys([self.config.model_name, *self.config.served_model_names]))
+        return f"The model '{name}' does not exist; this server serves {served} (GET /v1/models lists them)"
 
     async def read_json(self, request: Request) -> dict:
         limit = self.config.max_body_bytes
@@ -228,7 +239,8 @@ class AppState:
             f"finish={gen.done.finish if gen.done else req.finish_reason} tool_calls={len(gen.calls)} "
             f"queue={start - first_req.t_arrival:.3f}s prefill={(first or end) - start:.3f}s "
             f"ttft={f'{first - first_req.t_arrival:.3f}s' if first else '-'} decode={decode_s:.3f}s{rate} "
-            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}{self._speculation(gen)}"), error=error)
+            f"total={end - first_req.t_arrival:.3f}s attempts={req.attempts}{self._speculation(gen)}"
+            f"{cache_explain.log_fields(first_req.cache_report, self.tokenizer)}"), error=error)
 
     @staticmethod
     def _speculation(gen: Generation) -> str:
@@ -284,7 +296,7 @@ class AppState:
                 if gen.finished():  # every choice is done
                     status = 200
                     await gen.recorded()
-                    return JSONResponse(view.body())
+                    return JSONResponse(view.body(), headers=self._cache_header(request, gen))
         finally:
             gen.cancel()
             self.log_request(request, status, gen, error=error)
@@ -356,8 +368,15 @@ class AppState:
                 gen.cancel()
                 self.log_request(request, outcome, gen, stream=True, error=error)
 
+        # (The report is known once the request was admitted: by its first event, unless it waited in
+        # the queue past the first keep-alive.)
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **self._cache_header(request, gen)})
+
+    def _cache_header(self, request: Request, gen: Generation) -> dict[str, str]:
+        first = gen.requests[0] if gen.requests else None
+        return cache_explain.header(request, None if first is None else first.cache_report, self.tokenizer)
 
     # ------------------------------------------------------------------ small endpoints
     def _model(self, name: str) -> dict:
@@ -376,8 +395,7 @@ class AppState:
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
         if self.config.strict_model_name and name not in self.names:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(404, self.unknown_model(name), param="model", code="model_not_found")
         return JSONResponse(self._model(name))
 
     async def root(self, request: Request) -> Response:
@@ -419,6 +437,41 @@ class AppState:
             except ValueError as e:
                 raise bad(str(e), "messages") from None
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.config.ctx})
+
+    async def render_chat(self, request: Request) -> Response:
+        """The token ids the chat request would prefill (vLLM's /v1/chat/completions/render: what a
+        KV-aware router hashes to find the replica holding the most of them)."""
+        creq, opts = openai_api.parse_chat(await self.read_json(request), state=self)
+        self.check_model(opts.model)
+        return JSONResponse({"token_ids": chat_prompt(self, creq), "model": opts.model or self.config.model_name})
+
+    async def render_response(self, request: Request) -> Response:
+        """The token ids a Responses request would prefill (as `render_chat`)."""
+        creq, echo = responses_api.parse_request(await self.read_json(request), self)
+        self.check_model(echo["model"])
+        return JSONResponse({"token_ids": chat_prompt(self, creq), "model": echo["model"] or self.config.model_name})
+
+    async def render_completion(self, request: Request) -> Response:
+        """The token ids of each prompt of a completions request (a list, as vLLM's)."""
+        body = await self.read_json(request)
+        self.check_model(body.get("model"))
+        name = body.get("model") or self.config.model_name
+        return JSONResponse([{"token_ids": ids, "model": name} for ids, _ in openai_api.parse_prompts(body, self)])
+
+    async def server_info(self, request: Request) -> Response:
+        """What a router's discovery reads (vllm-router's kv_aware: the model identity replicas
+        share, this run's id, the KV block size its events' blocks have)."""
+        info = self.engine.kv_event_info()
+        return JSONResponse({"model_id": self.config.model_name, "instance_id": info["instance_id"],
+                             "kv_block_size": info["kv_block_size"], "kv_events": info["sources"] is not None})
+
+    async def kv_event_sources(self, request: Request) -> Response:
+        """Where this server publishes its KV events, by data-parallel rank (404 without --kv-events)."""
+        sources = self.engine.kv_event_info()["sources"]
+        if sources is None:
+            raise APIError(404, "this server publishes no KV events: start it with --kv-events ENDPOINT",
+                           code="not_found")
+        return JSONResponse(sources)
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -488,13 +541,33 @@ def create_app(model, tokenizer, config: ServerConfig | None = None, kv_store=No
         # Interactive Claude Code checks its base URL with HEAD /api/hello at start: answered as /health.
         endpoint("/api/hello", AppState.health, auth=False, method="GET"),
         endpoint("/metrics", AppState.metrics_text, auth=False, method="GET"),
+        endpoint("/v1/cache/explain/{request_id}", cache_explain.explain, method="GET",
+                 label="/v1/cache/explain/{request_id}"),
         endpoint("/tokenize", AppState.tokenize),
         endpoint("/detokenize", AppState.detokenize),
+        endpoint("/v1/chat/completions/render", AppState.render_chat),
+        endpoint("/v1/completions/render", AppState.render_completion),
+        endpoint("/v1/responses/render", AppState.render_response),
+        # Open, as /health: a router finds a replica's events before any client's key reaches it.
+        endpoint("/get_server_info", AppState.server_info, auth=False, method="GET"),
+        endpoint("/kv_event_sources", AppState.kv_event_sources, auth=False, method="GET"),
     ]
+
+    paths = {route.path for route in routes}
+
+    def did_you_mean(path: str) -> str:
+        """The API path a client likely meant: its base URL without `/v1` (OpenAI's clients want
+        it in the base URL, Anthropic's add it) or with it twice."""
+        for candidate in ("/v1" + path, path.removeprefix("/v1")):
+            if candidate != path and (candidate in paths or candidate.startswith("/v1/models/")):
+                return (f"; did you mean {candidate}? (an OpenAI client's base URL ends in /v1, an Anthropic "
+                        f"client's does not)")
+        return ""
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        hint = did_you_mean(request.url.path) if exc.status_code == 404 else ""
+        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{hint}", code=code)
         shape = anthropic if request.url.path.startswith("/v1/messages") else openai_api.error_response
         state.access(request, exc.status_code, error=e.message)
         return shape(e)

@@ -35,19 +35,20 @@ from .protocol import bad
 log = logging.getLogger("ds4.serve")
 
 # Fields refused with a 400 when set (to anything but a harmless value): ignoring them would
-# silently change what the client gets. (api, field) -> why.
+# silently change what the client gets. (api, field) -> why, or what to send instead: the 400 reads
+# "'FIELD' is not supported: WHY".
 REFUSED: dict[tuple[str, str], str] = {
-    ("chat", "functions"): "the legacy function calling is not supported; use 'tools'",
-    ("chat", "function_call"): "the legacy function calling is not supported; use 'tool_choice'",
-    ("chat", "audio"): "audio output is not supported",
-    ("completions", "suffix"): "'suffix' (insertion) is not supported",
+    ("chat", "functions"): "the legacy function calling; use 'tools'",
+    ("chat", "function_call"): "the legacy function calling; use 'tool_choice'",
+    ("chat", "audio"): "this server writes text only",
+    ("completions", "suffix"): "no insertion (fill in the middle)",
     ("responses", "previous_response_id"): "this server stores no responses; send the whole conversation in 'input'",
     ("responses", "conversation"): "this server stores no conversations; send the whole conversation in 'input'",
-    ("responses", "prompt"): "stored prompt templates are not supported",
-    ("responses", "background"): "background responses are not supported",
-    ("responses", "top_logprobs"): "logprobs are not supported on /v1/responses",
-    ("responses", "n"): "one response per request: 'n' is not supported",
-    ("anthropic", "n"): "one message per request: 'n' is not supported",
+    ("responses", "prompt"): "this server stores no prompt templates",
+    ("responses", "background"): "no background responses",
+    ("responses", "top_logprobs"): "no logprobs on /v1/responses",
+    ("responses", "n"): "one response per request",
+    ("anthropic", "n"): "one message per request",
 }
 
 
@@ -96,14 +97,14 @@ def forget_logged() -> None:
         _logged.clear()
 
 
-def note_ignored(api: str, what: str, detail: str = "") -> None:
+def note_ignored(api: str, what: str, detail: str = "", level: int = logging.WARNING) -> None:
     """Log, once per (api, what), that something the client sent was ignored."""
     key = (api, what)
     with _lock:
         if key in _logged:
             return
         _logged.add(key)
-    log.warning("%s: ignoring %s%s (logged once)", api, what, f": {detail}" if detail else "")
+    log.log(level, "%s: ignoring %s%s (logged once)", api, what, f": {detail}" if detail else "")
 
 
 def ignore_unknown(api: str, obj: Mapping, known: Iterable[str], where: str = "") -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds4_torch import DS4Config, DS4ForCausalLM
-from ds4_torch.capabilities import capabilities
+from ds4_torch import capabilities
 from ds4_torch.decode import GraphDecoder, choose_mode, make_decoder, prefill
 
 CHUNK = 8  # prefill chunk: smaller than the prompts, so chunk boundaries are crossed

@@ -157,6 +157,25 @@ def check_invariants(pool: BlockPool, tables, content):
             assert None not in content[b]
 
 
+class Mirror:
+    """A `PoolListener` keeping what a subscriber to the pool's events would know: the digests
+    stored and not removed, each checked against `chain_digest` of what the event says it covers."""
+
+    def __init__(self):
+        self.held: set[bytes] = set()
+        self.stored_count = self.removed_count = 0
+
+    def stored(self, digest, parent, tokens, tenant):
+        assert digest not in self.held, "a digest announced twice without its removal between"
+        assert digest == chain_digest(parent, tenant, tokens)
+        self.held.add(digest)
+        self.stored_count += 1
+
+    def removed(self, digest):
+        self.held.remove(digest)  # (KeyError: removed without having been stored)
+        self.removed_count += 1
+
+
 def write(content, table: BlockTable, start, copies):
     for src, dst in copies:
         content[dst] = list(content[src])
@@ -170,6 +189,7 @@ def test_random_operations_match_the_reference(seed):
     rng = random.Random(seed)
     bt, n = rng.choice([(2, 12), (4, 10), (3, 16)])
     pool, ref = BlockPool(n, bt), RefPool(n, bt)
+    pool.listener = mirror = Mirror()
     content = [[None] * bt for _ in range(n)]
     live: list[tuple[BlockTable, RefTable]] = []
     stems = [[rng.randrange(3) for _ in range(20)] for _ in range(3)]  # shared prefixes, divergent tails
@@ -247,9 +267,12 @@ def test_random_operations_match_the_reference(seed):
         assert pool.evictions == ref.evictions
         for b in range(n):
             assert (pool.digest(b) is not None) == (ref.key[b] is not None)
+        # the events told exactly the registered digests
+        assert mirror.held == {pool.digest(b) for b in range(n) if pool.digest(b) is not None}
         check_invariants(pool, [t for t, _ in live], content)
     evicted = pool.evictions
     assert hits and evicted and cows and spec, (hits, evicted, cows, spec)  # sharing, reclaiming, copies, speculation
+    assert mirror.removed_count == evicted and mirror.stored_count > evicted
 
 
 def test_shared_prefix_is_stored_once_and_copied_only_where_written():

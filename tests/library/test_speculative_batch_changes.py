@@ -124,8 +124,10 @@ def check_plain(batch, truth, prompts):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("n,mode,paged", [(2, "eager", False), (3, "eager", False), (2, "graph", False),
-                                          (3, "eager", True), (2, "graph", True)])
+# The graph path over the paged pool only: the server's caches are paged, and the static cache's
+# rows are the eager cases'.
+@pytest.mark.parametrize("n,mode,paged", [(2, "eager", False), (3, "eager", False), (3, "eager", True),
+                                          (2, "graph", True)])
 def test_trim_after_release_move_and_join_touches_only_the_stopped_row(model, truth, n, mode, paged):
     batch = Batch(model, n, mode, paged)
     for p in (0, 1, 2):  # three rows: graph mode runs four, the fourth a padding row

@@ -254,6 +254,25 @@ def test_bench_unknown_target(capsys):
     assert all(t in err for t in ("model", "attention", "decode", "serve"))
 
 
+def test_a_benchmark_says_what_it_will_do_first_and_ctrl_c_says_it_stopped(capsys, monkeypatch):
+    """Before its first measurement a benchmark names itself and its settings on stderr (its table
+    comes at the end, on stdout); Ctrl-C (here, during the run) ends it with status 130 and says so."""
+    import ds4_torch.bench as bench
+    from ds4_torch.bench.report import progress
+
+    def interrupted(args):
+        progress(5, "bench checkpoint").update()  # under way
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "_run_checkpoint", interrupted)
+    assert main(["bench", "checkpoint", "--contexts", "1024"]) == 130
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and lines[0].startswith("ds4-torch bench checkpoint: cache checkpoints") and \
+        "(--contexts 1024)" in lines[0], err
+    assert lines[-1] == "ds4-torch: interrupted (bench checkpoint)", err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])

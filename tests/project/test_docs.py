@@ -27,6 +27,11 @@ FENCE = re.compile(r"^(```|~~~)")
 MARKER = re.compile(r"^\s*<!--\s*flags:\s*(.+?)\s*-->\s*$")
 # lm-evaluation-harness's CLI, named on the serving page; not a dependency, so not importable here.
 LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--include_path"}
+# vllm-router's (0.1.17), named on the scaling-out page: those it is run with there (its CLI is a
+# Rust binary's, not importable; `vllm-router --help` lists them all).
+VLLM_ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy", "--api-key", "--health-check-interval-secs",
+                     "--health-failure-threshold", "--kv-aware-session-affinity-ttl-secs", "--kv-event-source",
+                     "--kv-event-block-size", "--kv-event-model"}
 
 
 def doc_files() -> list[Path]:
@@ -143,7 +148,7 @@ def script_flags(path: Path) -> frozenset[str]:
 @lru_cache(maxsize=None)
 def known_flags() -> frozenset[str]:
     """Every flag of every command and script: what a flag named outside a command line must be."""
-    flags = set(LM_EVAL_FLAGS)
+    flags = LM_EVAL_FLAGS | VLLM_ROUTER_FLAGS
     for parser in parsers().values():
         flags |= options(parser)
     for script in [*ROOT.glob("examples/*.py"), *ROOT.glob("tests/clients/*.py"), *ROOT.glob("ds4_torch/**/*.py"),
@@ -213,6 +218,8 @@ def invocations(text: str) -> list[tuple[str, set[str], list[str]]]:
                     start = (name, options(parsers()[name]))
                 elif word == "lm_eval":
                     start, i = ("lm_eval", set(LM_EVAL_FLAGS)), i + 1
+                elif word == "vllm-router":
+                    start, i = ("vllm-router", set(VLLM_ROUTER_FLAGS)), i + 1
                 if start is not None:
                     current = (*start, [])
                     found.append(current)

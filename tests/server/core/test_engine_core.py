@@ -27,7 +27,7 @@ import pytest
 from ds4_torch.default_model import default_tokenizer
 from ds4_torch.generation import generate
 from ds4_torch.sampling import SamplingParams
-from helpers import ROOT, api_processes, gone, serve_process, wait_for, wait_healthy
+from helpers import ROOT, api_processes, gone, held_prefill, prompt_ids, serve_process, wait_for, wait_healthy
 from serve.http.app import ServerConfig, create_app
 from serve.background import BackgroundServer
 from serve.core.process import threaded_core
@@ -252,19 +252,23 @@ def test_a_submit_the_core_answers_late_is_never_left_without_an_owner(model, sl
 
 
 def test_a_disconnect_stops_prefill_within_one_chunk_through_the_core(model):
+    """The client leaves while chunk 4 of 25 runs (the engine held there): the cancel crosses
+    the wire, that chunk ends and no other starts."""
     ids = [(i * 7 + 5) % 251 + 1 for i in range(400)]  # 25 chunks of 16
     with server(model, True, ctx=1024, prefill_chunk=16, disconnect_poll_interval=0.02) as srv:
         engine, m = srv.engine, srv.core_metrics
-        engine.chunk_delay = 0.15
         data = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 4, "stream": True}).encode()
-        sock = socket.create_connection((srv.host, srv.port))
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {srv.host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        wait_for(lambda: m.value("ds4_prefill_chunks_total") >= 3, what="3 prefill chunks")
-        sock.close()
-        at_close = m.value("ds4_prefill_chunks_total")
-        wait_for(lambda: engine.idle() and not srv.app.state.engine.requests, 5, "the engine to go idle")
-        assert m.value("ds4_prefill_chunks_total") - at_close <= 1
+        with held_prefill(engine) as gate:
+            sock = socket.create_connection((srv.host, srv.port))
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {srv.host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            gate.allow(3)
+            gate.wait_entered(4)
+            req = engine.prefilling
+            sock.close()
+            wait_for(req.cancel.is_set, what="the cancel to reach the core's engine")
+        wait_for(lambda: engine.idle() and not srv.app.state.engine.requests, 30, "the engine to go idle")
+        assert m.value("ds4_prefill_chunks_total") == 4
         assert m.value("ds4_requests_aborted_total", stage="prefill") == 1
 
 
@@ -279,6 +283,25 @@ def test_metrics_hold_both_processes(model):
     assert re.search(r'^ds4_requests_total\{code="200",endpoint="/v1/completions"\} 1\.0$', text, re.M), text
     assert re.search(r"^ds4_engine_healthy 1\.0$", text, re.M), text
     assert text.count("# TYPE ds4_generated_tokens_total counter") == 1
+
+
+def test_the_cache_report_crosses_the_core(model):
+    """What a request reused and why not more (serve.engine.reuse) is worked out in the core and
+    sent with the request's start: the header, the explain endpoint (a call to the core) and the
+    access log's reason are the same as with the engine in this process."""
+    first = prompt_ids(300, 1)
+    seen = {}
+    for core in (False, True):
+        with server(model, core, ctx=1024) as srv:
+            post(srv, "/v1/completions", dict(prompt=first, max_tokens=2))
+            r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": first[:100] + prompt_ids(9, 2),
+                                                              "max_tokens": 2}, headers={"x-ds4-cache": "1"})
+            rid, header = r.headers["x-ds4-cache"].split("; ", 1)
+            report = httpx.get(f"{srv.url}/v1/cache/explain/{rid.removeprefix('request=')}").json()
+            seen[core] = header, {k: v for k, v in report.items() if k != "request"}, \
+                srv.core_metrics.value("ds4_prompt_reuse_total", reason="no_checkpoint")
+    assert seen[True] == seen[False]
+    assert seen[True][1]["reason"] == "no_checkpoint" and seen[True][1]["diverged_at"] == 100 and seen[True][2] == 1
 
 
 def stream_text(url: str, body: dict, on_text=lambda: None) -> tuple[str, list]:
@@ -402,17 +425,32 @@ def test_the_core_dying_ends_every_request_with_503_and_the_server():
 
 
 def test_a_request_arriving_after_the_core_died_gets_503():
-    with serve_process("--ctx", "512", "--prefill-chunk", "32") as proc:
-        pid = core_pid(proc)
-        os.kill(pid, signal.SIGSTOP)  # hung, then dead: the request in between waits, then gets its 503
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            pending = ex.submit(httpx.post, proc.url + "/v1/completions", timeout=60,
-                                json={"model": MODEL, "prompt": "a", "max_tokens": 3})
-            time.sleep(0.5)
-            os.kill(pid, signal.SIGKILL)
-            r = pending.result()
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
-        assert proc.wait(30) == 1
+    """A real core process, hung (SIGSTOP), then dead: a request sent to it in between waits
+    (this process's core client holds it, unanswered), then gets its 503."""
+    from serve.cli import build_parser
+    from serve.core.api_process import connect_core
+    from serve.core.process import spawn_core
+    from serve.core.setup import load_api_side
+
+    args = build_parser().parse_args(["--ctx", "512", "--prefill-chunk", "32"])
+    tokenizer, model_config = load_api_side(args)
+    core = spawn_core(args)
+    try:
+        client = connect_core(core, tokenizer, owner=True)
+        app = create_app(types.SimpleNamespace(config=model_config), tokenizer, client.config, engine=client)
+        with BackgroundServer(app) as srv:
+            os.kill(core.proc.pid, signal.SIGSTOP)
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(httpx.post, srv.url + "/v1/completions", timeout=60,
+                                   json={"model": MODEL, "prompt": "a", "max_tokens": 3})
+                wait_for(lambda: client.requests, what="the request to be sent to the hung core")
+                assert not pending.done()
+                os.kill(core.proc.pid, signal.SIGKILL)
+                r = pending.result()
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+    finally:
+        core.proc.kill()
+        core.wait(30)
 
 
 def test_the_api_process_dying_takes_the_core_with_it():

@@ -162,10 +162,8 @@ def test_cancelled_stream_then_correct_answers(tp_server, single):
         if i == 3:
             break
     stream.close()  # the client goes away mid-decode
-    deadline = time.monotonic() + 30
-    while 'ds4_requests_aborted_total{stage="decode"} 1.0' not in httpx.get(tp_server.url + "/metrics").text:
-        assert time.monotonic() < deadline, "the cancelled stream was not noticed"
-        time.sleep(0.1)
+    wait_for(lambda: 'ds4_requests_aborted_total{stage="decode"} 1.0' in httpx.get(tp_server.url + "/metrics").text,
+             30, "the cancelled stream to be noticed")
     assert ask(client, PROMPTS[1], stream=True) == single[PROMPTS[1]]
     assert chat(client, "Who are you?") == single["chat"]
 
@@ -209,14 +207,12 @@ def test_killed_follower_ends_the_server_with_503(tmp_path):
         chunks = iter(stream)
         next(chunks)
         ranks.procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
         # the stream ends with the API's error event (a 503 inside an already started 200 stream)
         with pytest.raises(openai.APIError, match="tensor-parallel group failed"):
             for _ in chunks:
                 pass
-        # rank 0 exits on its own, well within the collective timeout, with status 1
+        # rank 0 exits on its own, within the collective timeout (else wait() raises), with status 1
         assert ranks.procs[0].wait(timeout) == 1, ranks.text()
-        assert time.monotonic() - killed < timeout
         with pytest.raises(openai.APIConnectionError):
             ask(client, "ROMEO:")
         assert "Traceback" not in ranks.text()
@@ -241,27 +237,12 @@ def test_a_fault_on_one_rank_only_is_a_group_failure(tmp_path):
         ranks.kill()
 
 
-def test_graceful_shutdown_stops_every_rank(tmp_path):
-    """SIGTERM to rank 0 (a service manager stopping the server): it shuts down gracefully, tells
-    the follower to stop, and exits by the signal, as uvicorn does after a graceful shutdown."""
-    ranks = launch_ranks(tmp_path).wait_ready()
-    try:
-        assert len(ask(ranks.client(), "ROMEO:", n=4)) > 0
-        ranks.procs[0].send_signal(signal.SIGTERM)
-        stopped = time.monotonic()
-        codes = [p.wait(15) for p in ranks.procs]
-        assert codes == [-signal.SIGTERM, 0], ranks.text()
-        assert time.monotonic() - stopped < 10
-        assert "Application shutdown complete" in ranks.text() and "rank 1: stopped by rank 0" in ranks.text()
-    finally:
-        ranks.kill()
-
-
 def test_api_servers_over_the_tensor_parallel_core(tmp_path, single):
     """`--api-servers 2 --tp 2`: rank 0's core serves two API processes on one port; concurrent
     requests (spread over both by the kernel) answer as the single-process server; the second
-    killed, the first answers alone; SIGTERM then drains it, the core and the follower, and no
-    process is left."""
+    killed, the first answers alone; SIGTERM to rank 0 (a service manager stopping the server) then
+    drains it gracefully, the core tells the follower to stop, each exits as uvicorn does after a
+    graceful shutdown, and no process is left."""
     ranks = launch_ranks(tmp_path, "--api-servers", "2").wait_ready()
     try:
         wait_for(lambda: ranks.text().count("Application startup complete") == 2, 60, "both API processes")
@@ -275,6 +256,7 @@ def test_api_servers_over_the_tensor_parallel_core(tmp_path, single):
         ranks.procs[0].send_signal(signal.SIGTERM)
         assert [p.wait(30) for p in ranks.procs] == [-signal.SIGTERM, 0], ranks.text()
         assert ranks.text().count("Application shutdown complete") == 1, ranks.text()  # the survivor's
+        assert "rank 1: stopped by rank 0" in ranks.text(), ranks.text()
         wait_for(lambda: all(gone(pid) for pid in api), 10, "the API processes to exit")
     finally:
         ranks.kill()
@@ -361,15 +343,14 @@ def test_every_cache_operation_reaches_the_followers(tmp_path):
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": a + [9], "max_tokens": 200, "stream": True, "ignore_eos": True}) as s:
             next(s.iter_lines())  # then the client leaves
-        deadline = time.monotonic() + 10
-        while srv.app.state.metrics.value("ds4_requests_aborted_total", stage="decode") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: srv.app.state.metrics.value("ds4_requests_aborted_total", stage="decode") >= 1,
+                 what="the stream's disconnect")
         engine.token_delay = 0.0
         wait_idle(srv)
         assert srv.app.state.metrics.value("ds4_session_evictions_total") > 0
         assert_same_caches(engine.replica, peers.follower)
-        time.sleep(0.2)
+        sent = len(peers.sent)
+        wait_for(lambda: "heartbeat" in peers.sent[sent:], what="a heartbeat while idle")
     assert {"prefill", "decode", "copy", "reset", "heartbeat"} <= set(peers.sent) and peers.sent[-1] == "stop"
 
     peers = MirrorPeers(model)
@@ -469,7 +450,7 @@ def test_engine_checkpoints_reach_the_followers(tmp_path):
                 prompt = other(d) if d < 90 else base + list(generate(model, base, 30))[:11] + [5]
                 out, cached = greedy_completion(srv, prompt, 6)
                 assert out == list(generate(model, prompt, 6)) and cached >= d - 20
-            time.sleep(0.2)
+            wait_idle(srv)
             same(engine, peers.follower)
         assert {"take_checkpoint", *ops} <= set(peers.sent)
     peers = MirrorPeers(model)
@@ -477,7 +458,7 @@ def test_engine_checkpoints_reach_the_followers(tmp_path):
         prompt = other(67)
         out, cached = greedy_completion(srv, prompt, 6)
         assert out == list(generate(model, prompt, 6)) and cached == 60
-        time.sleep(0.2)
+        wait_idle(srv)
         same(srv.app.state.engine, peers.follower)
     assert {"import_sequence", "import_checkpoint"} <= set(peers.sent)
 
@@ -509,7 +490,7 @@ def test_speculative_steps_reach_the_followers(tmp_path):
                 t.join(60)
             outputs.append([g["choices"][0]["token_ids"] for g in got[:2]])  # the unseeded one: its own draw
             if peers is not None:
-                time.sleep(0.2)
+                wait_idle(srv)
                 assert_same_caches(srv.app.state.engine.replica, peers.follower)
                 lead, follower = srv.app.state.engine.replica.sampler, peers.follower.sampler
                 assert torch.equal(lead.generated, follower.generated)
@@ -559,7 +540,7 @@ def test_a_tool_call_block_under_its_grammar_while_speculating_reaches_the_follo
             outputs.append((choice["token_ids"], choice["message"].get("tool_calls") and
                             [t["function"] for t in choice["message"]["tool_calls"]]))
             if peers is not None:
-                time.sleep(0.2)
+                wait_idle(srv)
                 assert_same_caches(srv.app.state.engine.replica, peers.follower)
                 assert {"speculate", "join"} <= set(peers.sent)
     assert outputs[0][1] and outputs[0][1][0]["name"] == "Bash"

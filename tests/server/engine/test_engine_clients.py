@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import jsonschema
 import pytest
@@ -15,7 +14,7 @@ import torch
 from ds4_torch.faults import reset_fault_counts
 from ds4_torch.json_schema import validate_json_schema
 from ds4_torch.sampling import SamplingParams
-from helpers import penalised_greedy, reference_logprobs
+from helpers import held_prefill, penalised_greedy, reference_logprobs, wait_for
 from serve.engine.loop import Engine, GenRequest
 
 CTX = 256
@@ -43,10 +42,7 @@ def run(engine, *reqs, timeout=300.0):
     for r in reqs:
         r.emit = events[id(r)].append
     engine.submit_all(list(reqs))
-    deadline = time.monotonic() + timeout
-    while not all(r.finished() for r in reqs):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+    wait_for(lambda: all(r.finished() for r in reqs), timeout, "every request to finish")
     return [events[id(r)] for r in reqs]
 
 
@@ -114,23 +110,18 @@ def test_prompt_logprobs_survive_a_failed_chunk(engine, model, tok, monkeypatch)
 
 
 def test_a_prompt_logprobs_prefill_is_cancellable(engine):
+    """Cancelled while its third chunk runs (of more): that chunk ends, no other starts."""
     ids = ids_of(200, 3)
-    engine.chunk_delay = 0.02
-    try:
+    assert math.ceil(len(ids) / CHUNK) > 3
+    with held_prefill(engine) as gate:
         req = GenRequest(ids, 1, prompt_logprobs=0)
         req.emit = (events := []).append
         engine.submit(req)
-        deadline = time.monotonic() + 60
-        while req.prefill_chunks < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+        gate.allow(2)
+        gate.wait_entered(3)
         engine.cancel(req)
-        while not req.finished():
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
-    finally:
-        engine.chunk_delay = 0.0
-    assert events == [("cancelled", "prefill")] and req.prefill_chunks < math.ceil(len(ids) / CHUNK)
+    wait_for(req.finished, 60, "the cancelled request to end")
+    assert events == [("cancelled", "prefill")] and req.prefill_chunks == 3
 
 
 # --------------------------------------------------------------------------- n choices

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from ds4_torch.generation import generate
 from ds4_torch.sampling import BatchSampler
 from ds4_torch.tokenizer import StreamDecoder
 from serve.engine.loop import Engine, GenRequest
-from helpers import server
+from helpers import server, wait_for
 
 MODEL = "ds4-default"
 CHUNK = 32
@@ -157,10 +156,7 @@ class _StopsTheServer:
     def restore(self, cache, prompt_ids, tenant=None):
         stopper = threading.Thread(target=self.engine.stop)
         stopper.start()
-        deadline = time.monotonic() + TIMEOUT
-        while not self._stopping():
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(self._stopping, TIMEOUT, "stop() to begin")
         return None
 
     def _stopping(self) -> bool:
@@ -189,10 +185,7 @@ def test_a_request_put_back_after_stop_is_answered(model, tok):
     events = []
     req = GenRequest(tok.encode("Who is there?"), 4, emit=events.append)
     engine.submit(req)
-    deadline = time.monotonic() + TIMEOUT
-    while not req.finished():
-        assert time.monotonic() < deadline, "the request was never answered"
-        time.sleep(0.005)
+    wait_for(req.finished, TIMEOUT, "the request to be answered")
     assert req.state == "failed" and events[-1][0] == "error"
     assert events[-1][1].status == 503 and events[-1][1].code == "server_shutting_down"
 

@@ -38,6 +38,11 @@ def check(index, registry, tenant, prompt, max_reuse=None):
     got = index.match(tenant, prompt, max_reuse)
     want_common, want_reuse, want_sources = brute_force(registry, tenant, prompt, max_reuse)
     assert (got.common, got.reuse, set(got.sources)) == (want_common, want_reuse, want_sources), prompt
+    chain = index.chain(prompt)  # hashed once, handed to the lookups: the same answers
+    assert index.match(tenant, prompt, max_reuse, chain=chain) == got
+    for n in range(len(prompt) + 2):
+        assert index.shares(tenant, prompt, n, chain) == (bool(registry) and tenant in index.tenants()
+                                                          and want_common >= n and n <= len(prompt)), (prompt, n)
     if got.common:  # the key it names really shares that much
         t, tokens, _ = registry[got.common_key]
         assert t == tenant and common(tokens, prompt) == got.common

@@ -10,6 +10,7 @@ the model's business, measured in training.json: the tests compare with its own 
 """
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import logging
@@ -327,6 +328,39 @@ def test_responses_create_and_stream(oai, model, tok):
         assert kinds == (["reasoning", "message"] if effort else ["message"])
         if effort:
             assert whole.output[0].content[0].text == final.output[0].content[0].text
+
+
+def test_responses_reasoning_comes_back_from_encrypted_content(srv, oai):
+    """Codex's way: `include: ["reasoning.encrypted_content"]`, then the next turn sends the
+    reasoning item back with that field and no text. It is read into the prompt as the same item
+    with its text is (the reasoning of a tool-call turn stays in the prompt), so the turn reuses
+    the cache to the last token; a summary-only item renders no reasoning; a damaged field is a
+    400 naming it."""
+    kw = dict(model=MODEL, tools=[{"type": "function", **WEATHER}], temperature=0,
+              reasoning={"effort": "high"})
+    r = oai.responses.create(input=QUESTION, include=["reasoning.encrypted_content"], max_output_tokens=96, **kw)
+    reasoning = next(o for o in r.output if o.type == "reasoning")
+    call = next(o for o in r.output if o.type == "function_call")
+    text = reasoning.content[0].text
+    assert text and reasoning.encrypted_content and text not in reasoning.encrypted_content
+
+    def turn(item):
+        return [{"role": "user", "content": QUESTION}, item, call.model_dump(exclude_none=True),
+                {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+
+    base = {"type": "reasoning", "id": reasoning.id, "summary": []}
+    sent = oai.responses.create(input=turn({**base, "encrypted_content": reasoning.encrypted_content}),
+                                max_output_tokens=1, **kw)
+    assert sent.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+    with_text = oai.responses.create(input=turn({**base, "content": [{"type": "reasoning_text", "text": text}]}),
+                                     max_output_tokens=1, **kw)
+    summary_only = oai.responses.create(input=turn(base), max_output_tokens=1, **kw)
+    assert sent.usage.input_tokens == with_text.usage.input_tokens > summary_only.usage.input_tokens
+    for damaged in ("ds4-reasoning:not base64!", "ds4-reasoning:" + base64.b64encode(b"\xff\xfe").decode()):
+        r = httpx.post(srv.url + "/v1/responses", timeout=60, json={
+            "model": MODEL, "input": turn({**base, "encrypted_content": damaged}), "max_output_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "input[1].encrypted_content" and "damaged" in r.json()["error"]["message"]
 
 
 def test_responses_errors(srv, oai):

@@ -207,6 +207,7 @@ def test_chat_response_format_json_schema_validates_at_temperature_1(oai, schema
             model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=48, temperature=1.0, seed=seed,
             n=2, response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema,
                                                                          "strict": True}})
+        assert len(r.choices) == 2
         for c in r.choices:
             jsonschema.validate(json.loads(c.message.content), schema)
             assert c.finish_reason == "stop"
@@ -254,6 +255,7 @@ def test_strict_tool_arguments_validate_when_the_call_is_forced(oai, thinking):
             model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
             tool_choice=choice, max_tokens=120, temperature=1.0, seed=seed, n=2,
             extra_body={"thinking": {"type": "enabled" if thinking else "disabled"}})
+        assert len(r.choices) == 2
         for c in r.choices:
             assert c.finish_reason == "tool_calls", c.message
             (call,) = c.message.tool_calls

@@ -39,6 +39,8 @@ VALID = {
     "/tokenize": {"model": MODEL, "prompt": "hi"},
     "/detokenize": {"model": MODEL, "tokens": [5, 6]},
 }
+# The render routes (a router's) read the request of their API: the same bodies.
+VALID.update({route + "/render": VALID[route] for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses")})
 ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 
 
@@ -136,10 +138,17 @@ def bodies(rng: random.Random, route: str, count: int):
         yield _encode(rng, body)
 
 
+def _greedy(route: str) -> dict:
+    """The valid request of `route`, greedy where it samples: its answer is the same every time."""
+    return {**VALID[route], "temperature": 0} if "max_tokens" in VALID[route] or route == "/v1/responses" \
+        else VALID[route]
+
+
 def test_fuzzed_bodies_never_get_a_5xx_and_the_server_stays_up(srv):
     rng = random.Random(SEED)
     seen = {}
     with httpx.Client(base_url=srv.url, timeout=120) as client:
+        before = {route: _answer(route, client.post(route, json=_greedy(route)).json()) for route in VALID}
         for route in sorted(VALID):
             for data in bodies(rng, route, BODIES_PER_ROUTE):
                 r = client.post(route, content=data, headers={"content-type": "application/json"})
@@ -153,10 +162,11 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_server_stays_up(srv):
                         assert set(err["error"]) == {"message", "type", "param", "code"}, err
         assert seen.get(400, 0) > len(VALID) * BODIES_PER_ROUTE // 2  # mostly rejected ...
         assert seen.get(200, 0) > 0  # ... but not all: the mutations leave some valid requests
-        # Alive afterwards: every route answers its valid request.
-        for route, body in VALID.items():
-            r = client.post(route, json=body)
+        # Alive afterwards: every route answers its valid request as it did before.
+        for route in VALID:
+            r = client.post(route, json=_greedy(route))
             assert r.status_code == 200, (route, r.text[:500])
+            assert _answer(route, r.json()) == before[route], route
         assert client.get("/health").json() == {"status": "ok"}
 
 
@@ -198,19 +208,47 @@ def _sprinkle(rng: random.Random, value: object, route: str, depth: int = 0) -> 
     return value
 
 
+def _answer(route: str, body: dict) -> object:
+    """What a client reads of a 200 answer, less what differs between any two requests (ids,
+    times, how much of the prompt was cached): the text, calls, logprobs, finish and token counts."""
+    def strip(v):
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items() if k not in ("id", "call_id")}
+        return [strip(x) for x in v] if isinstance(v, list) else v
+
+    if route in ("/v1/chat/completions", "/v1/completions"):
+        u = body["usage"]
+        return strip(body["choices"]), u["prompt_tokens"], u["completion_tokens"]
+    if route == "/v1/responses":
+        u = body["usage"]
+        return body["status"], strip(body["output"]), u["input_tokens"], u["output_tokens"]
+    if route == "/v1/messages":
+        u = body["usage"]
+        prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+        return strip(body["content"]), body["stop_reason"], prompt, u["output_tokens"]
+    return body
+
+
 def test_unknown_fields_types_and_hosted_tools_never_change_a_valid_answer(srv):
-    """Sprinkled with what future clients may send, every valid request is still answered 200."""
+    """Sprinkled with what future clients may send, every valid request gets the answer it gets
+    without them: the same prompt (token counts) and the same output (greedy, or seeded)."""
     rng = random.Random(SEED + 1)
+    greedy = {"temperature": 0}
     base = {**VALID, "/v1/chat/completions": {**VALID["/v1/chat/completions"], "response_format": None,
                                               "messages": [{"role": "user", "content": [{"type": "text",
                                                                                          "text": "hi"}]}]},
-            "/v1/messages": {**VALID["/v1/messages"], "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
-            "/v1/responses": {**VALID["/v1/responses"], "tools": [{"type": "function", "name": "f"}],
+            "/v1/messages": {**VALID["/v1/messages"], **greedy,
+                             "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+            "/v1/responses": {**VALID["/v1/responses"], **greedy, "tools": [{"type": "function", "name": "f"}],
                               "input": [{"type": "message", "role": "user",
                                          "content": [{"type": "input_text", "text": "hi"}]}]}}
     with httpx.Client(base_url=srv.url, timeout=120) as client:
         for route in POLICY_ROUTES:
-            for _ in range(25):
+            r = client.post(route, json=base[route])
+            assert r.status_code == 200, (route, r.text[:500])
+            want = _answer(route, r.json())
+            for i in range(25):
                 body = _sprinkle(rng, base[route], route)
                 r = client.post(route, json=body)
                 assert r.status_code == 200, (route, json.dumps(body)[:600], r.text[:500])
+                assert _answer(route, r.json()) == want, (f"seed {SEED + 1}, {route} body {i}", json.dumps(body)[:600])

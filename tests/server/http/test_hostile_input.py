@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from serve.http.request_policy import LIMITS
-from helpers import server
+from helpers import held_prefill, server, wait_for
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -116,29 +116,28 @@ def test_thinkings_second_phase_goes_first(model, tok):
     """A forced tool call in thinking mode runs in two phases; the second is queued when the
     reasoning ends. It goes to the front (before requests that arrived meanwhile), and a full
     queue never refuses it: its request was admitted when it arrived."""
-    import time
-
-    # A long prompt in small chunks: the fillers are queued while it is prefilled.
+    # A long prompt in small chunks, its first held: the fillers are queued while it is prefilled.
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     with server(model, tok, ctx=1024, max_queue=4, max_batch=1, max_sessions=2, prefill_chunk=16) as s:
-        done, results = {}, {}
+        engine = s.app.state.engine
+        finished, results = [], {}  # the order the answers came back in (one request runs at a time)
 
         def post(name, path, body):
             results[name] = httpx.post(s.url + path, json=body, timeout=300)
-            done[name] = time.perf_counter()
+            finished.append(name)
 
         forced = threading.Thread(target=post, args=("forced", "/v1/chat/completions", {
             "model": "m", "messages": [{"role": "user", "content": "Hello! " * 60}], "tools": tools,
             "tool_choice": "required", "thinking": {"type": "enabled"}, "max_tokens": 200, "temperature": 0}))
-        forced.start()
-        while s.app.state.engine.prefilling is None:
-            time.sleep(0.002)
         fillers = [threading.Thread(target=post, args=(f"filler{i}", "/v1/completions", {
             "model": "m", "prompt": f"To be {i}", "max_tokens": 60, "ignore_eos": True})) for i in range(2)]
-        for f in fillers:
-            f.start()
-            time.sleep(0.05)
+        with held_prefill(engine) as gate:
+            forced.start()
+            gate.wait_entered(1)
+            for i, f in enumerate(fillers):
+                f.start()
+                wait_for(lambda: engine.queue_depth() == i + 1, what=f"filler {i} queued")
         for t in [forced, *fillers]:
             t.join(300)
         r = results["forced"]
@@ -147,4 +146,4 @@ def test_thinkings_second_phase_goes_first(model, tok):
         assert choice["message"]["reasoning_content"] and choice["message"]["tool_calls"]
         assert all(results[f"filler{i}"].status_code == 200 for i in range(2))
         # At most the filler the engine took as the reasoning ended ran before the second phase.
-        assert done["forced"] < done["filler1"]
+        assert finished.index("forced") < finished.index("filler1"), finished

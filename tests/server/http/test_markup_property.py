@@ -59,7 +59,7 @@ def test_the_parser_lets_no_markup_through(tok):
             events += parser.feed(piece)
         events += parser.finish()
         texts = [e.text for e in events if type(e).__name__ in ("ReasoningDelta", "ContentDelta")]
-        assert not [m for m in MARKUP for t in texts if m in t], (ids, texts)
+        assert not [m for m in MARKUP for t in texts if m in t], (f"seed 7, trial {trial}", ids, texts)
         r = parser.result
         assert not [m for m in MARKUP if m in r.content or m in r.reasoning]
 
@@ -121,12 +121,13 @@ BODIES = {
 @pytest.mark.parametrize("api", list(BODIES))
 @pytest.mark.parametrize("thinking", [False, True], ids=["chat-mode", "thinking-mode"])
 def test_no_api_lets_markup_through(state, tok, api, thinking):
-    rng = random.Random(hash((api, thinking)) % 1000)
+    seed = 1000 + 2 * list(BODIES).index(api) + thinking  # fixed per case (hash() of a str changes every run)
+    rng = random.Random(seed)
     for trial in range(40):
         ids = random_ids(tok, rng, rng.randint(1, 48))
         for stream in (False, True):
             got = _drive(state, tok, api, BODIES[api](thinking), ids, stream)
-            assert not [m for m in MARKUP if m in got], (ids, got[-800:])
+            assert not [m for m in MARKUP if m in got], (f"seed {seed}, trial {trial}, stream {stream}", ids, got[-800:])
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "anthropic"])

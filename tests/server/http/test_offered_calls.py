@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 from types import SimpleNamespace
 
 import anthropic
@@ -22,7 +21,7 @@ from ds4_torch.structured import StructuredOutputs
 from serve.http.chat import ChatRequest, ToolChoice, offered_calls_grammar
 from serve.cli import build_parser
 
-from helpers import metric, server
+from helpers import metric, server, wait_for
 
 MODEL = "ds4-default"
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -196,26 +195,22 @@ def test_the_model_left_free_calls_a_tool_not_offered_and_constrained_calls_an_o
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_anthropic_tool_use_names_an_offered_tool(model, thinking):
-    """Claude Code's shape: Anthropic Messages, closed schemas, thinking on or off."""
+    """Claude Code's shape: Anthropic Messages, closed schemas, thinking on or off; greedy (the
+    tiny model, left free, calls its weather tool, which is not offered)."""
     tools = [{"name": t["function"]["name"], "description": "d", "input_schema": t["function"]["parameters"]}
              for t in (BASH, READ, PLACEHOLDER)]
-    uses = 0
     with calls_server(model) as srv:
         client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
-        for _ in range(4):
-            m = client.messages.create(model=MODEL, max_tokens=120, messages=WEATHER_Q, tools=tools,
-                                       thinking={"type": "enabled", "budget_tokens": 64} if thinking
-                                       else {"type": "disabled"})
-            for block in m.content:
-                if block.type == "tool_use":
-                    uses += 1
-                    assert block.name in ("Bash", "Read", "DeferredToolPlaceholder")
-                    declared = {"Bash": {"command", "timeout", "description"}, "Read": {"file_path"}}.get(block.name, set())
-                    assert set(block.input) <= declared
-                elif block.type == "text":
-                    assert "｜DSML｜" not in block.text
+        m = client.messages.create(model=MODEL, max_tokens=120, messages=WEATHER_Q, tools=tools,
+                                   extra_body={"temperature": 0},
+                                   thinking={"type": "enabled", "budget_tokens": 64} if thinking
+                                   else {"type": "disabled"})
         assert metric(srv, "ds4_markup_dropped_total", kind="call") == 0
-    assert uses >= 1
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1 and m.stop_reason == "tool_use", m.content
+    declared = {"Bash": {"command", "timeout", "description"}, "Read": {"file_path"}, "DeferredToolPlaceholder": set()}
+    assert uses[0].name in declared and set(uses[0].input) <= declared[uses[0].name]
+    assert not any("｜DSML｜" in b.text for b in m.content if b.type == "text")
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -268,12 +263,8 @@ def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(mod
             reqs = [GenRequest(i, 24, after_trigger=None if triggers is None else Triggered(t, grammar))
                     for i, t in zip(ids, triggers or ids)]
             eng.submit_all(reqs)
-            deadline = time.monotonic() + 120
-            while not all(r.finished() for r in reqs):
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            while not eng.idle():
-                time.sleep(0.005)
+            wait_for(lambda: all(r.finished() for r in reqs), 120, "every request to finish")
+            wait_for(eng.idle, 30, "the engine to be idle")
             checkpoints = [(ck.position, int(eng.replica.checkpoints[ck.id]["position"]))
                            for s in eng.sessions for ck in s.checkpoints.values()]
             assert len(checkpoints) > 4 and all(at == held for at, held in checkpoints), checkpoints
@@ -329,21 +320,55 @@ def test_parallel_tool_calls_false_keeps_only_the_first_call_without_a_grammar(m
     assert state.metrics.value("ds4_markup_dropped_total", kind="call") == 1
 
 
-def test_each_api_takes_parallel_tool_calls(model):
+@pytest.fixture
+def calls_never_closed(monkeypatch, tok):
+    """The model made to want more calls: every chat request's sampling bans the token that
+    closes a tool-call block (a -100 `logit_bias`, which a grammar's mask still overrides). Left
+    alone, the tiny model makes one call and closes the block."""
+    import dataclasses
+
+    import serve.http.chat as chat
+
+    (closer,) = getattr(tok, "hf", tok).encode("</｜DSML｜tool_calls>", add_special_tokens=False)
+    sampling = chat.no_calls_sampling
+
+    def biased(state, creq):
+        params, stops = sampling(state, creq)
+        return dataclasses.replace(params, logit_bias={**dict(params.logit_bias), closer: -100.0}), stops
+
+    monkeypatch.setattr(chat, "no_calls_sampling", biased)
+
+
+def test_each_api_takes_parallel_tool_calls(model, calls_never_closed):
+    """Each API's way of asking for one call at most (chat's and Responses' `parallel_tool_calls:
+    false`, Anthropic's `disable_parallel_tool_use`), greedy, from a model that keeps calling:
+    without it the reply makes several calls, with it exactly the first of them."""
     with calls_server(model) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[BASH, READ], max_tokens=60,
-                                        temperature=0, parallel_tool_calls=False)
-        assert len(r.choices[0].message.tool_calls or []) <= 1
-        resp = oai.responses.create(model=MODEL, input="What is the weather in Paris?", max_output_tokens=60,
-                                    parallel_tool_calls=False, tools=[{"type": "function", **BASH["function"]}])
-        assert resp.parallel_tool_calls is False
-        assert sum(item.type == "function_call" for item in resp.output) <= 1
         client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
-        m = client.messages.create(model=MODEL, max_tokens=60, messages=WEATHER_Q, tools=[
-            {"name": "Bash", "input_schema": BASH["function"]["parameters"]}],
-            tool_choice={"type": "auto", "disable_parallel_tool_use": True})
-        assert sum(b.type == "tool_use" for b in m.content) <= 1
+
+        def chat(**flag):
+            r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[BASH, READ], max_tokens=60,
+                                            temperature=0, **flag)
+            return [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []]
+
+        def responses(**flag):
+            r = oai.responses.create(model=MODEL, input="What is the weather in Paris?", max_output_tokens=60,
+                                     temperature=0, tools=[{"type": "function", **BASH["function"]}], **flag)
+            assert r.parallel_tool_calls is flag.get("parallel_tool_calls", True)
+            return [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+
+        def messages(**flag):
+            m = client.messages.create(model=MODEL, max_tokens=60, messages=WEATHER_Q, extra_body={"temperature": 0},
+                                       tools=[{"name": "Bash", "input_schema": BASH["function"]["parameters"]}],
+                                       tool_choice={"type": "auto", **flag})
+            return [(b.name, b.input) for b in m.content if b.type == "tool_use"]
+
+        for ask, one in ((chat, {"parallel_tool_calls": False}), (responses, {"parallel_tool_calls": False}),
+                         (messages, {"disable_parallel_tool_use": True})):
+            several = ask()
+            assert len(several) > 1, (ask.__name__, several)
+            assert ask(**one) == several[:1], ask.__name__
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[BASH], max_tokens=4,
                                         extra_body={"parallel_tool_calls": "no"})

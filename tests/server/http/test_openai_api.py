@@ -54,9 +54,10 @@ def test_models_health_metrics(srv, client):
 
 
 def test_chat_greedy_matches_generate(srv, client, model, tok):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be, or not to be"}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     ids = tok.encode_chat(messages)
-    # No tools offered: the model's greedy text would open a call block; the server forbids the
+    # No tools offered: the model's greedy text would open a call block (it was trained to call
+    # get_weather for this question); the server forbids the
     # DSML tags' tokens (serve.http.chat.no_calls_sampling), so it is generate's with them forbidden.
     assert "<｜DSML｜tool_calls>" in expected(model, tok, ids, 24)[1]
     tokens, text = expected(model, tok, ids, 24, forbidden=dsml_tokens(tok)[0])

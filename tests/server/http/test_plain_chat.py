@@ -145,6 +145,7 @@ def test_sampled_plain_prompts_get_visible_text(srv):
     for p in PROMPTS:
         r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24,
                                         temperature=0.8, seed=5, n=4)
+        assert len(r.choices) == 4
         for c in r.choices:
             assert visible(c.message.content) and not c.message.tool_calls, (p, c.message.content)
     assert metric(srv, "ds4_markup_dropped_total", kind="call") == 0

@@ -105,7 +105,7 @@ def test_refused_fields_are_400s_naming_them(srv, api, field):
     r = post(srv, PATHS[api], {**base_body(api), field: ASKING[field]})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert field in err["message"]
+    assert field in err["message"] and err["message"].count("not supported") == 1, err["message"]
     if api != "anthropic":
         assert err["param"] == field and err["code"] == "unsupported_parameter"
 
@@ -147,18 +147,21 @@ def test_max_tokens_beyond_the_room_is_clamped_in_all_three_apis(srv, oai, tok):
     text = "To be, or not to be, that is the question. " * 55
     room = CTX - len(tok.encode_chat([{"role": "user", "content": text}]))
     assert 0 < room < 200
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=32000,
-                                    extra_body={"ignore_eos": True})
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == room
     r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
                                     max_completion_tokens=10**6, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == room
-    r = oai.responses.create(model="m", input=text, max_output_tokens=10**6)
-    assert r.usage.output_tokens <= room and (r.status == "incomplete") == (r.usage.output_tokens == room)
+    # Greedy, this prompt's reply runs past the room (EOS allowed, chat's is cut by it). Responses
+    # and Anthropic take no ignore_eos: theirs must be that reply, cut there too.
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=32000,
+                                    temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == room
+    reply = r.choices[0].message.content
+    r = oai.responses.create(model="m", input=text, max_output_tokens=10**6, temperature=0)
+    assert (r.status, r.usage.output_tokens, r.output_text) == ("incomplete", room, reply)
     # (Anthropic's SDK streams such a max_tokens itself: sent as Claude Code sends it, raw.)
-    m = post(srv, "/v1/messages", {"model": "m", "max_tokens": 32000, "messages": [{"role": "user", "content": text}]})
-    out = m.json()["usage"]["output_tokens"]
-    assert out <= room and (m.json()["stop_reason"] == "max_tokens") == (out == room)
+    m = post(srv, "/v1/messages", {"model": "m", "max_tokens": 32000, "messages": [{"role": "user", "content": text}],
+                                   **GREEDY}).json()
+    assert (m["stop_reason"], m["usage"]["output_tokens"], m["content"][0]["text"]) == ("max_tokens", room, reply)
     # A prompt that does not fit on its own is still context_length_exceeded.
     long = [{"role": "user", "content": text * 3}]
     for path, body in (("/v1/chat/completions", {"model": "m", "messages": long, "max_tokens": 5}),
@@ -264,9 +267,25 @@ def test_strict_model_names_and_served_names(model, tok):
         assert ok.status_code == 200
         r = httpx.post(s.url + "/v1/chat/completions", json={**base_body("chat"), "model": "gpt-17"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
-        assert [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]] == ["ds4-default", "deepseek-v4"]
+        listed = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert listed == ["ds4-default", "deepseek-v4"]
         assert httpx.get(s.url + "/v1/models/deepseek-v4").status_code == 200
-        assert httpx.get(s.url + "/v1/models/gpt-17").status_code == 404
+        missing = httpx.get(s.url + "/v1/models/gpt-17")
+        assert missing.status_code == 404
+        for refusal in (r, missing):  # the error names every name the server answers to
+            assert all(f"'{name}'" in refusal.json()["error"]["message"] for name in listed), refusal.text
+
+
+def test_a_path_without_v1_is_told_the_path_with_it(srv):
+    """An OpenAI client whose base URL lacks /v1, or an Anthropic client whose base URL has it,
+    gets a 404 naming the path it meant."""
+    for method, path, meant in [("POST", "/chat/completions", "/v1/chat/completions"), ("GET", "/models", "/v1/models"),
+                                ("GET", "/models/ds4-default", "/v1/models/ds4-default"),
+                                ("POST", "/v1/v1/messages", "/v1/messages"), ("POST", "/responses", "/v1/responses")]:
+        r = httpx.request(method, srv.url + path, json=base_body("chat"))
+        assert r.status_code == 404 and f"did you mean {meant}?" in r.json()["error"]["message"], (path, r.text)
+    r = httpx.get(srv.url + "/v1/nothing")
+    assert r.status_code == 404 and "did you mean" not in r.text
 
 
 # --------------------------------------------------------------------------- the access log

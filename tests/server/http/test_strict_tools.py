@@ -142,8 +142,10 @@ def oai(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def check_calls(choices, schemas) -> int:
-    """Every call validates against its tool's schema; no markup leaks into content; the count."""
+def check_calls(choices, schemas, n_choices) -> int:
+    """All `n_choices` choices are there; every call validates against its tool's schema; no markup
+    leaks into content; the count of calls."""
+    assert [c.index for c in choices] == list(range(n_choices))
     n = 0
     for c in choices:
         assert "｜DSML｜" not in (c.message.content or ""), c.message.content
@@ -164,7 +166,7 @@ def test_auto_strict_calls_validate_at_temperature_1(oai, name):
     for seed, prompt in enumerate(["What is the weather in Paris?", "Will it rain in Tokyo this week?"]):
         r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                         tools=[weather(schema)], temperature=1.0, seed=seed, n=6, max_tokens=100)
-        calls += check_calls(r.choices, {"get_weather": schema})
+        calls += check_calls(r.choices, {"get_weather": schema}, 6)
     assert calls > 0
 
 
@@ -172,13 +174,13 @@ def test_strict_and_non_strict_tools_mixed(oai):
     schema = SCHEMAS["enum"]
     r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[TIME, weather(schema)],
                                     tool_choice="auto", temperature=1.0, seed=5, n=8, max_tokens=100)
-    assert check_calls(r.choices, {"get_weather": schema, "get_time": None}) > 0
+    assert check_calls(r.choices, {"get_weather": schema, "get_time": None}, 8) > 0
 
 
 def test_plain_text_replies_still_work(oai):
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello! Who are you?"}],
                                     tools=[weather(SCHEMAS["integer"])], temperature=1.0, seed=1, n=6, max_tokens=80)
-    check_calls(r.choices, {"get_weather": SCHEMAS["integer"]})
+    check_calls(r.choices, {"get_weather": SCHEMAS["integer"]}, 6)
     texts = [c for c in r.choices if not c.message.tool_calls]
     assert texts and all(c.message.content.strip() and "<｜" not in c.message.content for c in texts)
 
@@ -206,13 +208,14 @@ def test_thinking_mode_reasons_then_calls_strictly(oai):
     schema = SCHEMAS["integer"]
     r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[weather(schema)], temperature=1.0,
                                     seed=2, n=4, max_tokens=160, extra_body={"thinking": {"type": "enabled"}})
-    assert check_calls(r.choices, {"get_weather": schema}) > 0
+    assert check_calls(r.choices, {"get_weather": schema}, 4) > 0
     assert all(c.message.model_extra.get("reasoning_content") for c in r.choices)
 
 
 def test_a_reply_cut_by_max_tokens_mid_call_is_length(srv, oai):
     r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=[weather(SCHEMAS["enum"])],
                                     temperature=1.0, seed=0, n=4, max_tokens=8)
+    assert len(r.choices) == 4
     assert all(c.finish_reason == "length" and not c.message.tool_calls for c in r.choices)
     # A call was begun and cut: its markup does not reach the text.
     assert all("｜DSML｜" not in (c.message.content or "") for c in r.choices)
@@ -237,31 +240,23 @@ def test_a_strict_call_sent_back_is_replayed_from_the_cache(oai):
 
 
 def test_responses_and_anthropic_strict_auto(srv, oai):
+    """A strict tool offered with tool_choice auto, greedy (neither API takes a seed): the model
+    calls it, with arguments its schema accepts, and no markup reaches the text."""
     schema = SCHEMAS["integer"]
-    calls = 0
-    for _ in range(3):
-        r = oai.responses.create(model=MODEL, input="What is the weather in Paris?", temperature=1.0,
-                                 max_output_tokens=100, tools=[{"type": "function", "name": "get_weather",
-                                                                "parameters": schema, "strict": True}])
-        for item in r.output:
-            if item.type == "function_call":
-                jsonschema.validate(json.loads(item.arguments), schema)
-                calls += 1
-            elif item.type == "message":
-                assert all("｜DSML｜" not in part.text for part in item.content)
-    assert calls > 0
+    r = oai.responses.create(model=MODEL, input="What is the weather in Paris?", temperature=0,
+                             max_output_tokens=100, tools=[{"type": "function", "name": "get_weather",
+                                                            "parameters": schema, "strict": True}])
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1, r.output
+    jsonschema.validate(json.loads(calls[0].arguments), schema)
+    assert all("｜DSML｜" not in part.text for item in r.output if item.type == "message" for part in item.content)
     client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
-    uses = 0
-    for _ in range(3):
-        m = client.messages.create(model=MODEL, max_tokens=100, messages=WEATHER_Q,  # temperature 1 by default
-                                   tools=[{"name": "get_weather", "input_schema": schema, "strict": True}])
-        for block in m.content:
-            if block.type == "tool_use":
-                jsonschema.validate(block.input, schema)
-                uses += 1
-            else:
-                assert "｜DSML｜" not in getattr(block, "text", "")
-    assert uses > 0
+    m = client.messages.create(model=MODEL, max_tokens=100, messages=WEATHER_Q, extra_body={"temperature": 0},
+                               tools=[{"name": "get_weather", "input_schema": schema, "strict": True}])
+    uses = [block for block in m.content if block.type == "tool_use"]
+    assert len(uses) == 1, m.content
+    jsonschema.validate(uses[0].input, schema)
+    assert all("｜DSML｜" not in block.text for block in m.content if block.type == "text")
 
 
 UNSUPPORTED = {"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}

@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ import serve.engine.loop
 from serve.engine.sessions import SNAPSHOT_QUEUE
 from serve.kvstore.store import WRITE_DELAY_ENV
 from serve.http.chat import dsml_tokens
-from helpers import (MODEL, expected, greedy_completion, interrupt, random_prompt, serve_process, server,
+from helpers import (MODEL, expected, greedy_completion, interrupt, metric, random_prompt, serve_process, server,
                      wait_for, wait_idle)
 
 CTX, CHUNK = 512, 32
@@ -67,10 +66,7 @@ def test_kill9_mid_write_then_clean_restart_cycle(tmp_path, model, tok):
     # 1. A write made slow (test hook: sleep between sections); SIGKILL once its temp file exists.
     with process(d, {"DS4_TORCH_KV_WRITE_DELAY": "0.5"}) as p:
         threading.Thread(target=quietly, args=(chat, p.url, turn1), daemon=True).start()
-        deadline = time.monotonic() + 30
-        while not temps(d):
-            assert time.monotonic() < deadline, "".join(p.lines)
-            time.sleep(0.02)
+        wait_for(lambda: temps(d), 30, "a snapshot's temporary file")
         p.kill()
         p.wait(10)
     assert temps(d) and not snapshots(d)  # half a file under a temporary name, no visible snapshot
@@ -265,6 +261,41 @@ def test_requests_waiting_for_one_snapshot_share_one_read(tmp_path, model, tok, 
         assert {k: r for k, r in results.items()} == {k: (wants[k], len(a)) for k in suffixes}
 
 
+@pytest.mark.parametrize("speculative", [0, 3], ids=["plain", "speculative"])
+def test_periodic_snapshots_taken_mid_decode_continue_after_a_restart(tmp_path, model, tok, speculative):
+    """`--kv-disk-every N` through the engine: while a reply decodes, its sequence is snapshotted
+    from its batch slot every N tokens (speculating, after each step's rejected drafts went
+    back). After a restart, prompts that continue two of those mid-decode snapshots are restored
+    from them and answered as `generate()` answers the whole prompt: each snapshot's sequence
+    itself (its first token comes from the stored logits), and one with a token added that the
+    reply did not take (so no longer snapshot is a prefix of it)."""
+    d, every, n = tmp_path / "kv", 8, 40
+    p = random_prompt(71, 24)
+    want, _ = expected(model, tok, p, n)
+    serving = {"speculative_tokens": speculative, "speculative_policy": "always"} if speculative else {}
+    with disk_server(model, tok, d, every=every, serving=serving) as srv:
+        assert greedy_completion(srv, p, n=n) == (want, 0)
+        wait_idle(srv)
+        lengths = sorted(len(e.tokens) for e in srv.store.entries.values())
+        if speculative:
+            accepted = metric(srv, "ds4_spec_accepted_tokens_total")
+            assert 0 < accepted < metric(srv, "ds4_spec_draft_tokens_total"), "no draft both accepted and rejected"
+    # The prompt's snapshot, then one each time the sequence grew by `every` tokens while decoding.
+    periodic = [k for k in lengths if len(p) < k]
+    assert lengths[0] == len(p) and len(periodic) >= (n - 1) // every - 1, lengths
+    assert all(b - a >= every for a, b in zip(lengths, lengths[1:])), lengths
+    whole = p + want
+    first, second = periodic[:2]  # each taken mid-decode, with the reply decoding on after it
+    other = next(t for t in range(5, 50) if t != whole[second])
+    extended = whole[:second] + [other]
+    with disk_server(model, tok, d, serving=serving) as srv:  # a restart
+        # Longest first: a shorter prompt then finds no live session it could resume (no checkpoints).
+        assert greedy_completion(srv, extended, n=6) == (expected(model, tok, extended, 6)[0], second), lengths
+        for k in (second, first):
+            assert greedy_completion(srv, whole[:k], n=6) == (whole[k:k + 6], k), (k, lengths)
+        assert srv.store.counts.hits == 3
+
+
 def test_budget_holds_through_the_server(tmp_path, model, tok):
     with disk_server(model, tok, tmp_path / "kv", space_mb=0.3) as srv:
         for i in range(14):
@@ -282,7 +313,7 @@ def test_budget_holds_through_the_server(tmp_path, model, tok):
 
 def test_cli_flags_attach_a_store(tmp_path, model, tok):
     from ds4_torch.runtime import UserError
-    from serve.cli import attach_kv_store, build_parser
+    from serve.cli import attach_kv_store, build_parser, check_flags
 
     args = build_parser().parse_args(["--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-space-mb", "3",
                                       "--kv-disk-every", "64", "--kv-disk-min-tokens", "20", "--ctx", "512"])
@@ -297,7 +328,7 @@ def test_cli_flags_attach_a_store(tmp_path, model, tok):
     finally:
         store.close()
     with pytest.raises(UserError, match="needs --kv-disk-dir"):
-        attach_kv_store(app.state.engine, build_parser().parse_args(["--kv-disk-space-mb", "3"]))
+        check_flags(build_parser().parse_args(["--kv-disk-space-mb", "3"]))
     assert attach_kv_store(app.state.engine, build_parser().parse_args([])) is None
 
 

@@ -1,4 +1,7 @@
-"""What this machine can run: `ds4_torch.capabilities(device=None)`."""
+"""What this machine can run: `ds4_torch.capabilities(device=None)`, and its default device.
+
+(Not `capabilities.py`: a submodule named like the function the package exports would, once
+imported, replace that function on the package.)"""
 
 from __future__ import annotations
 
