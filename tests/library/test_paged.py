@@ -320,6 +320,29 @@ def test_unreferenced_blocks_stay_cached_and_are_reclaimed_least_recent_first_ta
     assert c.tokens == [7, 7] and c.blocks == [1] and pool.num_available == 0  # nothing changed
 
 
+def test_a_failed_forward_takes_back_what_it_registered_and_the_listener_is_told():
+    """A forward's tokens are taken (tentative: nothing registered), its full blocks registered
+    once it ran (`commit`), and taken back when its failure surfaces after that (`uncommit`: an
+    asynchronous device error): every digest that leaves the pool is announced removed, so what
+    a subscriber holds is always the pool's registered digests, and the blocks go back to the
+    free list (their rows are not what the digests say)."""
+    pool = BlockPool(6, 2)
+    pool.listener = mirror = Mirror()
+    registered = lambda: {pool.digest(b) for b in range(pool.num_blocks)} - {None}  # noqa: E731
+    kept = BlockTable(pool)
+    kept.append([1, 2, 3, 4])                # an earlier forward's two blocks, registered
+    failed = kept.fork()
+    failed.append([5, 6, 7, 8, 9], tentative=True)
+    assert mirror.held == registered() and len(registered()) == 2
+    failed.commit()                         # the forward ran: 2 more full blocks registered
+    assert mirror.held == registered() and len(registered()) == 4
+    failed.uncommit()                       # ... and then failed
+    assert mirror.held == registered() and len(registered()) == 2 and mirror.removed_count == 2
+    assert pool.lookup([1, 2, 3, 4, 5, 6, 7, 8]) == kept.blocks  # the earlier forward's still serve
+    failed.free()
+    assert pool.num_free == 4 and pool.num_cached == 0 and mirror.held == registered()
+
+
 def test_rewind_into_a_registered_block_copies_it_before_writing():
     pool = BlockPool(4, 4)
     a = BlockTable(pool)

@@ -16,9 +16,10 @@ import time
 import httpx
 import pytest
 
+from ds4_torch import faults
 from ds4_torch.paged import block_nbytes
 from ds4_torch.runtime import UserError
-from helpers import MODEL, prompt_ids, server, wait_for, wait_idle
+from helpers import MODEL, expected, greedy_completion, metric, prompt_ids, server, wait_for, wait_idle
 
 msgspec = pytest.importorskip("msgspec", reason="msgspec (the dev extra) decodes the events as vLLM's subscribers do")
 zmq = pytest.importorskip("zmq", reason="pyzmq (a dependency of the server's --kv-events)")
@@ -216,6 +217,38 @@ def test_reclaimed_blocks_are_removed(model):
             sub.wait(lambda: len(sub.chain(prompts[0])) == full, "the first conversation stored again")
         finally:
             sub.close()
+
+
+def test_a_failed_forward_removes_the_blocks_it_stored(model, tok, monkeypatch):
+    """The first prefill chunk (4 full blocks) runs, so its blocks are registered and stored, then
+    fails where an asynchronous device error surfaces: the pool takes them back and the subscriber
+    sees each removed (a router would otherwise send this prompt here for rows the pool dropped).
+    The engine retries the request from a clean prefill, which stores the same blocks again, and
+    answers what the model alone answers; the subscriber ends holding the pool's registered blocks."""
+    prompt = prompt_ids(4 * BT + 8, 7)
+    want = expected(model, tok, prompt, 4)[0]
+    with events_server(model) as srv:
+        sub = Subscriber(srv.url)
+        try:
+            errors = metric(srv, "ds4_device_errors_total")
+            faults.reset_fault_counts()
+            monkeypatch.setenv(faults.ENV, "prefill:1")
+            assert greedy_completion(srv, prompt, 4)[0] == want
+            monkeypatch.delenv(faults.ENV)
+            assert metric(srv, "ds4_device_errors_total") == errors + 1
+            wait_idle(srv)
+            pool = srv.app.state.engine.runner.pool
+            registered = sum(pool.digest(b) is not None for b in range(pool.num_blocks))
+            sub.wait(lambda: len(sub.chain(prompt)) == 4 and len(sub.held) == registered,
+                     "the retry's blocks stored and the subscriber holding the pool's")
+            changes = [(type(e).__name__, h) for e in sub.events if not isinstance(e, AllBlocksCleared)
+                       for h in e.block_hashes]
+            first = sub.chain(prompt)
+            assert changes == [("BlockStored", h) for h in first] + [("BlockRemoved", h) for h in first] \
+                + [("BlockStored", h) for h in first]
+        finally:
+            sub.close()
+            faults.reset_fault_counts()
 
 
 def test_endpoints_that_cannot_be_bound_and_missing_events_are_clear_errors(model):
