@@ -100,7 +100,8 @@ class Subscriber:
                 self._apply(seq, payload)
             timeout_ms = 0
 
-    def _replay(self, upto: int) -> None:
+    def _replay(self, upto: int | None) -> None:
+        """Apply the buffered batches from `next_seq` up to `upto` (None: every one buffered)."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(self.replay_endpoint)
         dealer.send_multipart([b"", self.next_seq.to_bytes(8, "big")])
@@ -110,10 +111,10 @@ class Subscriber:
             if seq == END_SEQ:
                 assert (empty, topic, payload) == (b"", b"", b"")
                 break
-            if int.from_bytes(seq, "big") == self.next_seq and self.next_seq < upto:
+            if int.from_bytes(seq, "big") == self.next_seq and (upto is None or self.next_seq < upto):
                 self._apply(self.next_seq, payload)
         dealer.close(0)
-        assert self.next_seq == upto, f"the replay socket sent up to {self.next_seq}, not {upto}"
+        assert upto is None or self.next_seq == upto, f"the replay socket sent up to {self.next_seq}, not {upto}"
 
     def _apply(self, seq: int, payload: bytes) -> None:
         batch = DECODE.decode(payload)
@@ -138,7 +139,19 @@ class Subscriber:
         self.next_seq = seq + 1
 
     def wait(self, cond, what: str, timeout: float = 60.0) -> None:
-        wait_for(lambda: (self.pump(20), cond())[1], timeout, what)
+        """Pump until `cond()`. A subscriber whose connection was made after the last batch went
+        out (ZeroMQ's slow joiner, on a loaded machine) hears nothing more: every half second
+        without `cond` it asks the replay socket for what it missed."""
+        asked = [time.monotonic()]
+
+        def ready() -> bool:
+            self.pump(20)
+            if not cond() and time.monotonic() - asked[0] > 0.5:
+                self._replay(None)
+                asked[0] = time.monotonic()
+            return cond()
+
+        wait_for(ready, timeout, what)
 
     def chain(self, tokens: list[int]) -> list[bytes]:
         """The hashes of the longest run of held blocks that starts `tokens`, each the parent of the
