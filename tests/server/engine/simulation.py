@@ -54,7 +54,7 @@ import torch
 POISON = 3            # the simulated model's embedding of this token is inf: an overflow, its holder's own
 BT = 16               # tokens per KV block (a multiple of the embedded model's rates, 4 and 16)
 STOPS = ["e", "\n", "th", "the", " a", "s,"]
-REPLAY = "DS4_SIM_SEED={seed} PYTHONPATH=. python -m pytest -q -p no:cacheprovider tests/server/engine/test_simulation.py -k replay"
+REPLAY = "DS4_SIM_SEED={seed} PYTHONPATH=. python -m pytest -q -p no:cacheprovider tests/server/engine/test_simulation.py -k test_seed"
 
 
 # --------------------------------------------------------------------------- the plan of a run
