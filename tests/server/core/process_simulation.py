@@ -40,16 +40,24 @@ from dataclasses import dataclass, field
 import httpx
 
 MODEL = "ds4-default"
-FLAGS = ("--ctx", "512", "--prefill-chunk", "32", "--max-batch", "4", "--api-servers", "2")
+FLAGS = ("--ctx", "1024", "--prefill-chunk", "32", "--max-batch", "4", "--api-servers", "2")
 WAIT_S = 6.0          # the longest a request may wait between two of its events (loaded 2-core CPUs)
 SLOW_S = float(os.environ.get("DS4_SIM_SLOW_S", 8.0))  # a slow submit's time in the core
 STOP_S = 3.0          # how long API process 2 stays stopped
-TIMEOUT = 120.0
+TIMEOUT = 60.0        # a request given nothing for this long (no byte, or no event between keep-alives) is given up
 REPLAY = ("DS4_SIM_SEED={seed} PYTHONPATH=. python -m pytest -q -p no:cacheprovider "
           "tests/server/core/test_process_simulation.py")
 OPENERS = ["Who art thou?", "Good morrow, sir.", "What news from Rome?", "Is the king dead?", "Where is Romeo?",
            "Speak, what trade art thou?", "ROMEO:\n", "First Citizen:\n", "KING HENRY:\n", "Say a word of love."]
 FOLLOW = ["Speak again.", "Why so?", "And then?", "How now?", "Go on.", "What say you?"]
+# Tool conversations (chat completions): the model calls get_weather, the next turn sends the call's
+# result. A call is rendered back from its parsed arguments unless exact replay finds its sampled ids
+# (by call id), and the two differ for some calls: what makes a follow-up on the other API process
+# show whether both processes share one replay store.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city today",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = ["What is the weather in Paris?", "Weather for Mantua, please.", "Is it raining in Rome?",
+           "How warm is it in Verona today?", "Tell me the weather in London.", "Will it snow in Oslo?"]
 
 
 @dataclass
@@ -58,7 +66,8 @@ class Turn:
     process: int      # 0 or 1
     stream: bool
     max_tokens: int
-    text: str         # the user's text of this turn
+    text: str         # the user's text of this turn (a tool conversation's next turn: the call's result instead)
+    tools: bool = False  # a tool conversation's turn: TOOLS offered
 
 
 @dataclass
@@ -83,6 +92,13 @@ class ProcessPlan:
                                   first if t == 0 else rng.choice(FOLLOW)))
                 process = 1 - process if rng.random() < 0.7 else process  # a next turn mostly on the other
             conversations.append(chain)
+        tools = random.Random(seed * 7 + 3)  # (a draw of its own: the rest of the plan is as it was)
+        for chain in conversations:
+            if chain[0].api == "chat" and tools.random() < 0.6:
+                first = tools.choice(WEATHER)
+                for t, turn in enumerate(chain):
+                    turn.tools, turn.max_tokens = True, tools.randint(40, 56)  # (room for a call)
+                    turn.text = first if t == 0 else turn.text
         kinds = ["submit:{}:device", "submit:{}:slow", "decode:{}:device", "prefill:{}:oom"]
         core = ",".join(k.format(rng.randint(2, 8)) for k in rng.sample(kinds, rng.choice([0, 1, 2, 2])))
         return cls(seed, conversations, rng.choice([2, 3]), core, rng.choice([None, None, "kill", "stop"]),
@@ -101,6 +117,7 @@ class Sent:
     error: str | None = None
     waits: list = field(default_factory=list)   # seconds before each event (the first: before the first)
     broken: bool = False                        # its connection broke (its API process was killed)
+    at: float = 0.0                             # when it was sent (time.monotonic())
 
 
 @dataclass
@@ -112,16 +129,24 @@ class ProcessReport:
 
     def line(self) -> str:
         ok = sum(1 for s in self.sent if s.status == 200)
-        return (f"process seed {self.seed}: {len(self.sent)} requests ({ok} answered), core faults "
+        calls = sum(1 for s in self.sent if s.answer and s.answer.get("calls"))
+        return (f"process seed {self.seed}: {len(self.sent)} requests ({ok} answered, {calls} with tool calls), core faults "
                 f"{self.plan.core_faults or 'none'}, API process 2 {self.plan.api_fault or 'untouched'}")
 
 
 # --------------------------------------------------------------------------- requests and answers
-def request(turn: Turn, history: list[tuple[str, str]]) -> tuple[str, dict]:
-    """(path, body) of `turn` after the conversation's earlier (user, assistant) texts."""
+def request(turn: Turn, history: list[dict]) -> tuple[str, dict]:
+    """(path, body) of `turn` after the conversation's earlier messages (chat completions' form);
+    a tool conversation's turn after a call sends the call's result, not the turn's text."""
     body = {"model": MODEL, "temperature": 0, "stream": turn.stream}
-    messages = [m for u, a in history for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
-    messages.append({"role": "user", "content": turn.text})
+    messages = list(history)
+    calls = history[-1].get("tool_calls") if history else None
+    if calls:
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": weather(c)} for c in calls]
+    else:
+        messages.append({"role": "user", "content": turn.text})
+    if turn.tools:
+        body["tools"] = TOOLS
     if turn.api == "completions":
         body.update(prompt=turn.text, max_tokens=turn.max_tokens, ignore_eos=True)
     elif turn.api == "responses":
@@ -135,12 +160,27 @@ def request(turn: Turn, history: list[tuple[str, str]]) -> tuple[str, dict]:
     return path, body
 
 
+def weather(call: dict) -> str:
+    """A tool call's result (the same for the same call)."""
+    try:
+        city = json.loads(call["function"]["arguments"]).get("city")
+    except (ValueError, AttributeError):
+        city = None
+    return json.dumps({"city": city, "temp_c": 18, "sky": "clear"})
+
+
 def answer_of(api: str, data: dict) -> dict:
-    """What a whole (not streamed) response says: text, finish, prompt and completion tokens."""
+    """What a whole (not streamed) response says: text, finish, prompt and completion tokens (and
+    a chat's tool calls: `calls` as sent, the call ids aside in `answer["ids"]`)."""
     if api in ("completions", "chat"):
         c, u = data["choices"][0], data["usage"]
         text = c["text"] if api == "completions" else c["message"]["content"]
-        return dict(text=text, finish=c["finish_reason"], prompt=u["prompt_tokens"], completion=u["completion_tokens"])
+        out = dict(text=text, finish=c["finish_reason"], prompt=u["prompt_tokens"], completion=u["completion_tokens"])
+        calls = c.get("message", {}).get("tool_calls")
+        if calls:
+            out["calls"] = [(k["function"]["name"], k["function"]["arguments"]) for k in calls]
+            out["ids"] = [k["id"] for k in calls]
+        return out
     if api == "messages":
         u = data["usage"]
         return dict(text="".join(b.get("text", "") for b in data["content"]), finish=data["stop_reason"],
@@ -155,13 +195,16 @@ def answer_of(api: str, data: dict) -> dict:
 def answer_of_stream(api: str, events: list[dict]) -> dict:
     """What a streamed response says (its events, in order)."""
     if api in ("completions", "chat"):
-        text, finish, usage = "", None, None
+        text, finish, usage, calls = "", None, None, []
         for e in events:
             for c in e.get("choices", []):
                 text += c.get("text", "") if api == "completions" else (c["delta"].get("content") or "")
+                calls += c.get("delta", {}).get("tool_calls") or []  # (each call arrives whole)
                 finish = c.get("finish_reason") or finish
             usage = e.get("usage") or usage
-        return dict(text=text, finish=finish, prompt=usage["prompt_tokens"], completion=usage["completion_tokens"])
+        choice = {"text": text} if api == "completions" else \
+            {"message": {"content": text or None, "tool_calls": calls} if calls else {"content": text}}
+        return answer_of(api, {"choices": [dict(choice, finish_reason=finish)], "usage": usage})
     if api == "messages":
         text = "".join(e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta")
         end = next(e for e in events if e.get("type") == "message_delta")
@@ -173,7 +216,7 @@ def answer_of_stream(api: str, events: list[dict]) -> dict:
 
 def send(url: str, sent: Sent, api: str) -> None:
     """Send `sent`, timing the wait before each event; its status and answer, or its error."""
-    t = time.monotonic()
+    t = sent.at = time.monotonic()
     try:
         if not sent.body["stream"]:
             r = httpx.post(url + sent.path, json=sent.body, timeout=TIMEOUT)
@@ -193,6 +236,10 @@ def send(url: str, sent: Sent, api: str) -> None:
                 sent.error = r.read().decode()
                 return
             for line in r.iter_lines():
+                if time.monotonic() - t > TIMEOUT:  # (keep-alives only: the stream never ends by itself)
+                    sent.waits.append(time.monotonic() - t)
+                    sent.status, sent.error = None, f"no event for {TIMEOUT:.0f} s: given up"
+                    return
                 if line.startswith("data: {"):
                     now = time.monotonic()
                     sent.waits.append(now - t)
@@ -203,6 +250,9 @@ def send(url: str, sent: Sent, api: str) -> None:
                         sent.status, sent.error = 500, json.dumps(event)[:300]
         if sent.status == 200:
             sent.answer = answer_of_stream(api, events)
+    except httpx.ReadTimeout:  # nothing at all for TIMEOUT
+        sent.waits.append(time.monotonic() - t)
+        sent.status, sent.error = None, f"no answer for {TIMEOUT:.0f} s: given up"
     except (httpx.HTTPError, StopIteration, KeyError, TypeError, ValueError) as e:
         sent.status, sent.broken, sent.error = None, True, f"{type(e).__name__}: {e}"
 
@@ -240,7 +290,12 @@ def run_workload(plan: ProcessPlan, urls: list[str], api_procs=None) -> list[Sen
             send(urls[process], s, turn.api)
             if s.status != 200:
                 return  # (the conversation stops at a failed turn)
-            history.append((turn.text, s.answer["text"]))
+            history = s.body["messages"] if "messages" in s.body else []
+            reply = {"role": "assistant", "content": s.answer["text"]}
+            if s.answer.get("calls"):
+                reply["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                       for i, (n, a) in zip(s.answer["ids"], s.answer["calls"])]
+            history = history + [reply]
 
     with concurrent.futures.ThreadPoolExecutor(plan.workers) as pool:
         for f in [pool.submit(conversation, k) for k in range(len(plan.conversations))]:
@@ -256,7 +311,8 @@ def check(plan: ProcessPlan, sent: list[Sent], alone: dict, core_prompt_tokens: 
         what = f"conversation {s.conversation} turn {s.turn} ({s.path}, API process {s.process + 1})"
         if s.status == 200:
             want = alone.get((s.conversation, s.turn))
-            if s.answer != want:
+            if s.answer != want and {k: v for k, v in s.answer.items() if k != "ids"} != \
+                    {k: v for k, v in (want or {}).items() if k != "ids"}:  # (call ids are new each time)
                 problems.append(f"{what}: {s.answer}, alone {want}")
         else:
             killed = plan.api_fault == "kill" and s.process == 1 and (s.broken or s.status == 503)
@@ -288,7 +344,7 @@ def alone_answers(model, plan: ProcessPlan, sent: list[Sent]) -> dict:
     from helpers import server
 
     out = {}
-    with server(model, ctx=512, prefill_chunk=32, max_batch=4) as srv:
+    with server(model, ctx=1024, prefill_chunk=32, max_batch=4) as srv:
         for s in sorted(sent, key=lambda s: (s.conversation, s.turn)):
             one = Sent(s.conversation, s.turn, 0, s.path, dict(s.body))
             send(srv.url, one, plan.conversations[s.conversation][s.turn].api)
@@ -312,7 +368,10 @@ def simulate_processes(seed: int, model) -> ProcessReport:
     with api_processes(*FLAGS, env=env) as (core, api):
         urls = [url for _, url in api]
         report.sent = run_workload(plan, urls, [proc for proc, _ in api])
-        wait_for(lambda: metric(urls[0], "ds4_requests_running") == 0, 60, "the core to go idle")
+        if "slow" in plan.core_faults:  # a submit the core is still taking is neither queued nor running yet
+            time.sleep(max(0.0, max(s.at for s in report.sent) + SLOW_S + 1 - time.monotonic()))
+        wait_for(lambda: metric(urls[0], "ds4_requests_running") == 0 and metric(urls[0], "ds4_queue_depth") == 0,
+                 60, "the core to go idle")
         core_prompt_tokens = metric(urls[0], "ds4_prompt_tokens_total")
     report.problems = check(plan, report.sent, alone_answers(model, plan, report.sent), core_prompt_tokens)
     return report
