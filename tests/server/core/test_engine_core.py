@@ -561,35 +561,41 @@ def test_a_stopped_api_process_never_holds_up_the_others(model, tok, capfd):
     wait_for(lambda: all(gone(pid) for pid in pids), 10, "no process left")
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city today",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
 def test_a_conversation_continues_the_same_on_either_api_process():
     """Real processes, `--api-servers 2` (each API process on a port of its own, so the test picks
-    which serves a turn): five two-turn chats, turn 1 on A, turn 2 on B, then turn 2 again on A.
-    Exact replay is one store for both processes, so B encodes the reply A generated from its
-    sampled ids: the same prompt as A's, the same answer, and the cache reused through turn 1's
-    reply (each process had a store of its own: B re-encoded the reply from its text, another
-    prompt, 28 tokens instead of 29 in the first chat, and another answer)."""
-    with api_processes("--ctx", "512", "--prefill-chunk", "32", "--api-servers", "2") as \
-            (_, api):
+    which serves a turn): tool loops, the call made on A, its result sent to B, then to A again.
+    Exact replay is one store for both processes, so B encodes the call A generated from its
+    sampled ids: the same prompt as A's, the same answer, and the cache reused through the call.
+    (Each process had a store of its own: B rendered the call from its parsed arguments, which
+    for Mantua's gave 605 prompt tokens instead of 606, and another answer. Plain replies re-encode to
+    the ids sampled with the current weights, so chats without calls do not show it.)"""
+    with api_processes("--ctx", "1024", "--prefill-chunk", "64", "--api-servers", "2") as (_, api):
         (_, a_url), (_, b_url) = api
 
         def chat(url, messages):
             r = httpx.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
-                "model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0})
+                "model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 40, "temperature": 0})
             assert r.status_code == 200, r.text
             data = r.json()
-            return data["choices"][0]["message"]["content"], data["usage"]
+            return data["choices"][0]["message"], data["usage"]
 
-        for k, (first, second) in enumerate([("Who art thou?", "Speak again."), ("Good morrow, sir.", "Why so?"),
-                                             ("What news?", "And then?"), ("Is the king dead?", "How now?"),
-                                             ("Where is Romeo?", "Go on.")]):
-            turn = [{"role": "user", "content": first}]
-            reply, usage1 = chat(a_url, turn)
-            turn2 = turn + [{"role": "assistant", "content": reply}, {"role": "user", "content": second}]
+        for city in ["Mantua", "Paris", "Oslo"]:
+            turn = [{"role": "user", "content": f"Weather for {city}, please."}]
+            call, usage1 = chat(a_url, turn)
+            assert call.get("tool_calls"), (city, call)
+            turn2 = turn + [{k: call[k] for k in ("role", "content", "tool_calls")}] + [
+                {"role": "tool", "tool_call_id": c["id"], "content": '{"temp_c": 18, "sky": "clear"}'}
+                for c in call["tool_calls"]]
             on_b, usage_b = chat(b_url, turn2)
             on_a, usage_a = chat(a_url, turn2)
-            assert (on_b, usage_b["prompt_tokens"]) == (on_a, usage_a["prompt_tokens"]), (k, reply)
+            assert (on_b.get("content"), usage_b["prompt_tokens"]) == (on_a.get("content"), usage_a["prompt_tokens"]), \
+                (city, usage_b["prompt_tokens"], usage_a["prompt_tokens"])
             reused = usage_b["prompt_tokens_details"]["cached_tokens"]
-            assert reused >= usage1["prompt_tokens"] + usage1["completion_tokens"] - 1, (k, reused, usage1)
+            assert reused >= usage1["prompt_tokens"] + usage1["completion_tokens"] - 1, (city, reused, usage1)
 
 
 def test_a_message_that_cannot_be_decoded_fails_its_request_alone(model, monkeypatch):
