@@ -3,9 +3,10 @@ generates and checks): a real engine core and two API processes, random traffic 
 APIs, faults in the core and in an API process. Kept short in the suite: one seed whose plan
 moves chats between the processes turn by turn, stops one mid-stream, fails one submit in the
 core and makes another slow; with its fix reverted it finds each of the process-level defects of
-issue #43 (2: a submit the core does not answer, a stalled event loop; 3: a follow-up encoded
-differently on the other process; 6, with DS4_SIM_SLOW_S=35: a submit given up on and run for
-nobody). `DS4_SIM_SEED=S` runs seed S instead (a failing seed's message gives the command)."""
+issue #43 (2: a submit the core does not answer, a stalled event loop; 3: a tool call's
+follow-up encoded differently on the other process; 6, with DS4_SIM_SLOW_S=35, past the 30 s the
+API process waited: a submit given up on and run for nobody). `DS4_SIM_SEED=S` runs seed S
+instead (a failing seed's message gives the command)."""
 from __future__ import annotations
 
 import os

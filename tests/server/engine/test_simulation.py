@@ -18,11 +18,13 @@ import pytest
 from simulation import REPLAY, simulate
 
 # Between them: every feature of the generator, and each of the defects of issue #43 the engine
-# level can show, found when its fix is reverted (1: a request's NaN reaching others; 4: a failed
-# forward's blocks staying registered; 5: a preemption for nothing, or again before progress).
+# level can show, found when its fix is reverted (1: a request's NaN reaching others, through the
+# reference attention's masking; rows past a table on the scratch row fail the slot-map check at
+# once; 4: a failed forward's blocks staying registered; 5: a preemption for nothing (a plain step
+# reserving a verify step's room: seeds 18, 37), or again before progress (2, 18, 37)).
 SEEDS = [2,    # a disk store: evictions written and restored; 2 tenants; a restore OOM (finds 1, 5)
          4,    # an OOM in a decode step, a device error in a prefill chunk (finds 4)
-         18,   # speculation, a disk store, 3 tenants, 3 batch slots, step faults (finds 4, 5)
+         18,   # speculation, a disk store, 3 tenants, 3 batch slots, step faults (finds 5)
          32,   # two prefill faults, one tenant, 2 batch slots (finds 1, 4)
          37,   # speculation over 4 batch slots in a 7-block pool, step faults (finds 4, 5)
          55]   # the graph path (the capture emulator), a disk store, restore faults
