@@ -89,10 +89,16 @@ class Admission:
     def admit_same_sequence(self, seq: list[int]) -> None:
         """Admit the requests queued right behind one whose sequence `seq` is now in a session and
         that ask for the same sequence (the choices of an `n` > 1 request): each forks that
-        session now, before a decode step can extend it, so the prompt is prefilled once."""
+        session now, before a decode step can extend it, so the prompt is prefilled once. A
+        preempted one still waits for room to resume (greedy choices stay one sequence: after a
+        failed step the first one's retry took the others along, and the pool ran short again
+        a token later)."""
         while self.in_flight.prefilling is None and not self.in_flight.full():
             req = self.scheduler.next_with_sequence(seq)
             if req is None:
+                return
+            if req.preemptions and not self.in_flight.room_to_resume(req):
+                self.scheduler.requeue([req])  # as in `step`: it resumes once the pool has room
                 return
             self.admit(req)
 

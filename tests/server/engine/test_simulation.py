@@ -27,7 +27,9 @@ SEEDS = [2,    # a disk store: evictions written and restored; 2 tenants; a rest
          18,   # speculation, a disk store, 3 tenants, 3 batch slots, step faults (finds 5)
          32,   # two prefill faults, one tenant, 2 batch slots (finds 1, 4)
          37,   # speculation over 4 batch slots in a 7-block pool, step faults (finds 4, 5)
-         55]   # the graph path (the capture emulator), a disk store, restore faults
+         55,   # the graph path (the capture emulator), a disk store, restore faults
+         860494638]  # n > 1 greedy choices preempted, then a failed step: its retry must not bring them
+                     # back without room (found by a 20-minute run; finds 5 too)
 if os.environ.get("DS4_SIM_SEED"):
     SEEDS = [int(os.environ["DS4_SIM_SEED"])]
 
