@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
+from .kernels.linear import use_native_linears
 from .kernels.moe import moe, moe_torch
 from .kernels.reference import cast, indexer_scores, rms_norm, rope_tables, rotate, visible_rows
 from .kernels.sinkhorn import sinkhorn
@@ -763,6 +764,7 @@ class DS4ForCausalLM(nn.Module):
             mtp_config = config.mtp_config()
             self.mtp = nn.ModuleList(MTPBlock(mtp_config, k) for k in range(config.num_nextn_predict_layers))
         self.attn_backend = attn_backend
+        use_native_linears(self)  # bf16 decode on a CPU: the native GEMV (the head above all)
 
     @property
     def attn_backend(self) -> str:

@@ -1,0 +1,579 @@
+/* ds4_torch's CPU linears: out[n, r] = sum_k x[n, k] * W[r, k] for a weight read once, as stored:
+ *   bf16                                                  (the head, every dense linear)
+ *   FP8 e4m3 with a float32 scale per bm x bn block       (attention, shared expert)
+ *   FP4 e2m1, two per byte (low nibble first), an e8m0 scale per 32 inputs   (routed experts)
+ * x is bf16 or float32 (row-major [N, K]); every product is exact and summed in float32 (fused
+ * multiply-adds); out is x's dtype (bf16 rounded to nearest even, once). Compiled on first use by
+ * kernels/cpu_linear.py with -O3 -march=native -fopenmp: AVX-512 (F, BW, VL) code where the CPU has
+ * it, portable loops that the compiler vectorises elsewhere.
+ *
+ * The arithmetic is float32 FMA, not AVX512-BF16's vdpbf16ps: on the Sapphire Rapids this was
+ * written on, vdpbf16ps (32 products) issues at a quarter of the FMA's rate (16 products), so the
+ * FMA does twice the work per cycle; decode (a few rows of x) is bound by memory either way.
+ *
+ * Layout: x is copied once per call to float32, each 32-column chunk stored as its 16 even columns
+ * then its 16 odd ones ("paired"). A 32-bit lane of a bf16 vector holds columns (2l, 2l + 1), so
+ * `lane << 16` and `lane & 0xffff0000` are those two columns as floats: bf16 weights are widened in
+ * two instructions with no shuffle, and FP4 bytes (low nibble: column 2l, high: 2l + 1) are looked up
+ * as floats, both nibbles of a byte in one 32-bit lane.
+ *
+ * How a weight is read: in groups of up to 4 rows. bf16 rows are multiplied as they stream in. FP8
+ * and FP4 rows are first unpacked, 512 columns at a time, into a float tile of up to 4 rows (8 KB,
+ * in L1) holding exactly the values quant.dequantize gives (FP8: the e4m3 value, its block scale
+ * applied to x instead, once per row block; FP4: value times its e8m0 scale, from a 16-entry table
+ * per scale). Then the tile times the N rows of x, 4 at a time. One row's arithmetic does not
+ * depend on how rows are split over threads, nor on N: the same bits at every thread count and
+ * batch size.
+ *
+ * Threads: the weight's rows are cut into one contiguous range per OpenMP thread, as many as the
+ * caller asks (torch's thread count). Loaded into a process that already holds torch, the OpenMP
+ * runtime is torch's own libgomp (same soname), so no second pool competes for the cores. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define DS4_AVX512 1
+#endif
+
+typedef uint16_t bf16;
+
+#define ROWS 4                        /* weight rows per tile */
+#define XROWS 4                       /* rows of x per pass over a tile */
+#define LANES 16                      /* float lanes per (weight row, x row) */
+#define CHUNK 32                      /* columns per paired chunk */
+#define K_BLOCK 512                   /* columns per pass once a tile is re-read (see tile_times_x) */
+#define MIN_THREAD_BYTES (256L << 10) /* below this much weight per thread, fewer threads */
+
+static inline float bf16_to_f32(bf16 v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+
+static inline bf16 f32_to_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16)((c.u >> 16) | 0x40);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (bf16)(c.u >> 16);
+}
+
+static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+/* ------------------------------------------------------------------ tables (built once) */
+static bf16 fp8_table[256];                               /* e4m3fn byte -> its exact value (bf16) */
+static uint8_t fp8_high[128], fp8_low[128];               /* magnitude -> high / low byte of that bf16 */
+static uint8_t interleave_first[64], interleave_second[64];  /* (low, high) byte pairs, in order */
+static float fp4_table[256][16] __attribute__((aligned(64)));  /* (e8m0, code) -> value * 2^(e - 127) */
+static int tables_ready;
+
+static void build_tables(void) {
+    static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        if ((b & 0x7f) == 0x7f) v = NAN;
+        fp8_table[b] = f32_to_bf16((b & 0x80) ? -v : v);
+        if (b < 128) {
+            fp8_high[b] = (uint8_t)(fp8_table[b] >> 8);
+            fp8_low[b] = (uint8_t)fp8_table[b];
+        }
+    }
+    for (int j = 0; j < 32; j++) {  /* byte j of `low` (index j), byte j of `high` (index 64 + j) */
+        interleave_first[2 * j] = (uint8_t)j, interleave_first[2 * j + 1] = (uint8_t)(64 + j);
+        interleave_second[2 * j] = (uint8_t)(32 + j), interleave_second[2 * j + 1] = (uint8_t)(96 + j);
+    }
+    for (int s = 0; s < 256; s++) {
+        float scale = ldexpf(1.0f, s - 127);  /* one float32 product, as quant.dequantize_fp4 */
+        for (int c = 0; c < 16; c++) fp4_table[s][c] = scale * e2m1[c];
+    }
+    __atomic_store_n(&tables_ready, 1, __ATOMIC_RELEASE);
+}
+
+static void ensure_tables(void) {  /* racing builders write the same values */
+    if (!__atomic_load_n(&tables_ready, __ATOMIC_ACQUIRE)) build_tables();
+}
+
+/* ------------------------------------------------------------------ per-thread scratch */
+enum { SCRATCH_X, SCRATCH_TILE, SCRATCH_XS, SCRATCH_ACC, SCRATCH_SLOTS };
+static __thread void *scratch[SCRATCH_SLOTS];
+static __thread size_t scratch_bytes[SCRATCH_SLOTS];
+
+/* A 64-byte aligned buffer of this thread's, grown never shrunk (OpenMP's threads live on). */
+static void *scratch_get(int slot, size_t bytes) {
+    if (scratch_bytes[slot] < bytes) {
+        free(scratch[slot]);
+        size_t rounded = (bytes + 4095) & ~(size_t)4095;
+        scratch[slot] = aligned_alloc(64, rounded);
+        scratch_bytes[slot] = scratch[slot] ? rounded : 0;
+    }
+    return scratch[slot];
+}
+
+/* ------------------------------------------------------------------ x in compute form */
+/* x [N, K] (bf16 or float) -> float [N, ldx], ldx = K rounded up to CHUNK, zero-padded, each
+   chunk paired (AVX-512) or in column order (portable), times `scale[k / bn]` when given. */
+static void x_row_to_compute(const void *x, int x_bf16, long K, const float *scale, long bn, float *dst) {
+    long ldx = round_up(K, CHUNK);
+#ifdef DS4_AVX512
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (long k = 0; k < ldx; k += CHUNK) {
+        __mmask32 m = K - k >= CHUNK ? 0xffffffffu : (K > k ? (1u << (K - k)) - 1 : 0);
+        __m512 lo, hi;
+        if (x_bf16) {
+            __m512i v = _mm512_maskz_loadu_epi16(m, (const bf16 *)x + k);
+            lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            hi = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        } else {
+            __m512 a = _mm512_maskz_loadu_ps((__mmask16)m, (const float *)x + k);
+            __m512 b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), (const float *)x + k + 16);
+            lo = _mm512_permutex2var_ps(a, even, b);
+            hi = _mm512_permutex2var_ps(a, odd, b);
+        }
+        if (scale) {
+            __m512 s = _mm512_set1_ps(scale[k / bn]);  /* bn % CHUNK == 0: one scale a chunk */
+            lo = _mm512_mul_ps(lo, s);
+            hi = _mm512_mul_ps(hi, s);
+        }
+        _mm512_store_ps(dst + k, lo);
+        _mm512_store_ps(dst + k + 16, hi);
+    }
+#else
+    for (long k = 0; k < ldx; k++) {
+        float v = k >= K ? 0.0f : x_bf16 ? bf16_to_f32(((const bf16 *)x)[k]) : ((const float *)x)[k];
+        dst[k] = scale ? v * scale[k / bn] : v;
+    }
+#endif
+}
+
+/* ------------------------------------------------------------------ unpacking into a float tile */
+/* FP8 e4m3 bytes [k0, k1) -> their exact values as float, paired, at dst[0 .. k1 - k0) */
+static void unpack_fp8_paired(const uint8_t *w, long k0, long k1, float *dst) {
+    long k = k0;
+#if defined(DS4_AVX512) && defined(__AVX512VBMI__)
+    /* 64 bytes at a time: each byte's magnitude (7 bits) looks up the high and the low byte of its
+       bf16 value in two 128-entry byte tables (vpermi2b ignores the sign bit), the sign goes back
+       on the high byte, and two more byte permutes interleave them into 64 bf16 in column order. */
+    const __m512i hi_a = _mm512_loadu_si512(fp8_high), hi_b = _mm512_loadu_si512(fp8_high + 64);
+    const __m512i lo_a = _mm512_loadu_si512(fp8_low), lo_b = _mm512_loadu_si512(fp8_low + 64);
+    const __m512i first = _mm512_loadu_si512(interleave_first), second = _mm512_loadu_si512(interleave_second);
+    const __m512i sign = _mm512_set1_epi8((char)0x80), high = _mm512_set1_epi32((int)0xffff0000u);
+    for (; k < k1; k += 2 * CHUNK, dst += 2 * CHUNK) {
+        __mmask64 m = k1 - k >= 64 ? ~0ull : (1ull << (k1 - k)) - 1;
+        __m512i v = _mm512_maskz_loadu_epi8(m, w + k);
+        __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, v, hi_b), v, sign, 0xf8);
+        __m512i lo = _mm512_permutex2var_epi8(lo_a, v, lo_b);
+        __m512i c0 = _mm512_permutex2var_epi8(lo, first, hi), c1 = _mm512_permutex2var_epi8(lo, second, hi);
+        _mm512_store_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(c0, 16)));
+        _mm512_store_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(c0, high)));
+        if (k + CHUNK < k1) {
+            _mm512_store_ps(dst + 32, _mm512_castsi512_ps(_mm512_slli_epi32(c1, 16)));
+            _mm512_store_ps(dst + 48, _mm512_castsi512_ps(_mm512_and_si512(c1, high)));
+        }
+    }
+#elif defined(DS4_AVX512)
+    /* The byte, sign-extended, shifted so its 4 exponent + 3 mantissa bits sit at the top of a
+       bf16's exponent and mantissa; + 120 in the exponent is the e4m3 value for every normal byte.
+       Exponent 0 (zero, subnormals m * 2^-9) comes from a table, 0x7f is NaN. */
+    const __m512i subnormals = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
+    const __m512i keep = _mm512_set1_epi16((short)0x87f0), bias = _mm512_set1_epi16(120 << 7);
+    const __m512i exponent = _mm512_set1_epi16(0x78), magnitude = _mm512_set1_epi16(0x7fff);
+    const __m512i nan_bits = _mm512_set1_epi16(0x43f0), sign = _mm512_set1_epi16((short)0x8000);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (; k < k1; k += CHUNK, dst += CHUNK) {
+        __mmask32 m = k1 - k >= CHUNK ? 0xffffffffu : (1u << (k1 - k)) - 1;
+        __m512i v = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, w + k));
+        __m512i r = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(v, 4), keep), bias);
+        __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(r, magnitude), nan_bits);
+        /* exponent 0: the table's magnitude (v's low 3 bits index it), the sign put back */
+        r = _mm512_mask_permutexvar_epi16(r, _mm512_testn_epi16_mask(v, exponent), v, subnormals);
+        r = _mm512_ternarylogic_epi32(r, v, sign, 0xf8);  /* r | (v & sign) */
+        r = _mm512_mask_mov_epi16(r, nan, _mm512_or_si512(r, _mm512_set1_epi16(0x7fc0)));
+        _mm512_store_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+        _mm512_store_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(r, high)));
+    }
+#else
+    for (; k < k1; k++) *dst++ = bf16_to_f32(fp8_table[w[k]]);
+#endif
+}
+
+/* FP4 bytes for columns [k0, k1) (multiples of 32), scales one per 32 columns -> float, paired */
+static void unpack_fp4_paired(const uint8_t *w, const uint8_t *scale, long k0, long k1, float *dst) {
+    for (long k = k0; k < k1; k += CHUNK, dst += CHUNK) {
+        const float *t = fp4_table[scale[k / CHUNK]];
+        const uint8_t *b = w + k / 2;
+#ifdef DS4_AVX512
+        __m512 table = _mm512_load_ps(t);
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        /* vpermps reads an index's low 4 bits: the low nibble as is, the high one shifted down */
+        _mm512_store_ps(dst, _mm512_permutexvar_ps(v, table));
+        _mm512_store_ps(dst + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+#else
+        for (int i = 0; i < 16; i++) {
+            dst[2 * i] = t[b[i] & 15];
+            dst[2 * i + 1] = t[b[i] >> 4];
+        }
+#endif
+    }
+}
+
+/* ------------------------------------------------------------------ tile x x products */
+/* acc[(i * nt + j) * LANES ...] += t[i][k] * x[j][k] over k0 <= k < k1 (k0 a multiple of CHUNK)
+   for i < rows, j < nt. The lanes live in memory between calls so that K can be cut in blocks
+   whose tile and x rows stay in L1 when x has many rows. Weights are bf16 (dot_bf: widened as
+   they load) or a float tile (dot_ff), both indexed by column; x is in compute form. */
+#ifdef DS4_AVX512
+/* Up to 4 x 4 accumulators as named variables, not an array: GCC keeps an array in memory and
+   stores it every iteration. Lanes (i, j) with i >= R_ or j >= N_ (the instance's weight rows and
+   x rows) are dead code, removed. */
+#define EACH_I(OP) OP(0) OP(1) OP(2) OP(3)
+#define EACH_IJ(OP) OP(0, 0) OP(0, 1) OP(0, 2) OP(0, 3) OP(1, 0) OP(1, 1) OP(1, 2) OP(1, 3) \
+                    OP(2, 0) OP(2, 1) OP(2, 2) OP(2, 3) OP(3, 0) OP(3, 1) OP(3, 2) OP(3, 3)
+#define ACC_LOAD(i, j) __m512 a##i##j = (i < R_ && j < N_) ? _mm512_load_ps(acc + (i * N_ + j) * LANES) : _mm512_setzero_ps();
+#define ACC_STORE(i, j) if (i < R_ && j < N_) _mm512_store_ps(acc + (i * N_ + j) * LANES, a##i##j);
+#define FMA_X(j) if (j < N_) {                                                     \
+        __m512 xe = _mm512_load_ps(x + j * ldx + k), xo = _mm512_load_ps(x + j * ldx + k + 16); \
+        EACH_I(FMA_ROW_##j) }
+#define FMA_ROW(i, j) if (i < R_) { a##i##j = _mm512_fmadd_ps(we##i, xe, a##i##j); \
+                                    a##i##j = _mm512_fmadd_ps(wo##i, xo, a##i##j); }
+#define FMA_ROW_0(i) FMA_ROW(i, 0)
+#define FMA_ROW_1(i) FMA_ROW(i, 1)
+#define FMA_ROW_2(i) FMA_ROW(i, 2)
+#define FMA_ROW_3(i) FMA_ROW(i, 3)
+/* bf16 weights: one load, two widenings (even, odd columns) */
+#define BF_LOAD_W(i) __m512 we##i = _mm512_setzero_ps(), wo##i = _mm512_setzero_ps(); if (i < R_) { \
+        __m512i v = _mm512_maskz_loadu_epi16(m, t + i * ldt + k);                                 \
+        we##i = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                     \
+        wo##i = _mm512_castsi512_ps(_mm512_and_si512(v, high)); }
+/* float tile: already paired */
+#define FF_LOAD_W(i) __m512 we##i = _mm512_setzero_ps(), wo##i = _mm512_setzero_ps(); if (i < R_) { \
+        we##i = _mm512_load_ps(t + i * ldt + k); wo##i = _mm512_load_ps(t + i * ldt + k + 16); }
+#define DOT(NAME, WTYPE, LOAD_W, RT, NT)                                                           \
+static void NAME##_##RT##_##NT(const WTYPE *t, long ldt, long k0, long k1, const float *x, long ldx, float *acc) { \
+    enum { R_ = RT, N_ = NT };                                                                    \
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                                    \
+    (void)high;                                                                                   \
+    EACH_IJ(ACC_LOAD)                                                                             \
+    for (long k = k0; k < k1; k += CHUNK) {                                                       \
+        __mmask32 m = k1 - k >= CHUNK ? 0xffffffffu : (1u << (k1 - k)) - 1;                       \
+        (void)m;                                                                                  \
+        EACH_I(LOAD_W)                                                                            \
+        FMA_X(0) FMA_X(1) FMA_X(2) FMA_X(3)                                                       \
+    }                                                                                             \
+    EACH_IJ(ACC_STORE)                                                                            \
+}
+#define DOT_ALL(NAME, WTYPE, LOAD_W)                                                                           \
+    DOT(NAME, WTYPE, LOAD_W, 1, 1) DOT(NAME, WTYPE, LOAD_W, 1, 2) DOT(NAME, WTYPE, LOAD_W, 1, 3) DOT(NAME, WTYPE, LOAD_W, 1, 4) \
+    DOT(NAME, WTYPE, LOAD_W, 2, 1) DOT(NAME, WTYPE, LOAD_W, 2, 2) DOT(NAME, WTYPE, LOAD_W, 2, 3) DOT(NAME, WTYPE, LOAD_W, 2, 4) \
+    DOT(NAME, WTYPE, LOAD_W, 3, 1) DOT(NAME, WTYPE, LOAD_W, 3, 2) DOT(NAME, WTYPE, LOAD_W, 3, 3) DOT(NAME, WTYPE, LOAD_W, 3, 4) \
+    DOT(NAME, WTYPE, LOAD_W, 4, 1) DOT(NAME, WTYPE, LOAD_W, 4, 2) DOT(NAME, WTYPE, LOAD_W, 4, 3) DOT(NAME, WTYPE, LOAD_W, 4, 4) \
+    static void (*const NAME[4][4])(const WTYPE *, long, long, long, const float *, long, float *) = {             \
+        {NAME##_1_1, NAME##_1_2, NAME##_1_3, NAME##_1_4}, {NAME##_2_1, NAME##_2_2, NAME##_2_3, NAME##_2_4},         \
+        {NAME##_3_1, NAME##_3_2, NAME##_3_3, NAME##_3_4}, {NAME##_4_1, NAME##_4_2, NAME##_4_3, NAME##_4_4}};
+DOT_ALL(dot_bf, bf16, BF_LOAD_W)
+DOT_ALL(dot_ff, float, FF_LOAD_W)
+
+static inline float lanes_sum(const float *lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(lanes)); }
+#else
+/* portable: 16 float lanes per (row, x row), a loop shape compilers vectorise */
+#define GENERIC_DOT(NAME, WTYPE, TO_F32)                                                                  \
+static void NAME(const WTYPE *t, long ldt, int rows, long k0, long k1, const float *x, long ldx, int nt, float *acc) { \
+    for (int i = 0; i < rows; i++)                                                                        \
+        for (int j = 0; j < nt; j++) {                                                                    \
+            float *lanes = acc + (i * nt + j) * LANES;                                                    \
+            const WTYPE *ti = t + i * ldt;                                                                \
+            const float *xj = x + j * ldx;                                                                \
+            long k = k0;                                                                                  \
+            for (; k + LANES <= k1; k += LANES)                                                           \
+                for (int l = 0; l < LANES; l++) lanes[l] += TO_F32(ti[k + l]) * xj[k + l];                \
+            for (int l = 0; k + l < k1; l++) lanes[l] += TO_F32(ti[k + l]) * xj[k + l];                   \
+        }                                                                                                 \
+}
+#define AS_FLOAT(v) (v)
+GENERIC_DOT(dot_bf_generic, bf16, bf16_to_f32)
+GENERIC_DOT(dot_ff_generic, float, AS_FLOAT)
+
+static inline float lanes_sum(const float *lanes) {
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += lanes[l];
+    return s;
+}
+#endif
+
+typedef struct {  /* the weight rows of one tile: bf16 rows, or a float tile of columns [k0, k1) */
+    const bf16 *bf;
+    const float *f;
+    long ld;
+} rows_ref;
+
+/* acc += tile rows x every row of x over columns [k0, k1) */
+static void accumulate(rows_ref w, int rows, long k0, long k1, const float *x, long ldx, long N, float *acc) {
+    for (long n0 = 0; n0 < N; n0 += XROWS) {
+        int nt = N - n0 < XROWS ? (int)(N - n0) : XROWS;
+        float *a = acc + rows * n0 * LANES;  /* this pass's rows * nt lane sets */
+        const float *xn = x + n0 * ldx;
+#ifdef DS4_AVX512
+        if (w.bf) dot_bf[rows - 1][nt - 1](w.bf, w.ld, k0, k1, xn, ldx, a);
+        else dot_ff[rows - 1][nt - 1](w.f - k0, w.ld, k0, k1, xn, ldx, a);
+#else
+        if (w.bf) dot_bf_generic(w.bf, w.ld, rows, k0, k1, xn, ldx, nt, a);
+        else dot_ff_generic(w.f - k0, w.ld, rows, k0, k1, xn, ldx, nt, a);
+#endif
+    }
+}
+
+/* out[n, r + i] = the lanes' sums, as float or bf16 */
+static void store_rows(const float *acc, int rows, long N, void *out, long ldo, int out_bf16, long r) {
+    for (long n0 = 0; n0 < N; n0 += XROWS) {
+        int nt = N - n0 < XROWS ? (int)(N - n0) : XROWS;
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < nt; j++) {
+                float v = lanes_sum(acc + (rows * n0 + i * nt + j) * LANES);
+                long at = (n0 + j) * ldo + r + i;
+                if (out_bf16) ((bf16 *)out)[at] = f32_to_bf16(v);
+                else ((float *)out)[at] = v;
+            }
+    }
+}
+
+/* ------------------------------------------------------------------ threads */
+static int thread_count(int threads, long R, long weight_bytes) {
+#ifdef _OPENMP
+    long t = threads, by_size = weight_bytes / MIN_THREAD_BYTES, by_rows = R / ROWS;
+    if (t > by_size) t = by_size;
+    if (t > by_rows) t = by_rows;
+    return t < 1 ? 1 : (int)t;
+#else
+    (void)threads; (void)R; (void)weight_bytes;
+    return 1;
+#endif
+}
+
+/* this thread's rows [*a, *b) of R, cut on multiples of `align` */
+static void my_rows(long R, long align, long *a, long *b) {
+#ifdef _OPENMP
+    long t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    long t = 0, T = 1;
+#endif
+    long units = (R + align - 1) / align;
+    *a = units * t / T * align;
+    *b = units * (t + 1) / T * align;
+    if (*a > R) *a = R;
+    if (*b > R) *b = R;
+}
+
+int ds4_features(void) {
+    int f = 0;
+#ifdef DS4_AVX512
+    f |= 1;
+#endif
+#ifdef _OPENMP
+    f |= 4;
+#endif
+    return f;
+}
+
+/* ------------------------------------------------------------------ entry points
+ * x [N, K] contiguous (bf16 when x_bf16, else float); out [N, >= R], row stride ldo, x's dtype
+ * (bf16 when out_bf16). Each returns 0; -1 when out of memory (out then incomplete), -2 for a
+ * block shape it does not take (nothing written). */
+
+/* x in compute form into the caller thread's scratch: [N, round_up(K, CHUNK)] floats */
+static float *x_compute(const void *x, int x_bf16, long N, long K) {
+    long ldx = round_up(K, CHUNK);
+    float *xc = scratch_get(SCRATCH_X, sizeof(float) * N * ldx);
+    if (xc)
+        for (long n = 0; n < N; n++)
+            x_row_to_compute((const char *)x + n * K * (x_bf16 ? 2 : 4), x_bf16, K, NULL, 1, xc + n * ldx);
+    return xc;
+}
+
+int ds4_linear_bf16(const void *x, int x_bf16, long N, long K, const bf16 *w, long ldw, long R,
+                    void *out, int out_bf16, long ldo, int threads) {
+    float *xc = x_compute(x, x_bf16, N, K);
+    if (!xc) return -1;
+    long ldx = round_up(K, CHUNK), kb = N <= XROWS ? K : K_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(thread_count(threads, R, R * K * 2))
+    {
+        long a, b;
+        my_rows(R, ROWS, &a, &b);
+        float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
+        if (!acc) failed = 1;
+        for (long r = a; acc && r < b; r += ROWS) {
+            int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+            memset(acc, 0, sizeof(float) * LANES * rows * N);
+            rows_ref ref = {w + r * ldw, NULL, ldw};
+            for (long k0 = 0; k0 < K; k0 += kb)  /* many rows of x: the rows' block stays in L1 */
+                accumulate(ref, rows, k0, k0 + kb < K ? k0 + kb : K, xc, ldx, N, acc);
+            store_rows(acc, rows, N, out, ldo, out_bf16, r);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* scale: float32 [ceil(R / bm), lds], the scale of block (r / bm, k / bn); bn % 32 == 0 */
+int ds4_linear_fp8(const void *x, int x_bf16, long N, long K, const uint8_t *w, long ldw, long R,
+                   const float *scale, long bm, long bn, long lds, void *out, int out_bf16, long ldo, int threads) {
+    if (bn % CHUNK || bm < 1) return -2;
+    ensure_tables();
+    long ldx = round_up(K, CHUNK);
+    int failed = 0;
+#pragma omp parallel num_threads(thread_count(threads, R, R * K))
+    {
+        long a, b;
+        my_rows(R, bm % ROWS == 0 ? bm : ROWS, &a, &b);
+        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
+        float *xs = scratch_get(SCRATCH_XS, sizeof(float) * N * ldx);
+        float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
+        if (!tile || !xs || !acc) failed = 1;
+        long block = -1;
+        for (long r = a; !failed && r < b;) {
+            long rb = r / bm, end = (rb + 1) * bm < b ? (rb + 1) * bm : b;
+            int rows = end - r < ROWS ? (int)(end - r) : ROWS;
+            if (rb != block) {  /* x times this row block's column scales: the weights stay e4m3 values */
+                for (long n = 0; n < N; n++)
+                    x_row_to_compute((const char *)x + n * K * (x_bf16 ? 2 : 4), x_bf16, K, scale + rb * lds, bn,
+                                     xs + n * ldx);
+                block = rb;
+            }
+            memset(acc, 0, sizeof(float) * LANES * rows * N);
+            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
+                rows_ref ref = {NULL, tile, K_BLOCK};
+                accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
+            }
+            store_rows(acc, rows, N, out, ldo, out_bf16, r);
+            r += rows;
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* w [R, K / 2] bytes (row stride ldw), scale uint8 e8m0 [R, K / 32] (row stride lds); K % 32 == 0 */
+int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, long ldw, long R,
+                   const uint8_t *scale, long lds, void *out, int out_bf16, long ldo, int threads) {
+    if (K % CHUNK) return -2;
+    ensure_tables();
+    float *xc = x_compute(x, x_bf16, N, K);
+    if (!xc) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(thread_count(threads, R, R * K / 2))
+    {
+        long a, b;
+        my_rows(R, ROWS, &a, &b);
+        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
+        float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
+        if (!tile || !acc) failed = 1;
+        for (long r = a; !failed && r < b; r += ROWS) {
+            int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+            memset(acc, 0, sizeof(float) * LANES * rows * N);
+            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                for (int i = 0; i < rows; i++)
+                    unpack_fp4_paired(w + (r + i) * ldw, scale + (r + i) * lds, k0, k1, tile + i * K_BLOCK);
+                rows_ref ref = {NULL, tile, K_BLOCK};
+                accumulate(ref, rows, k0, k1, xc, round_up(K, CHUNK), N, acc);
+            }
+            store_rows(acc, rows, N, out, ldo, out_bf16, r);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------ prefill: dequantized rows
+ * dst [R, K] contiguous, bf16 or float (dst_f32): quant.dequantize's values (scale applied in
+ * float32, rounded once), in column order, for torch's dense product on a tile of rows. */
+
+/* a paired float tile of columns [k0, k0 + n) times s[column / bn] (NULL: 1), stored in column
+   order at dst[0 .. n) */
+static void store_dequantized(const float *t, long n, long k0, const float *s, long bn, void *dst, int dst_f32) {
+    long k = 0;
+#ifdef DS4_AVX512
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (; k + CHUNK <= n; k += CHUNK) {
+        __m512 lo = _mm512_load_ps(t + k), hi = _mm512_load_ps(t + k + 16);
+        __m512 c[2] = {_mm512_permutex2var_ps(lo, first, hi), _mm512_permutex2var_ps(lo, second, hi)};
+        for (int h = 0; h < 2; h++) {
+            if (s) c[h] = _mm512_mul_ps(c[h], _mm512_set1_ps(s[(k0 + k) / bn]));
+            if (dst_f32) {
+                _mm512_storeu_ps((float *)dst + k + 16 * h, c[h]);
+                continue;
+            }
+            __m512i u = _mm512_castps_si512(c[h]);  /* nearest even, NaN kept quiet: f32_to_bf16 */
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, round),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+            r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+            _mm256_storeu_si256((__m256i *)((bf16 *)dst + k + 16 * h), _mm512_cvtepi32_epi16(r));
+        }
+    }
+    for (; k < n; k++) {  /* a partial last chunk: column k is at its pair's slot */
+        long c = k % CHUNK;
+        float v = t[k - c + (c % 2) * 16 + c / 2] * (s ? s[(k0 + k) / bn] : 1.0f);
+#else
+    for (; k < n; k++) {
+        float v = t[k] * (s ? s[(k0 + k) / bn] : 1.0f);
+#endif
+        if (dst_f32) ((float *)dst)[k] = v;
+        else ((bf16 *)dst)[k] = f32_to_bf16(v);
+    }
+}
+
+int ds4_dequantize_fp8(const uint8_t *w, long ldw, long R, long K, const float *scale, long bm, long bn, long lds,
+                       void *dst, int dst_f32, int threads) {
+    if (bn % CHUNK || bm < 1) return -2;
+    ensure_tables();
+    int failed = 0;
+#pragma omp parallel num_threads(thread_count(threads, R, R * K))
+    {
+        long a, b;
+        my_rows(R, 1, &a, &b);
+        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
+        if (!tile) failed = 1;
+        for (long r = a; tile && r < b; r++)
+            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                unpack_fp8_paired(w + r * ldw, k0, k1, tile);
+                store_dequantized(tile, k1 - k0, k0, scale + (r / bm) * lds, bn,
+                                  dst_f32 ? (void *)((float *)dst + r * K + k0) : (void *)((bf16 *)dst + r * K + k0), dst_f32);
+            }
+    }
+    return failed ? -1 : 0;
+}
+
+int ds4_dequantize_fp4(const uint8_t *w, long ldw, long R, long K, const uint8_t *scale, long lds,
+                       void *dst, int dst_f32, int threads) {
+    if (K % CHUNK) return -2;
+    ensure_tables();
+    int failed = 0;
+#pragma omp parallel num_threads(thread_count(threads, R, R * K / 2))
+    {
+        long a, b;
+        my_rows(R, 1, &a, &b);
+        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
+        if (!tile) failed = 1;
+        for (long r = a; tile && r < b; r++)
+            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                unpack_fp4_paired(w + r * ldw, scale + r * lds, k0, k1, tile);
+                store_dequantized(tile, k1 - k0, k0, NULL, 1,
+                                  dst_f32 ? (void *)((float *)dst + r * K + k0) : (void *)((bf16 *)dst + r * K + k0), dst_f32);
+            }
+    }
+    return failed ? -1 : 0;
+}
