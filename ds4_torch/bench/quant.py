@@ -1,6 +1,12 @@
 """`ds4-torch bench quant`: one quantized checkpoint loaded kept quantized (`--quantized keep`)
 and dequantized to bf16, in the same run: decode ms/token, prefill tokens/s, tensor bytes per
-parameter and peak RSS, and whether both decode the same greedy tokens.
+parameter and peak RSS, and whether both decode the same greedy tokens; with a llama.cpp build
+(`--llama-cpp`, or `llama-bench` on PATH), llama.cpp on the same checkpoint converted by its own
+converter (`llama_cpp.py`), at the same thread counts.
+
+The roofline: on a CPU the run also measures the machine's read bandwidth (a torch sum over 1 GiB)
+at one thread and at each thread count timed, and prints each mode's weight GB/s (the weight
+bytes a decode step reads at least, as stored, per decode time) as a fraction of it.
 
 Without `--model` it first writes a checkpoint with V4-Flash's real tensor sizes in DeepSeek's
 upstream layout (`write_checkpoint`, also `python -m ds4_torch.bench.quant --write DIR`): names as
@@ -11,8 +17,9 @@ routed experts (default 16 of V4-Flash's 256) are the only sizes cut down. It go
 directory, deleted afterwards. Weights are random: only sizes and speed matter here.
 
 Memory: each mode loads in a child process of its own, so that its peak RSS (ru_maxrss) is its
-own. Speed: one more child loads both and times them in turns, best of `--repeats` each, so that
-both see the same load on a shared machine.
+own. Speed: one more child loads both and times them in turns, at every thread count (`--threads
+1 2`) and with llama-bench between them, best of `--repeats` each, so that all see the same load
+on a shared machine.
 """
 
 from __future__ import annotations
@@ -48,7 +55,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda: on a GPU the peak column is the GPU's allocated memory and "
                              "the weight GB/s is set against the device's peak bandwidth")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=positive_int, nargs="+", default=None, metavar="N",
+                        help="thread counts to time (torch.set_num_threads; llama.cpp's -t), e.g. 1 2; "
+                             "default: torch's own")
+    parser.add_argument("--llama-cpp", metavar="PATH", default=None,
+                        help="a llama.cpp build (its llama-bench, a directory holding it, or a source tree built "
+                             "in build/) to time as the peer; default: llama-bench on PATH, else ours alone")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -185,24 +197,62 @@ def measure_memory(path, quantized: str, device: str = "cpu") -> dict:
     }
 
 
-def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu") -> dict:
-    """Both modes loaded in one process and timed in turns (so both see the same machine load):
-    {mode: best decode ms/token, best prefill tokens/s, the greedy tokens}."""
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 3) -> float:
+    """GB/s of a plain torch sum over `gib` GiB at `threads` threads (best of `repeats`): what a
+    decode step's weight reads are set against."""
+    import time
+
+    before = torch.get_num_threads()
+    data = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
+    try:
+        torch.set_num_threads(threads)
+        data.sum()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return data.nbytes / best / 1e9
+
+
+def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu",
+                  threads: list[int] | None = None, llama: dict | None = None) -> dict:
+    """Both modes loaded in one process and timed in turns (so both see the same load), at each
+    thread count, with llama-bench run between them when `llama` ({"bench", "source", "gguf"})
+    is given: {threads: {impl: best decode ms/token, best prefill tokens/s, (ours) the greedy
+    tokens}}. `threads` None: torch's own count."""
     from .model import bench_ours
 
     models = {mode: _load(path, mode, device) for mode in MODES}
     prompt = torch.randint(2, models["keep"].config.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    runs = {mode: [] for mode in MODES}
+    counts = threads or [torch.get_num_threads()]
+    runs = {t: {mode: [] for mode in MODES} for t in counts}
+    peer = None
+    if llama:
+        from .llama_cpp import LlamaCpp, time_once
+
+        peer = LlamaCpp(Path(llama["bench"]), Path(llama["source"]))
+        for t in counts:
+            runs[t]["llama.cpp"] = []
     with torch.no_grad():
         for model in models.values():
             bench_ours(model, prompt[:8], 2)  # warm-up: first-call allocations, buffers
         for _ in range(repeats):
-            for mode, model in models.items():
-                runs[mode].append(bench_ours(model, prompt, new_tokens))
-    return {mode: {"decode_ms_per_token": min(r["decode_s"] for r in rs) * 1e3 / max(len(rs[0]["tokens"]) - 1, 1),
-                   "prefill_tokens_per_s": prompt_len / min(r["prefill_s"] for r in rs),
-                   "tokens": rs[0]["tokens"]} for mode, rs in runs.items()}
+            for t in counts:
+                torch.set_num_threads(t)
+                for mode, model in models.items():
+                    r = bench_ours(model, prompt, new_tokens)
+                    runs[t][mode].append({"decode_ms_per_token": r["decode_s"] * 1e3 / max(len(r["tokens"]) - 1, 1),
+                                          "prefill_tokens_per_s": prompt_len / r["prefill_s"], "tokens": r["tokens"]})
+                if peer is not None:
+                    runs[t]["llama.cpp"].append(time_once(peer, Path(llama["gguf"]), t, prompt_len, new_tokens))
+    return {t: {impl: {"decode_ms_per_token": min(r["decode_ms_per_token"] for r in rs),
+                       "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rs),
+                       **({"tokens": rs[0]["tokens"]} if "tokens" in rs[0] else {})}
+                for impl, rs in by_impl.items()} for t, by_impl in runs.items()}
 
 
 def _child(*argv) -> dict:
@@ -216,52 +266,109 @@ def _child(*argv) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _llama_peer(args, path: Path, work: Path) -> tuple[dict | None, str]:
+    """({"bench", "source", "gguf", "decode_weight_bytes"}, "") with the checkpoint converted, or
+    (None, why llama.cpp is not timed)."""
+    from . import llama_cpp
+
+    if torch.device(args.device).type != "cpu":
+        return None, "llama.cpp is timed on CPU runs only"
+    llama, why = llama_cpp.find(args.llama_cpp)
+    if llama is None:
+        return None, why
+    print(f"bench quant: converting the checkpoint with llama.cpp's converter ({llama.source}) ...", file=sys.stderr)
+    gguf = llama_cpp.convert(llama, path, work)
+    experts_per_token = json.loads((path / "config.json").read_text())["num_experts_per_tok"]
+    return {"bench": str(llama.bench), "source": str(llama.source), "gguf": str(gguf),
+            "decode_weight_bytes": llama_cpp.decode_weight_bytes(llama, gguf, experts_per_token)}, ""
+
+
 def run(args) -> int:
     from .report import machine, write_csv
 
-    written = None
     path = Path(args.model) if args.model else None
+    work = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))  # deleted afterwards: a written checkpoint, a GGUF
     if path is None:
-        written = path = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))
+        path = work / "checkpoint"
         print(f"bench quant: writing a real-size {args.layers}-layer, {args.experts}-expert upstream-layout "
               f"checkpoint to {path} ...", file=sys.stderr)
         write_checkpoint(path, real_size_config(args.layers, args.experts))
+    cuda = torch.device(args.device).type == "cuda"
+    counts = args.threads or [torch.get_num_threads()]
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
-        threads = args.threads or 0
-        speed = _child("speed", path, args.device, threads, args.prompt_len, args.new_tokens, args.repeats)
-        rows = [{**_child("memory", path, args.device, threads, mode), **speed[mode]} for mode in MODES]
-        for r in rows:
-            r["weight_gb_s"] = r["decode_weight_bytes"] / r["decode_ms_per_token"] / 1e6
+        llama, no_llama = _llama_peer(args, path, work / "llama.cpp")
+        bandwidth = {} if cuda else {t: read_bandwidth(t) for t in sorted({1, os.cpu_count() or 1, *counts})}
+        speed = _child("speed", path, args.device, json.dumps({
+            "threads": counts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "llama": llama}))
+        memory = {mode: _child("memory", path, args.device, json.dumps({"threads": counts[:1], "mode": mode}))
+                  for mode in MODES}
     finally:
-        if written is not None:
-            shutil.rmtree(written)
-    keep, dense = rows
-    cuda = torch.device(args.device).type == "cuda"
+        shutil.rmtree(work)
+    rows = []
+    for t in counts:
+        for impl, r in speed[str(t)].items():
+            weight_bytes = llama["decode_weight_bytes"] if impl == "llama.cpp" else memory[impl]["decode_weight_bytes"]
+            row = {"quantized": impl, "threads": t, **(memory.get(impl) or {}), **r,
+                   "decode_weight_bytes": weight_bytes,
+                   "weight_gb_s": weight_bytes / r["decode_ms_per_token"] / 1e6}
+            if t in bandwidth:
+                row["read_gb_s"] = bandwidth[t]
+                row["of_read_bandwidth"] = row["weight_gb_s"] / bandwidth[t]
+            rows.append(row)
     where = torch.cuda.get_device_name(torch.device(args.device)) if cuda else machine()
-    print(f"bench quant: {path} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
-          f"threads {args.threads or torch.get_num_threads()}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"best of {args.repeats}")
-    peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
-    print(f"{'quantized':<11} {'decode ms/token':>16} {'prefill tok/s':>14} {'tensor GiB':>11} "
-          f"{'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13} {'weights GB/s':>13}")
+    print(f"bench quant: {args.model or 'a written checkpoint'} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, best of {args.repeats}")
+    if bandwidth:
+        print("read bandwidth (a torch sum over 1 GiB): "
+              + ", ".join(f"{t} thread{'s' * (t > 1)} {gb:.1f} GB/s" for t, gb in bandwidth.items()))
+    print(f"{'impl':<11} {'threads':>7} {'decode ms/token':>16} {'prefill tok/s':>14} {'weights GB/s':>13} "
+          f"{'of read BW':>11}")
     for r in rows:
-        print(f"{r['quantized']:<11} {r['decode_ms_per_token']:>16.1f} {r['prefill_tokens_per_s']:>14.1f} "
-              f"{r['tensor_gib']:>11.2f} {r['bytes_per_parameter']:>12.3f} {r['layer_bytes_per_parameter']:>19.3f} "
-              f"{r['peak_gib']:>13.2f} {r['weight_gb_s']:>13.1f}")
-    print(f"keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x, "
-          f"prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s, "
-          f"memory {keep['tensor_gib'] / dense['tensor_gib']:.2f}x; same greedy tokens: "
-          f"{'yes' if keep['tokens'] == dense['tokens'] else 'no'}")
+        fraction = f"{100 * r['of_read_bandwidth']:.0f}%" if "of_read_bandwidth" in r else "-"
+        print(f"{r['quantized']:<11} {r['threads']:>7} {r['decode_ms_per_token']:>16.1f} "
+              f"{r['prefill_tokens_per_s']:>14.1f} {r['weight_gb_s']:>13.1f} {fraction:>11}")
+    if llama is None:
+        print(f"llama.cpp: not timed ({no_llama})")
+    peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
+    print(f"{'quantized':<11} {'tensor GiB':>11} {'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13}")
+    for mode in MODES:
+        m = memory[mode]
+        print(f"{mode:<11} {m['tensor_gib']:>11.2f} {m['bytes_per_parameter']:>12.3f} "
+              f"{m['layer_bytes_per_parameter']:>19.3f} {m['peak_gib']:>13.2f}")
+    by = {(r["quantized"], r["threads"]): r for r in rows}
+    for t in counts:
+        keep, dense = by[("keep", t)], by[("dequantize", t)]
+        line = (f"threads {t}: keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x "
+                f"the ms/token, prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s")
+        if ("llama.cpp", t) in by:
+            peer = by[("llama.cpp", t)]
+            line += (f"; keep / llama.cpp: decode {keep['decode_ms_per_token'] / peer['decode_ms_per_token']:.2f}x "
+                     f"the ms/token (target <= 1.0x), prefill "
+                     f"{keep['prefill_tokens_per_s'] / peer['prefill_tokens_per_s']:.2f}x the tokens/s")
+        print(line)
+    if len(counts) > 1:
+        first = counts[0]
+        for impl in dict.fromkeys(r["quantized"] for r in rows):
+            speedups = ", ".join(f"{t} threads {by[(impl, first)]['decode_ms_per_token'] / by[(impl, t)]['decode_ms_per_token']:.2f}x"
+                                 for t in counts[1:])
+            print(f"{impl} decode against {first} thread{'s' * (first > 1)}: {speedups}")
+    keep_tokens = {tuple(by[("keep", t)]["tokens"]) for t in counts}
+    dense_tokens = {tuple(by[("dequantize", t)]["tokens"]) for t in counts}
+    m_keep, m_dense = memory["keep"], memory["dequantize"]
+    print(f"keep / dequantize memory {m_keep['tensor_gib'] / m_dense['tensor_gib']:.2f}x; same greedy tokens: "
+          f"{'yes' if len(keep_tokens | dense_tokens) == 1 else 'no'}")
     if cuda:
         import triton
 
         peak = triton.testing.get_dram_gbps(torch.device(args.device).index or 0)
-        print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: keep {100 * keep['weight_gb_s'] / peak:.0f}%, "
-              f"dequantized {100 * dense['weight_gb_s'] / peak:.0f}%")
-    print("(layers bytes/param: the transformer layers alone, without the bf16 embedding and head; peak RSS "
-          "counts the safetensors pages mapped while loading; weights GB/s: the weight bytes a decode step "
-          "reads at least, as stored (top-k experts a layer), per decode time)")
+        print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: "
+              + ", ".join(f"{r['quantized']} {100 * r['weight_gb_s'] / peak:.0f}%" for r in rows))
+    print("(weights GB/s: the weight bytes a decode step reads at least, as stored (top-k experts a layer; "
+          "llama.cpp: its GGUF's tensors), per decode time; of read BW: that against the torch sum at the same "
+          "thread count; layers bytes/param: the transformer layers alone, without the bf16 embedding and head; "
+          "peak RSS counts the safetensors pages mapped while loading)")
     if args.csv:
         write_csv([{k: v for k, v in r.items() if k != "tokens"} for r in rows], args.csv)
     return 0
@@ -270,13 +377,14 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        kind, path, device, threads, *rest = argv[1:]
-        if int(threads):
-            torch.set_num_threads(int(threads))
+        kind, path, device, options = argv[1:5]
+        options = json.loads(options)
         if kind == "memory":
-            print(json.dumps(measure_memory(path, rest[0], device)))
+            torch.set_num_threads(options["threads"][0])
+            print(json.dumps(measure_memory(path, options["mode"], device)))
         else:
-            print(json.dumps(measure_speed(path, *(int(a) for a in rest), device=device)))
+            print(json.dumps(measure_speed(path, options["prompt_len"], options["new_tokens"], options["repeats"], device,
+                                           options["threads"], options["llama"])))
         return 0
     if argv[:1] == ["--write"] and len(argv) >= 2:
         layers, experts = (int(a) for a in (argv[2:4] + ["1", "16"][len(argv[2:4]):]))

@@ -282,6 +282,66 @@ static void NAME##_##RT##_##NT(const WTYPE *t, long ldt, long k0, long k1, const
 DOT_ALL(dot_bf, bf16, BF_LOAD_W)
 DOT_ALL(dot_ff, float, FF_LOAD_W)
 
+/* One row of x (decode of one sequence): FP4 / FP8 rows unpacked in registers and multiplied as
+   they are, no tile, the lanes kept in registers over the whole K. The same FMAs in the same
+   order as a tile's dot_ff, so the same bits as every other batch size. */
+#define ONE_ACC(i) __m512 a##i = _mm512_setzero_ps();
+#define ONE_STORE(i) if (i < R_) _mm512_store_ps(acc + i * LANES, a##i);
+#define FP4_ROW(i) if (i < R_) {                                                                    \
+        __m512 table = _mm512_load_ps(fp4_table[scale[i * lds + k / CHUNK]]);                      \
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + i * ldw + k / 2))); \
+        a##i = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, table), xe, a##i);                         \
+        a##i = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), xo, a##i); }
+#define FP4_ONE(RT)                                                                                 \
+static void fp4_one_##RT(const uint8_t *w, long ldw, const uint8_t *scale, long lds, long K, const float *x, float *acc) { \
+    enum { R_ = RT };                                                                               \
+    EACH_I(ONE_ACC)                                                                                 \
+    for (long k = 0; k < K; k += CHUNK) {                                                           \
+        __m512 xe = _mm512_load_ps(x + k), xo = _mm512_load_ps(x + k + 16);                         \
+        EACH_I(FP4_ROW)                                                                             \
+    }                                                                                               \
+    EACH_I(ONE_STORE)                                                                               \
+}
+FP4_ONE(1) FP4_ONE(2) FP4_ONE(3) FP4_ONE(4)
+static void (*const fp4_one[4])(const uint8_t *, long, const uint8_t *, long, long, const float *, float *) = {
+    fp4_one_1, fp4_one_2, fp4_one_3, fp4_one_4};
+
+#ifdef __AVX512VBMI__
+#define FP8_ONE_AVAILABLE 1
+/* as unpack_fp8_paired, 64 columns a step: two chunks' FMAs */
+#define FP8_ROW(i) if (i < R_) {                                                                    \
+        __m512i v = _mm512_maskz_loadu_epi8(m, w + i * ldw + k);                                    \
+        __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, v, hi_b), v, sign, 0xf8); \
+        __m512i lo = _mm512_permutex2var_epi8(lo_a, v, lo_b);                                       \
+        __m512i c = _mm512_permutex2var_epi8(lo, first, hi);                                        \
+        a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(c, 16)), xe0, a##i);           \
+        a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(c, high)), xo0, a##i);          \
+        if (two) {                                                                                  \
+            c = _mm512_permutex2var_epi8(lo, second, hi);                                           \
+            a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(c, 16)), xe1, a##i);       \
+            a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(c, high)), xo1, a##i); } }
+#define FP8_ONE(RT)                                                                                 \
+static void fp8_one_##RT(const uint8_t *w, long ldw, long K, const float *x, float *acc) {         \
+    enum { R_ = RT };                                                                               \
+    const __m512i hi_a = _mm512_loadu_si512(fp8_high), hi_b = _mm512_loadu_si512(fp8_high + 64);   \
+    const __m512i lo_a = _mm512_loadu_si512(fp8_low), lo_b = _mm512_loadu_si512(fp8_low + 64);     \
+    const __m512i first = _mm512_loadu_si512(interleave_first), second = _mm512_loadu_si512(interleave_second); \
+    const __m512i sign = _mm512_set1_epi8((char)0x80), high = _mm512_set1_epi32((int)0xffff0000u); \
+    EACH_I(ONE_ACC)                                                                                 \
+    for (long k = 0; k < K; k += 2 * CHUNK) {                                                       \
+        __mmask64 m = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;                                  \
+        int two = k + CHUNK < K;                                                                    \
+        __m512 xe0 = _mm512_load_ps(x + k), xo0 = _mm512_load_ps(x + k + 16);                       \
+        __m512 xe1 = two ? _mm512_load_ps(x + k + 32) : xe0, xo1 = two ? _mm512_load_ps(x + k + 48) : xo0; \
+        EACH_I(FP8_ROW)                                                                             \
+    }                                                                                               \
+    EACH_I(ONE_STORE)                                                                               \
+}
+FP8_ONE(1) FP8_ONE(2) FP8_ONE(3) FP8_ONE(4)
+static void (*const fp8_one[4])(const uint8_t *, long, long, const float *, float *) = {
+    fp8_one_1, fp8_one_2, fp8_one_3, fp8_one_4};
+#endif
+
 static inline float lanes_sum(const float *lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(lanes)); }
 #else
 /* portable: 16 float lanes per (row, x row), a loop shape compilers vectorise */
@@ -447,12 +507,19 @@ int ds4_linear_fp8(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
                                      xs + n * ldx);
                 block = rb;
             }
-            memset(acc, 0, sizeof(float) * LANES * rows * N);
-            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
-                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
-                rows_ref ref = {NULL, tile, K_BLOCK};
-                accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
+#ifdef FP8_ONE_AVAILABLE
+            if (N == 1)
+                fp8_one[rows - 1](w + r * ldw, ldw, K, xs, acc);
+            else
+#endif
+            {
+                memset(acc, 0, sizeof(float) * LANES * rows * N);
+                for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                    long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                    for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
+                    rows_ref ref = {NULL, tile, K_BLOCK};
+                    accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
+                }
             }
             store_rows(acc, rows, N, out, ldo, out_bf16, r);
             r += rows;
@@ -478,6 +545,13 @@ int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
         if (!tile || !acc) failed = 1;
         for (long r = a; !failed && r < b; r += ROWS) {
             int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+#ifdef DS4_AVX512
+            if (N == 1) {
+                fp4_one[rows - 1](w + r * ldw, ldw, scale + r * lds, lds, K, xc, acc);
+                store_rows(acc, rows, N, out, ldo, out_bf16, r);
+                continue;
+            }
+#endif
             memset(acc, 0, sizeof(float) * LANES * rows * N);
             for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
                 long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
