@@ -8,8 +8,8 @@ sum accumulated in float, then x / (sum + eps)), called through ctypes.
 
 The C source below is compiled on first use with the system's C compiler (`cc`, or `$CC`) into
 `$DS4_TORCH_CACHE` (default `~/.cache/ds4_torch`), under a name holding the source's hash, and
-loaded from there afterwards. Without a compiler, or with `DS4_TORCH_NATIVE=0`, `sinkhorn()`
-returns None and callers run the torch loop: nothing else depends on this module.
+loaded from there afterwards (`build`, which `cpu_linear.py` uses for its kernels too). Without a
+compiler, or with `DS4_TORCH_NATIVE=0`, `sinkhorn()` returns None and callers run the torch loop.
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def _cache_dir() -> Path:
 
 def build(source: str, flags: list[str], name: str = "native") -> Path:
     """`source` (C) compiled into a shared library in the cache, named by the hash of the source,
-    the flags and `key` material (the compiler, the CPU for -march=native), built only when absent;
-    its path. Raises when the compiler fails or is missing."""
+    the compiler, the flags and (for -march=native) the CPU, built only when absent; its path.
+    Raises when the compiler fails or is missing."""
     cc = os.environ.get("CC", "cc")
     salt = [cc, *flags] + ([_cpu_signature()] if any(f.startswith("-march=native") for f in flags) else [])
     digest = hashlib.sha256("\0".join([source, *salt]).encode()).hexdigest()[:16]
