@@ -7,7 +7,7 @@
  * kernels/cpu_linear.py with -O3 -march=native -fopenmp: AVX-512 (F, BW, VL) code where the CPU has
  * it, portable loops that the compiler vectorises elsewhere.
  *
- * The arithmetic is float32 FMA, not AVX512-BF16's vdpbf16ps: on the Sapphire Rapids this was
+ * The arithmetic is float32 FMA, not AVX512-BF16's vdpbf16ps: on the Emerald Rapids this was
  * written on, vdpbf16ps (32 products) issues at a quarter of the FMA's rate (16 products), so the
  * FMA does twice the work per cycle; decode (a few rows of x) is bound by memory either way.
  *

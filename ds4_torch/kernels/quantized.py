@@ -57,8 +57,8 @@ FP4_TILE_ELEMENTS = 1 << 21
 # 4096x8192 wo_b on 64 rows took 25 ms at 2^17 against 11 ms dense, 50-130 ms at 2^19-2^22.
 FP8_PREFILL_TILE_ELEMENTS = 1 << 17
 # Prefill with native unpacking (one pass writes the tile, nothing else touches it): bigger tiles,
-# fewer dense products. Measured on one thread of the Xeon (bf16, 64 rows, a 32768x1024 q_b_proj):
-# NATIVE_TILE_NOTE.
+# fewer dense products. Measured on one thread of a Xeon (Emerald Rapids; bf16, 64 rows, a
+# 32768x1024 q_b_proj, CPU time): 2^17 46.6 ms, 2^19 32.1, 2^20 29.6, 2^22 34.6; the torch tiles 80.7.
 NATIVE_TILE_ELEMENTS = 1 << 20
 # Up to this many activation rows the block scales go on the activations (one copy of x per 128
 # weight rows: cheap for decode), above it on the weight tile (one pass over the tile).
