@@ -83,6 +83,9 @@ def upstream_name(hf_key: str) -> str:
             key = source + key[len(replacement):] if key.startswith(replacement) else key
         else:
             key = key.replace(replacement, source, 1)
+    # the attention's kv_norm ships as is (the loader's `.norm.` rename is the compressors'), as
+    # llama.cpp's DeepSeek-V4 converter, written against the release, expects
+    key = key.replace(".attn.norm.", ".attn.kv_norm.")
     if rename_checkpoint_key(key) != hf_key.removeprefix("model."):
         raise ValueError(f"no upstream name found for {hf_key}")
     return key
