@@ -282,64 +282,85 @@ static void NAME##_##RT##_##NT(const WTYPE *t, long ldt, long k0, long k1, const
 DOT_ALL(dot_bf, bf16, BF_LOAD_W)
 DOT_ALL(dot_ff, float, FF_LOAD_W)
 
-/* One row of x (decode of one sequence): FP4 / FP8 rows unpacked in registers and multiplied as
-   they are, no tile, the lanes kept in registers over the whole K. The same FMAs in the same
-   order as a tile's dot_ff, so the same bits as every other batch size. */
-#define ONE_ACC(i) __m512 a##i = _mm512_setzero_ps();
-#define ONE_STORE(i) if (i < R_) _mm512_store_ps(acc + i * LANES, a##i);
+/* Up to 4 rows of x (decode: one sequence, a few sequences, a speculative step's tokens): FP4 /
+   FP8 rows unpacked in registers and multiplied as they are, no tile, the lanes kept in registers
+   over the whole K. The same FMAs in the same order as a tile's dot_ff, so the same bits as every
+   other batch size. */
+#define FMA_PAIR(i, j) if (i < R_ && j < N_) { a##i##j = _mm512_fmadd_ps(we, xe##j, a##i##j); \
+                                               a##i##j = _mm512_fmadd_ps(wo, xo##j, a##i##j); }
+#define FMA_PAIRS(i) FMA_PAIR(i, 0) FMA_PAIR(i, 1) FMA_PAIR(i, 2) FMA_PAIR(i, 3)
+#define LOAD_XJ(j, at, xe, xo) __m512 xe##j = _mm512_setzero_ps(), xo##j = _mm512_setzero_ps(); \
+    if (j < N_) { xe##j = _mm512_load_ps(x + j * ldx + (at)); xo##j = _mm512_load_ps(x + j * ldx + (at) + 16); }
+#define LOAD_X0(j) LOAD_XJ(j, k, xe, xo)
+#define EACH_J(OP) OP(0) OP(1) OP(2) OP(3)
 #define FP4_ROW(i) if (i < R_) {                                                                    \
         __m512 table = _mm512_load_ps(fp4_table[scale[i * lds + k / CHUNK]]);                      \
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + i * ldw + k / 2))); \
-        a##i = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, table), xe, a##i);                         \
-        a##i = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), xo, a##i); }
-#define FP4_ONE(RT)                                                                                 \
-static void fp4_one_##RT(const uint8_t *w, long ldw, const uint8_t *scale, long lds, long K, const float *x, float *acc) { \
-    enum { R_ = RT };                                                                               \
-    EACH_I(ONE_ACC)                                                                                 \
+        __m512 we = _mm512_permutexvar_ps(v, table), wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table); \
+        FMA_PAIRS(i) }
+#define FP4_FEW(RT, NT)                                                                             \
+static void fp4_few_##RT##_##NT(const uint8_t *w, long ldw, const uint8_t *scale, long lds, long K,  \
+                                const float *x, long ldx, float *acc) {                            \
+    enum { R_ = RT, N_ = NT };                                                                      \
+    EACH_IJ(ACC_ZERO)                                                                               \
     for (long k = 0; k < K; k += CHUNK) {                                                           \
-        __m512 xe = _mm512_load_ps(x + k), xo = _mm512_load_ps(x + k + 16);                         \
+        EACH_J(LOAD_X0)                                                                             \
         EACH_I(FP4_ROW)                                                                             \
     }                                                                                               \
-    EACH_I(ONE_STORE)                                                                               \
+    EACH_IJ(ACC_STORE)                                                                              \
 }
-FP4_ONE(1) FP4_ONE(2) FP4_ONE(3) FP4_ONE(4)
-static void (*const fp4_one[4])(const uint8_t *, long, const uint8_t *, long, long, const float *, float *) = {
-    fp4_one_1, fp4_one_2, fp4_one_3, fp4_one_4};
+#define ACC_ZERO(i, j) __m512 a##i##j = _mm512_setzero_ps();
+#define FEW_ALL(NAME, MAKE) MAKE(1, 1) MAKE(1, 2) MAKE(1, 3) MAKE(1, 4) MAKE(2, 1) MAKE(2, 2) MAKE(2, 3) MAKE(2, 4) \
+                            MAKE(3, 1) MAKE(3, 2) MAKE(3, 3) MAKE(3, 4) MAKE(4, 1) MAKE(4, 2) MAKE(4, 3) MAKE(4, 4)
+FEW_ALL(fp4_few, FP4_FEW)
+static void (*const fp4_few[4][4])(const uint8_t *, long, const uint8_t *, long, long, const float *, long, float *) = {
+    {fp4_few_1_1, fp4_few_1_2, fp4_few_1_3, fp4_few_1_4}, {fp4_few_2_1, fp4_few_2_2, fp4_few_2_3, fp4_few_2_4},
+    {fp4_few_3_1, fp4_few_3_2, fp4_few_3_3, fp4_few_3_4}, {fp4_few_4_1, fp4_few_4_2, fp4_few_4_3, fp4_few_4_4}};
 
 #ifdef __AVX512VBMI__
-#define FP8_ONE_AVAILABLE 1
+#define FP8_FEW_ROWS 2  /* rows of x the FP8 kernel takes in registers (two chunks of x a step) */
 /* as unpack_fp8_paired, 64 columns a step: two chunks' FMAs */
+#define LOAD_X1(j) LOAD_XJ(j, k + CHUNK, xe1_, xo1_)
+#define FMA_PAIR1(i, j) if (i < R_ && j < N_) { a##i##j = _mm512_fmadd_ps(we, xe1_##j, a##i##j); \
+                                                a##i##j = _mm512_fmadd_ps(wo, xo1_##j, a##i##j); }
+#define FMA_PAIRS1(i) FMA_PAIR1(i, 0) FMA_PAIR1(i, 1) FMA_PAIR1(i, 2) FMA_PAIR1(i, 3)
 #define FP8_ROW(i) if (i < R_) {                                                                    \
         __m512i v = _mm512_maskz_loadu_epi8(m, w + i * ldw + k);                                    \
         __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, v, hi_b), v, sign, 0xf8); \
         __m512i lo = _mm512_permutex2var_epi8(lo_a, v, lo_b);                                       \
         __m512i c = _mm512_permutex2var_epi8(lo, first, hi);                                        \
-        a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(c, 16)), xe0, a##i);           \
-        a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(c, high)), xo0, a##i);          \
+        __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(c, 16));                                  \
+        __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(c, high));                                 \
+        FMA_PAIRS(i)                                                                                \
         if (two) {                                                                                  \
             c = _mm512_permutex2var_epi8(lo, second, hi);                                           \
-            a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(c, 16)), xe1, a##i);       \
-            a##i = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(c, high)), xo1, a##i); } }
-#define FP8_ONE(RT)                                                                                 \
-static void fp8_one_##RT(const uint8_t *w, long ldw, long K, const float *x, float *acc) {         \
-    enum { R_ = RT };                                                                               \
+            we = _mm512_castsi512_ps(_mm512_slli_epi32(c, 16));                                     \
+            wo = _mm512_castsi512_ps(_mm512_and_si512(c, high));                                    \
+            FMA_PAIRS1(i) } }
+#define FP8_FEW(RT, NT)                                                                             \
+static void fp8_few_##RT##_##NT(const uint8_t *w, long ldw, long K, const float *x, long ldx, float *acc) { \
+    enum { R_ = RT, N_ = NT };                                                                      \
     const __m512i hi_a = _mm512_loadu_si512(fp8_high), hi_b = _mm512_loadu_si512(fp8_high + 64);   \
     const __m512i lo_a = _mm512_loadu_si512(fp8_low), lo_b = _mm512_loadu_si512(fp8_low + 64);     \
     const __m512i first = _mm512_loadu_si512(interleave_first), second = _mm512_loadu_si512(interleave_second); \
     const __m512i sign = _mm512_set1_epi8((char)0x80), high = _mm512_set1_epi32((int)0xffff0000u); \
-    EACH_I(ONE_ACC)                                                                                 \
+    EACH_IJ(ACC_ZERO)                                                                               \
     for (long k = 0; k < K; k += 2 * CHUNK) {                                                       \
         __mmask64 m = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;                                  \
-        int two = k + CHUNK < K;                                                                    \
-        __m512 xe0 = _mm512_load_ps(x + k), xo0 = _mm512_load_ps(x + k + 16);                       \
-        __m512 xe1 = two ? _mm512_load_ps(x + k + 32) : xe0, xo1 = two ? _mm512_load_ps(x + k + 48) : xo0; \
+        int two = k + CHUNK < K;  /* x has no second chunk past K's */                             \
+        EACH_J(LOAD_X0)                                                                             \
+        __m512 xe1_0 = xe0, xo1_0 = xo0, xe1_1 = xe1, xo1_1 = xo1;                                 \
+        if (two) { if (N_ > 0) { xe1_0 = _mm512_load_ps(x + k + CHUNK); xo1_0 = _mm512_load_ps(x + k + CHUNK + 16); } \
+                   if (N_ > 1) { xe1_1 = _mm512_load_ps(x + ldx + k + CHUNK); xo1_1 = _mm512_load_ps(x + ldx + k + CHUNK + 16); } } \
+        __m512 xe1_2 = xe1_0, xo1_2 = xo1_0, xe1_3 = xe1_0, xo1_3 = xo1_0;                          \
+        (void)xe1_2; (void)xo1_2; (void)xe1_3; (void)xo1_3;                                          \
         EACH_I(FP8_ROW)                                                                             \
     }                                                                                               \
-    EACH_I(ONE_STORE)                                                                               \
+    EACH_IJ(ACC_STORE)                                                                              \
 }
-FP8_ONE(1) FP8_ONE(2) FP8_ONE(3) FP8_ONE(4)
-static void (*const fp8_one[4])(const uint8_t *, long, long, const float *, float *) = {
-    fp8_one_1, fp8_one_2, fp8_one_3, fp8_one_4};
+FP8_FEW(1, 1) FP8_FEW(1, 2) FP8_FEW(2, 1) FP8_FEW(2, 2) FP8_FEW(3, 1) FP8_FEW(3, 2) FP8_FEW(4, 1) FP8_FEW(4, 2)
+static void (*const fp8_few[4][FP8_FEW_ROWS])(const uint8_t *, long, long, const float *, long, float *) = {
+    {fp8_few_1_1, fp8_few_1_2}, {fp8_few_2_1, fp8_few_2_2}, {fp8_few_3_1, fp8_few_3_2}, {fp8_few_4_1, fp8_few_4_2}};
 #endif
 
 static inline float lanes_sum(const float *lanes) { return _mm512_reduce_add_ps(_mm512_load_ps(lanes)); }
@@ -507,9 +528,9 @@ int ds4_linear_fp8(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
                                      xs + n * ldx);
                 block = rb;
             }
-#ifdef FP8_ONE_AVAILABLE
-            if (N == 1)
-                fp8_one[rows - 1](w + r * ldw, ldw, K, xs, acc);
+#ifdef FP8_FEW_ROWS
+            if (N <= FP8_FEW_ROWS)
+                fp8_few[rows - 1][N - 1](w + r * ldw, ldw, K, xs, ldx, acc);
             else
 #endif
             {
@@ -546,8 +567,8 @@ int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
         for (long r = a; !failed && r < b; r += ROWS) {
             int rows = b - r < ROWS ? (int)(b - r) : ROWS;
 #ifdef DS4_AVX512
-            if (N == 1) {
-                fp4_one[rows - 1](w + r * ldw, ldw, scale + r * lds, lds, K, xc, acc);
+            if (N <= XROWS) {
+                fp4_few[rows - 1][N - 1](w + r * ldw, ldw, scale + r * lds, lds, K, xc, round_up(K, CHUNK), acc);
                 store_rows(acc, rows, N, out, ldo, out_bf16, r);
                 continue;
             }
