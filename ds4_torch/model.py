@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
+from .kernels import cpu_linear
 from .kernels.linear import use_native_linears
 from .kernels.moe import moe, moe_torch
 from .kernels.reference import cast, indexer_scores, rms_norm, rope_tables, rotate, visible_rows
@@ -446,6 +447,11 @@ class GroupedLinear(nn.Linear):
 
     def forward(self, x):  # x [..., groups, in_per_group] -> [..., groups, out/groups]
         w = self.weight.view(self.groups, -1, x.shape[-1])
+        if w.dtype == x.dtype == torch.bfloat16:  # CPU decode: the native GEMV, a group at a time
+            first = cpu_linear.bf16_linear(x[..., 0, :], w[0])
+            if first is not None:
+                return torch.stack([first, *(cpu_linear.bf16_linear(x[..., g, :], w[g]) for g in range(1, self.groups))],
+                                   dim=-2)
         return torch.einsum("...gi,gri->...gr", x, w)
 
 

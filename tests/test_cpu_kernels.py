@@ -314,3 +314,9 @@ def test_model_linears_take_the_native_gemv(native, checkpoint, monkeypatch):
     assert tuple(m.lm_head.weight.shape) in calls
     x = torch.randn(1, 256).to(torch.bfloat16)
     assert torch.equal(m.lm_head(x), original(x, m.lm_head.weight))
+    grouped = m.model.layers[0].self_attn.o_a_proj  # wo_a: a group at a time
+    calls.clear()
+    x = torch.randn(3, grouped.groups, grouped.in_features).to(torch.bfloat16)
+    want = torch.einsum("...gi,gri->...gr", x.double(), grouped.weight.double().view(grouped.groups, -1, x.shape[-1]))
+    assert_near(grouped(x), want, torch.bfloat16)
+    assert len(calls) == grouped.groups
