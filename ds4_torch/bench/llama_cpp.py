@@ -12,7 +12,7 @@ stored Q8_0, FP4 experts repacked losslessly to MXFP4, bf16 tensors (the head) k
 things the benchmark's checkpoint lacks are supplied, neither of which touches a weight: the
 upstream config keys the converter reads (`compress_ratios`, `qk_rope_head_dim`, ...), derived
 from the DS4 config, and a tokenizer (byte-level, 256 tokens; the converter pads the vocabulary
-to `vocab_size`), whose pre-tokenizer the converter is told is DeepSeek-V3's (it recognises
+to `vocab_size`; one merge, since llama.cpp refuses a BPE vocabulary without), whose pre-tokenizer the converter is told is DeepSeek-V3's (it recognises
 tokenizers by hashing their output on a test string, and this one is not a real model's).
 """
 from __future__ import annotations
@@ -84,11 +84,12 @@ def _upstream_config(config: dict) -> dict:
 
 
 def _write_tokenizer(directory: Path) -> None:
-    """A byte-level BPE tokenizer with the 256 byte tokens and no merges."""
+    """A byte-level BPE tokenizer: the 256 byte tokens and one merge (llama.cpp wants merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["\u0120t"] = len(vocab)  # " t"
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("\u0120", "t")]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -146,11 +147,33 @@ print(json.dumps([(t.name, int(t.n_bytes), [int(d) for d in t.shape]) for t in r
 
 
 # --------------------------------------------------------------------------- timing
-def time_once(llama: LlamaCpp, gguf: Path, threads: int, prompt_len: int, new_tokens: int) -> dict:
-    """One llama-bench run (-r 1): decode ms/token (its tg test) and prefill tokens/s (pp)."""
+# llama-bench's own settings, first that runs: its defaults; else without repacking weights into
+# its CPU extra buffers (AMX / interleaved layouts), which on a CPU with AMX leaves some of the
+# deepseek4 graph's ops on no backend (GGML_ASSERT(*cur_backend_id != -1) in this version).
+SETTINGS = ([], ["--repack", "0"])
+
+
+def _run(llama: LlamaCpp, gguf: Path, threads: int, prompt_len: int, new_tokens: int, flags: list[str]):
     cmd = [str(llama.bench), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_len), "-n", str(new_tokens),
-           "-r", "1", "-o", "json"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+           "-r", "1", "-o", "json", *flags]
+    return cmd, subprocess.run(cmd, capture_output=True, text=True)
+
+
+def working_flags(llama: LlamaCpp, gguf: Path) -> list[str]:
+    """The first of `SETTINGS` with which llama-bench runs this GGUF (a short run)."""
+    errors = []
+    for flags in SETTINGS:
+        cmd, run = _run(llama, gguf, 1, 4, 1, flags)
+        if run.returncode == 0:
+            return flags
+        errors.append(f"{' '.join(cmd)} (exit {run.returncode}): {run.stderr[-800:]}")
+    raise RuntimeError("llama-bench cannot run the converted checkpoint:\n" + "\n".join(errors))
+
+
+def time_once(llama: LlamaCpp, gguf: Path, threads: int, prompt_len: int, new_tokens: int,
+              flags: list[str] = ()) -> dict:
+    """One llama-bench run (-r 1): decode ms/token (its tg test) and prefill tokens/s (pp)."""
+    cmd, run = _run(llama, gguf, threads, prompt_len, new_tokens, list(flags))
     if run.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {run.returncode}): {' '.join(cmd)}\n{run.stderr[-3000:]}")
     tests = json.loads(run.stdout)

@@ -12,7 +12,8 @@ Without `--model` it first writes a checkpoint with V4-Flash's real tensor sizes
 upstream layout (`write_checkpoint`, also `python -m ds4_torch.bench.quant --write DIR`): names as
 DeepSeek ships them (`layers.0.attn.wq_a.weight` + `.scale`, `layers.0.ffn.experts.3.w1.weight`),
 every linear but the head FP8 e4m3 with e8m0 128x128 block scales, routed experts FP4 (e2m1 two
-per byte, an e8m0 scale per 32 inputs), the rest bf16. Its layers (default one CSA layer) and
+per byte, an e8m0 scale per 32 inputs), the rest bf16 (float32 where the model keeps float32:
+norms, mHC, sinks). Its layers (default one CSA layer) and
 routed experts (default 16 of V4-Flash's 256) are the only sizes cut down. It goes to a temporary
 directory, deleted afterwards. Weights are random: only sizes and speed matter here.
 
@@ -104,7 +105,7 @@ def write_checkpoint(directory, config, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from torch import nn
 
-    from ..model import DS4ForCausalLM
+    from ..model import FP32_PARAM_MARKERS, DS4ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -135,9 +136,10 @@ def write_checkpoint(directory, config, seed: int = 0) -> Path:
             name = upstream_name(key).removesuffix(".weight")
             tensors[name + ".weight"] = (torch.randn(rows, cols, generator=g) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
             tensors[name + ".scale"] = e8m0((math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)))
-        elif t.is_floating_point():
+        elif t.is_floating_point():  # float32 where the model keeps float32 (norms, mHC, sinks, ape)
             scale = 1.0 if key.endswith("norm.weight") else 0.02
-            tensors[upstream_name(key)] = (torch.randn(t.shape, generator=g) * scale).to(torch.bfloat16)
+            dtype = torch.float32 if any(mark in key for mark in FP32_PARAM_MARKERS) else torch.bfloat16
+            tensors[upstream_name(key)] = (torch.randn(t.shape, generator=g) * scale).to(dtype)
         else:  # the hash-routing table
             tensors[upstream_name(key)] = torch.randint(0, config.n_routed_experts, t.shape, dtype=t.dtype, generator=g)
     weight_map = {}
@@ -251,7 +253,8 @@ def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: 
                     runs[t][mode].append({"decode_ms_per_token": r["decode_s"] * 1e3 / max(len(r["tokens"]) - 1, 1),
                                           "prefill_tokens_per_s": prompt_len / r["prefill_s"], "tokens": r["tokens"]})
                 if peer is not None:
-                    runs[t]["llama.cpp"].append(time_once(peer, Path(llama["gguf"]), t, prompt_len, new_tokens))
+                    runs[t]["llama.cpp"].append(time_once(peer, Path(llama["gguf"]), t, prompt_len, new_tokens,
+                                                          llama["flags"]))
     return {t: {impl: {"decode_ms_per_token": min(r["decode_ms_per_token"] for r in rs),
                        "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rs),
                        **({"tokens": rs[0]["tokens"]} if "tokens" in rs[0] else {})}
@@ -283,6 +286,7 @@ def _llama_peer(args, path: Path, work: Path) -> tuple[dict | None, str]:
     gguf = llama_cpp.convert(llama, path, work)
     experts_per_token = json.loads((path / "config.json").read_text())["num_experts_per_tok"]
     return {"bench": str(llama.bench), "source": str(llama.source), "gguf": str(gguf),
+            "flags": llama_cpp.working_flags(llama, gguf),
             "decode_weight_bytes": llama_cpp.decode_weight_bytes(llama, gguf, experts_per_token)}, ""
 
 
@@ -334,6 +338,9 @@ def run(args) -> int:
               f"{r['prefill_tokens_per_s']:>14.1f} {r['weight_gb_s']:>13.1f} {fraction:>11}")
     if llama is None:
         print(f"llama.cpp: not timed ({no_llama})")
+    else:
+        print(f"llama.cpp: {llama['bench']} on the GGUF its converter wrote ({llama['decode_weight_bytes'] / 1e9:.2f} GB a "
+              f"decode step reads){'; llama-bench ' + ' '.join(llama['flags']) if llama['flags'] else ''}")
     peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
     print(f"{'quantized':<11} {'tensor GiB':>11} {'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13}")
     for mode in MODES:
