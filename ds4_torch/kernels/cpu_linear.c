@@ -25,8 +25,8 @@
  * depend on how rows are split over threads, nor on N: the same bits at every thread count and
  * batch size.
  *
- * Threads: the weight's rows are cut into one contiguous range per OpenMP thread, as many as the
- * caller asks (torch's thread count). Loaded into a process that already holds torch, the OpenMP
+ * Threads: the weight's rows are cut into units of contiguous rows handed out to the OpenMP
+ * threads as they come free (as many threads as the caller asks: torch's thread count). Loaded into a process that already holds torch, the OpenMP
  * runtime is torch's own libgomp (same soname), so no second pool competes for the cores. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -439,18 +439,18 @@ static int thread_count(int threads, long R, long weight_bytes) {
 #endif
 }
 
-/* this thread's rows [*a, *b) of R, cut on multiples of `align` */
-static void my_rows(long R, long align, long *a, long *b) {
+/* Rows per work unit: the whole of R for one thread; else about 8 units a thread, a multiple of
+   `align`, handed out dynamically (`schedule(dynamic)`): a thread the OS descheduled on a shared
+   machine leaves its units to the others instead of holding up the step at the barrier. Which
+   thread takes a row changes no bit of it. */
+static long unit_rows(long R, long align) {
 #ifdef _OPENMP
-    long t = omp_get_thread_num(), T = omp_get_num_threads();
+    long T = omp_get_num_threads();
 #else
-    long t = 0, T = 1;
+    long T = 1;
 #endif
-    long units = (R + align - 1) / align;
-    *a = units * t / T * align;
-    *b = units * (t + 1) / T * align;
-    if (*a > R) *a = R;
-    if (*b > R) *b = R;
+    long unit = T == 1 ? R : R / (8 * T);
+    return unit < align ? align : round_up(unit, align);
 }
 
 int ds4_features(void) {
@@ -487,17 +487,20 @@ int ds4_linear_bf16(const void *x, int x_bf16, long N, long K, const bf16 *w, lo
     int failed = 0;
 #pragma omp parallel num_threads(thread_count(threads, R, R * K * 2))
     {
-        long a, b;
-        my_rows(R, ROWS, &a, &b);
+        long unit = unit_rows(R, ROWS);
         float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
         if (!acc) failed = 1;
-        for (long r = a; acc && r < b; r += ROWS) {
-            int rows = b - r < ROWS ? (int)(b - r) : ROWS;
-            memset(acc, 0, sizeof(float) * LANES * rows * N);
-            rows_ref ref = {w + r * ldw, NULL, ldw};
-            for (long k0 = 0; k0 < K; k0 += kb)  /* many rows of x: the rows' block stays in L1 */
-                accumulate(ref, rows, k0, k0 + kb < K ? k0 + kb : K, xc, ldx, N, acc);
-            store_rows(acc, rows, N, out, ldo, out_bf16, r);
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < (R + unit - 1) / unit; u++) {
+            long b = (u + 1) * unit < R ? (u + 1) * unit : R;
+            for (long r = u * unit; acc && r < b; r += ROWS) {
+                int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+                memset(acc, 0, sizeof(float) * LANES * rows * N);
+                rows_ref ref = {w + r * ldw, NULL, ldw};
+                for (long k0 = 0; k0 < K; k0 += kb)  /* many rows of x: the rows' block stays in L1 */
+                    accumulate(ref, rows, k0, k0 + kb < K ? k0 + kb : K, xc, ldx, N, acc);
+                store_rows(acc, rows, N, out, ldo, out_bf16, r);
+            }
         }
     }
     return failed ? -1 : 0;
@@ -512,38 +515,41 @@ int ds4_linear_fp8(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
     int failed = 0;
 #pragma omp parallel num_threads(thread_count(threads, R, R * K))
     {
-        long a, b;
-        my_rows(R, bm % ROWS == 0 ? bm : ROWS, &a, &b);
+        long unit = unit_rows(R, bm % ROWS == 0 ? bm : ROWS);
         float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
         float *xs = scratch_get(SCRATCH_XS, sizeof(float) * N * ldx);
         float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
         if (!tile || !xs || !acc) failed = 1;
         long block = -1;
-        for (long r = a; !failed && r < b;) {
-            long rb = r / bm, end = (rb + 1) * bm < b ? (rb + 1) * bm : b;
-            int rows = end - r < ROWS ? (int)(end - r) : ROWS;
-            if (rb != block) {  /* x times this row block's column scales: the weights stay e4m3 values */
-                for (long n = 0; n < N; n++)
-                    x_row_to_compute((const char *)x + n * K * (x_bf16 ? 2 : 4), x_bf16, K, scale + rb * lds, bn,
-                                     xs + n * ldx);
-                block = rb;
-            }
-#ifdef FP8_FEW_ROWS
-            if (N <= FP8_FEW_ROWS)
-                fp8_few[rows - 1][N - 1](w + r * ldw, ldw, K, xs, ldx, acc);
-            else
-#endif
-            {
-                memset(acc, 0, sizeof(float) * LANES * rows * N);
-                for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
-                    long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                    for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
-                    rows_ref ref = {NULL, tile, K_BLOCK};
-                    accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < (R + unit - 1) / unit; u++) {
+            long b = (u + 1) * unit < R ? (u + 1) * unit : R;
+            for (long r = u * unit; !failed && r < b;) {
+                long rb = r / bm, end = (rb + 1) * bm < b ? (rb + 1) * bm : b;
+                int rows = end - r < ROWS ? (int)(end - r) : ROWS;
+                if (rb != block) {  /* x times this row block's column scales: the weights stay e4m3 values */
+                    for (long n = 0; n < N; n++)
+                        x_row_to_compute((const char *)x + n * K * (x_bf16 ? 2 : 4), x_bf16, K, scale + rb * lds, bn,
+                                         xs + n * ldx);
+                    block = rb;
                 }
+#ifdef FP8_FEW_ROWS
+                if (N <= FP8_FEW_ROWS)
+                    fp8_few[rows - 1][N - 1](w + r * ldw, ldw, K, xs, ldx, acc);
+                else
+#endif
+                {
+                    memset(acc, 0, sizeof(float) * LANES * rows * N);
+                    for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                        long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                        for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
+                        rows_ref ref = {NULL, tile, K_BLOCK};
+                        accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
+                    }
+                }
+                store_rows(acc, rows, N, out, ldo, out_bf16, r);
+                r += rows;
             }
-            store_rows(acc, rows, N, out, ldo, out_bf16, r);
-            r += rows;
         }
     }
     return failed ? -1 : 0;
@@ -559,29 +565,32 @@ int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
     int failed = 0;
 #pragma omp parallel num_threads(thread_count(threads, R, R * K / 2))
     {
-        long a, b;
-        my_rows(R, ROWS, &a, &b);
+        long unit = unit_rows(R, ROWS);
         float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
         float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
         if (!tile || !acc) failed = 1;
-        for (long r = a; !failed && r < b; r += ROWS) {
-            int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < (R + unit - 1) / unit; u++) {
+            long b = (u + 1) * unit < R ? (u + 1) * unit : R;
+            for (long r = u * unit; !failed && r < b; r += ROWS) {
+                int rows = b - r < ROWS ? (int)(b - r) : ROWS;
 #ifdef DS4_AVX512
-            if (N <= XROWS) {
-                fp4_few[rows - 1][N - 1](w + r * ldw, ldw, scale + r * lds, lds, K, xc, round_up(K, CHUNK), acc);
-                store_rows(acc, rows, N, out, ldo, out_bf16, r);
-                continue;
-            }
+                if (N <= XROWS) {
+                    fp4_few[rows - 1][N - 1](w + r * ldw, ldw, scale + r * lds, lds, K, xc, round_up(K, CHUNK), acc);
+                    store_rows(acc, rows, N, out, ldo, out_bf16, r);
+                    continue;
+                }
 #endif
-            memset(acc, 0, sizeof(float) * LANES * rows * N);
-            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
-                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                for (int i = 0; i < rows; i++)
-                    unpack_fp4_paired(w + (r + i) * ldw, scale + (r + i) * lds, k0, k1, tile + i * K_BLOCK);
-                rows_ref ref = {NULL, tile, K_BLOCK};
-                accumulate(ref, rows, k0, k1, xc, round_up(K, CHUNK), N, acc);
+                memset(acc, 0, sizeof(float) * LANES * rows * N);
+                for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                    long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                    for (int i = 0; i < rows; i++)
+                        unpack_fp4_paired(w + (r + i) * ldw, scale + (r + i) * lds, k0, k1, tile + i * K_BLOCK);
+                    rows_ref ref = {NULL, tile, K_BLOCK};
+                    accumulate(ref, rows, k0, k1, xc, round_up(K, CHUNK), N, acc);
+                }
+                store_rows(acc, rows, N, out, ldo, out_bf16, r);
             }
-            store_rows(acc, rows, N, out, ldo, out_bf16, r);
         }
     }
     return failed ? -1 : 0;
@@ -636,12 +645,11 @@ int ds4_dequantize_fp8(const uint8_t *w, long ldw, long R, long K, const float *
     int failed = 0;
 #pragma omp parallel num_threads(thread_count(threads, R, R * K))
     {
-        long a, b;
-        my_rows(R, 1, &a, &b);
         float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
         if (!tile) failed = 1;
-        for (long r = a; tile && r < b; r++)
-            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+#pragma omp for schedule(dynamic, 16)
+        for (long r = 0; r < R; r++)
+            for (long k0 = 0; tile && k0 < K; k0 += K_BLOCK) {
                 long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
                 unpack_fp8_paired(w + r * ldw, k0, k1, tile);
                 store_dequantized(tile, k1 - k0, k0, scale + (r / bm) * lds, bn,
@@ -658,12 +666,11 @@ int ds4_dequantize_fp4(const uint8_t *w, long ldw, long R, long K, const uint8_t
     int failed = 0;
 #pragma omp parallel num_threads(thread_count(threads, R, R * K / 2))
     {
-        long a, b;
-        my_rows(R, 1, &a, &b);
         float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
         if (!tile) failed = 1;
-        for (long r = a; tile && r < b; r++)
-            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+#pragma omp for schedule(dynamic, 16)
+        for (long r = 0; r < R; r++)
+            for (long k0 = 0; tile && k0 < K; k0 += K_BLOCK) {
                 long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
                 unpack_fp4_paired(w + r * ldw, scale + r * lds, k0, k1, tile);
                 store_dequantized(tile, k1 - k0, k0, NULL, 1,
