@@ -4,7 +4,8 @@ parameter and peak RSS, and whether both decode the same greedy tokens; with a l
 (`--llama-cpp`, or `llama-bench` on PATH), llama.cpp on the same checkpoint converted by its own
 converter (`llama_cpp.py`), at the same thread counts.
 
-The roofline: on a CPU the run also measures the machine's read bandwidth (a torch sum over 1 GiB)
+The roofline: on a CPU the run also measures the machine's read bandwidth (a native sum over 1 GiB, torch's
+sum without native code)
 at one thread and at each thread count timed, and prints each mode's weight GB/s (the weight
 bytes a decode step reads at least, as stored, per decode time) as a fraction of it.
 
@@ -202,24 +203,30 @@ def measure_memory(path, quantized: str, device: str = "cpu") -> dict:
     }
 
 
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 3) -> float:
-    """GB/s of a plain torch sum over `gib` GiB at `threads` threads (best of `repeats`): what a
-    decode step's weight reads are set against."""
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 3) -> tuple[float, str]:
+    """(GB/s, how) reading `gib` GiB at `threads` threads, best of `repeats`: what a decode step's
+    weight reads are set against. The native word sum where native code runs (torch's int64 sum
+    reads no faster with a second thread on the 2-core Xeon this was written on, while the native
+    products read twice as fast), else torch's sum."""
     import time
+
+    from ..kernels import cpu_linear
 
     before = torch.get_num_threads()
     data = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
+    native = cpu_linear.read_words(data[:8], 1) is not None
+    read = (lambda: cpu_linear.read_words(data, threads)) if native else data.sum
     try:
         torch.set_num_threads(threads)
-        data.sum()
+        read()
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            data.sum()
+            read()
             best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
-    return data.nbytes / best / 1e9
+    return data.nbytes / best / 1e9, "a native sum" if native else "a torch sum"
 
 
 def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu",
@@ -305,7 +312,8 @@ def run(args) -> int:
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
         llama, no_llama = _llama_peer(args, path, work / "llama.cpp")
-        bandwidth = {} if cuda else {t: read_bandwidth(t) for t in sorted({1, os.cpu_count() or 1, *counts})}
+        reads = {} if cuda else {t: read_bandwidth(t) for t in sorted({1, os.cpu_count() or 1, *counts})}
+        bandwidth = {t: gb for t, (gb, _) in reads.items()}
         speed = _child("speed", path, args.device, json.dumps({
             "threads": counts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "repeats": args.repeats, "llama": llama}))
@@ -328,7 +336,7 @@ def run(args) -> int:
     print(f"bench quant: {args.model or 'a written checkpoint'} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, best of {args.repeats}")
     if bandwidth:
-        print("read bandwidth (a torch sum over 1 GiB): "
+        print(f"read bandwidth ({next(iter(reads.values()))[1]} over 1 GiB): "
               + ", ".join(f"{t} thread{'s' * (t > 1)} {gb:.1f} GB/s" for t, gb in bandwidth.items()))
     print(f"{'impl':<11} {'threads':>7} {'decode ms/token':>16} {'prefill tok/s':>14} {'weights GB/s':>13} "
           f"{'of read BW':>11}")
@@ -376,7 +384,7 @@ def run(args) -> int:
         print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: "
               + ", ".join(f"{r['quantized']} {100 * r['weight_gb_s'] / peak:.0f}%" for r in rows))
     print("(weights GB/s: the weight bytes a decode step reads at least, as stored (top-k experts a layer; "
-          "llama.cpp: its GGUF's tensors), per decode time; of read BW: that against the torch sum at the same "
+          "llama.cpp: its GGUF's tensors), per decode time; of read BW: that against the read bandwidth at the same "
           "thread count; layers bytes/param: the transformer layers alone, without the bf16 embedding and head; "
           "peak RSS counts the safetensors pages mapped while loading)")
     if args.csv:

@@ -679,3 +679,19 @@ int ds4_dequantize_fp4(const uint8_t *w, long ldw, long R, long K, const uint8_t
     }
     return failed ? -1 : 0;
 }
+
+/* ------------------------------------------------------------------ the roofline
+ * The sum of n 64-bit words, read by `threads` threads (units handed out as above): what `bench
+ * quant` times as the machine's read bandwidth. */
+uint64_t ds4_read_words(const uint64_t *p, long n, int threads) {
+    uint64_t total = 0;
+    long unit = 1L << 16;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : total)
+    for (long u = 0; u < (n + unit - 1) / unit; u++) {
+        uint64_t s = 0;
+        long end = (u + 1) * unit < n ? (u + 1) * unit : n;
+        for (long i = u * unit; i < end; i++) s += p[i];
+        total += s;
+    }
+    return total;
+}

@@ -37,7 +37,7 @@ from . import native
 log = logging.getLogger("ds4_torch")
 
 __all__ = ["MAX_ROWS", "available", "bf16_linear", "fp8_linear", "fp4_linear", "dequantize_fp8_rows",
-           "dequantize_fp4_rows", "features"]
+           "dequantize_fp4_rows", "features", "read_words"]
 
 # Rows of x the native products take. Above it (prefill) a dense product (oneDNN, AMX where the CPU
 # has it) on unpacked tiles is faster than a GEMV that re-reads the tile for every 4 rows.
@@ -60,6 +60,7 @@ _SIGNATURES = {
     "ds4_dequantize_fp8": [_ptr, _long, _long, _long, _ptr, _long, _long, _long, _ptr, _int, _int],
     "ds4_dequantize_fp4": [_ptr, _long, _long, _long, _ptr, _long, _ptr, _int, _int],
     "ds4_features": [],
+    "ds4_read_words": [_ptr, _long, _int],
 }
 
 
@@ -76,7 +77,7 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("; ".join(errors))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fn.argtypes, fn.restype = argtypes, ctypes.c_uint64 if name == "ds4_read_words" else ctypes.c_int
     return lib
 
 
@@ -108,6 +109,16 @@ def features() -> dict:
         return {}
     bits = lib.ds4_features()
     return {"avx512": bool(bits & 1), "openmp": bool(bits & 4)}
+
+
+def read_words(data: Tensor, threads: int) -> int | None:
+    """The sum (mod 2^64) of a contiguous CPU tensor's 64-bit words, read by `threads` threads as
+    the products read their weights; None without native code. What `bench quant` times as the
+    machine's read bandwidth (torch's own sum does not read faster with more threads here)."""
+    lib = library()
+    if lib is None or data.device.type != "cpu" or not data.is_contiguous() or data.nbytes % 8:
+        return None
+    return lib.ds4_read_words(data.data_ptr(), data.nbytes // 8, threads)
 
 
 def _runnable(x: Tensor, *weights: Tensor) -> bool:
