@@ -320,3 +320,10 @@ def test_model_linears_take_the_native_gemv(native, checkpoint, monkeypatch):
     want = torch.einsum("...gi,gri->...gr", x.double(), grouped.weight.double().view(grouped.groups, -1, x.shape[-1]))
     assert_near(grouped(x), want, torch.bfloat16)
     assert len(calls) == grouped.groups
+
+
+def test_read_words_sums_what_it_reads(native):
+    """The roofline `bench quant` times reads every word: its sum is torch's, at 1 and 2 threads."""
+    data = torch.randint(0, 2**40, (300_001,), dtype=torch.int64, generator=torch.Generator().manual_seed(6))
+    want = int(data.sum()) % 2**64
+    assert cpu_linear.read_words(data, 1) == want == cpu_linear.read_words(data, 2)
