@@ -23,7 +23,7 @@ _LAZY = {
     "SamplingParams": "sampling",
     "make_decoder": "decode",
     "prefill": "decode",
-    "capabilities": "capabilities",
+    "capabilities": "hardware",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -31,7 +31,7 @@ __all__ = ["__version__", *_LAZY]
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from .cache import DS4Cache
     from .paged import BlockPool, BlockTable, PagedDS4Cache
-    from .capabilities import capabilities
+    from .hardware import capabilities
     from .config import DS4Config
     from .decode import make_decoder, prefill
     from .generation import generate

@@ -1,7 +1,7 @@
 """The `ds4-torch` command line (also `python -m ds4_torch`).
 
-`generate` and `info` live here; `serve` (the `serve` package) and `bench` (`ds4_torch.bench`)
-sit on top of the library and are imported only when their command runs.
+`generate` and `info` live here; `serve` and `cache-explain` (the `serve` package) and `bench`
+(`ds4_torch.bench`) sit on top of the library and are imported only when their command runs.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _generate(args, tok, model, seed, lead: bool) -> int:
 
 
 def cmd_info(args) -> int:
-    from .capabilities import capabilities
+    from .hardware import capabilities
     from .model import DS4ForCausalLM
 
     cfg = load_config(args.model)
@@ -170,6 +170,12 @@ def _print_weight_memory(args, parameters: int, cache_bytes: int) -> int:
     return held
 
 
+def cmd_cache_explain(args) -> int:
+    from serve.cli import explain_cache
+
+    return explain_cache(args)
+
+
 def cmd_serve(args) -> int:
     from serve.cli import run
 
@@ -225,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
+    from serve.cli import add_explain_arguments
+
+    x = sub.add_parser("cache-explain", help="ask a running server what a past request reused of the KV cache, and "
+                                             "why not more")
+    add_explain_arguments(x)
+    x.set_defaults(func=cmd_cache_explain)
+
     from .bench import add_parser as add_bench_parser  # argparse only: each target loads on run
 
     add_bench_parser(sub)
@@ -239,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"ds4-torch: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: said, on a line of its own (not a traceback, not silence)
+        print(f"\nds4-torch: interrupted ({args.command}{' ' + args.target if args.command == 'bench' else ''})",
+              file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `ds4-torch generate ... | head`
         return 0

@@ -33,7 +33,7 @@ import os
 import torch
 
 from .cache import DS4Cache, Rollback
-from .capabilities import capabilities
+from .hardware import capabilities
 from .faults import fault_point
 
 MODES = ("auto", "eager", "graph", "compile")
@@ -233,10 +233,8 @@ class _Captured:
             if cache.device.type == "cuda":
                 self._capture_cuda(step, decoder.pool)
             else:
-                from torch.fx.experimental.proxy_tensor import make_fx
-
                 self.ids.copy_(decoder.warmup_ids(n))
-                self.graph = make_fx(step, tracing_mode="real")(*self.inputs)
+                self.graph = emulate_capture(step, self.inputs)
                 self.logits = None
         finally:
             # Capture ran (emulator) or warmed up (CUDA) the step on the live state: put it back.
@@ -367,6 +365,20 @@ class _ForwardsByKind(SpeculativeForwards):
         return self._run("catch_up", (streams, ids, select), undo)
 
 
+def emulate_capture(fn, inputs):
+    """The capture emulator: `fn(*inputs)` traced once by `make_fx` with real tensors, so every
+    value read on the host and every branch taken is frozen into the graph, as a CUDA-graph
+    capture freezes them. The trace runs under one fake mode for the whole capture: otherwise
+    make_fx builds a new one (and walks the Python stack) for every node's metadata, which made a
+    capture twice as slow."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        return make_fx(fn, tracing_mode="real")(*inputs)
+
+
 class _CapturedCall:
     """One captured call of a speculative step's function (shapes fixed): static input buffers,
     the cache's tensors as graph inputs (`extra`: more tensors read in place, a forward graph's
@@ -395,9 +407,7 @@ class _CapturedCall:
                 with torch.cuda.graph(self.graph, pool=forwards.pool):
                     self.outputs = fn(*self.inputs)
             else:
-                from torch.fx.experimental.proxy_tensor import make_fx
-
-                self.graph = make_fx(fn, tracing_mode="real")(*self.inputs)
+                self.graph = emulate_capture(fn, self.inputs)
         finally:  # capture ran (emulator) or warmed up (CUDA) the call on the live state: put it back
             for t, saved in zip(cache.tensors(), snapshot):
                 t.copy_(saved)

@@ -20,7 +20,8 @@ live in one pool of `num_blocks` blocks per layer and state, read and written th
   are kept) in least-recently-released order; it is reclaimed only when no free block is left.
   Free blocks are handed out lowest id first (deterministic). A block is writable only when one
   table holds it and it is not registered (registered rows are immutable); otherwise a write
-  first copies it (copy on write).
+  first copies it (copy on write). Its `listener` (`PoolListener`, optional) is told of every
+  digest registered and every one dropped, as it happens (what `serve --kv-events` publishes).
 - `BlockTable`: one sequence's blocks in order, its tokens, and the digests of its full blocks.
   `append` returns the block copies the caller must make before writing rows (`tentative`: a
   speculative step's, registered only once final); `drop` gives back a rolled-back tail; `fork`
@@ -48,13 +49,15 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from .cache import CompressorState, DS4Cache, _compressor_state, _flat_bytes
 from .config import DS4Config
 
-__all__ = ["PoolExhausted", "chain_digest", "block_nbytes", "pool_blocks", "BlockPool", "BlockTable", "PagedDS4Cache"]
+__all__ = ["PoolExhausted", "chain_digest", "block_nbytes", "pool_blocks", "PoolListener", "BlockPool", "BlockTable",
+           "PagedDS4Cache"]
 
 DEFAULT_BLOCK_TOKENS = 256
 
@@ -91,6 +94,18 @@ def pool_blocks(config: DS4Config, dtype: torch.dtype, memory_bytes: float, bloc
     return int(memory_bytes // block_nbytes(config, dtype, block_tokens, kv_rows))
 
 
+class PoolListener(Protocol):
+    """What a `BlockPool`'s `listener` is told, on the thread changing the pool (so it must be quick
+    and never raise): a full block was registered under `digest` (`stored`: the digest of the block
+    before it in its sequence, None for a sequence's first block; its token ids; its tenant), or
+    the block registered under `digest` was reclaimed or unregistered (`removed`). At any moment
+    the digests stored and not removed are exactly the pool's registered ones."""
+
+    def stored(self, digest: bytes, parent: bytes | None, tokens: Sequence[int], tenant: str | None) -> None: ...
+
+    def removed(self, digest: bytes) -> None: ...
+
+
 class BlockPool:
     """`num_blocks` blocks of `block_tokens` tokens: reference counts, a free list, and full
     blocks cached under their chain digest (see the module docstring)."""
@@ -110,6 +125,7 @@ class BlockPool:
         self.evictions = 0  # cached blocks reclaimed so far
         self.num_shared = 0  # blocks held by more than one table (kept as counts change: a gauge reads it)
         self.peak_used = 0   # the most blocks held at once (`num_used`) so far
+        self.listener: PoolListener | None = None
 
     # ------------------------------------------------------------------ state
     def refcount(self, block: int) -> int:
@@ -158,7 +174,7 @@ class BlockPool:
             block = heapq.heappop(self._free)
         elif self._cached:
             block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._digest_of.pop(block)]
+            self._unregister(block)
             self.evictions += 1
         else:
             raise PoolExhausted(f"all {self.num_blocks} KV blocks of {self.block_tokens} tokens are in use")
@@ -189,16 +205,27 @@ class BlockPool:
             else:
                 heapq.heappush(self._free, block)
 
-    def register(self, block: int, digest: bytes) -> bool:
-        """Cache held, full `block` under `digest`. False (and nothing changes) when another
-        block already holds that digest: `block` stays a private copy."""
+    def register(self, block: int, digest: bytes, parent: bytes | None = None, tokens: Sequence[int] = (),
+                 tenant: str | None = None) -> bool:
+        """Cache held, full `block` under `digest` (`parent`, `tokens`, `tenant`: what `digest`
+        was computed from, for the listener). False (and nothing changes) when another block
+        already holds that digest: `block` stays a private copy."""
         if self._refcounts[block] <= 0:
             raise ValueError(f"block {block} is not held")
         if digest in self._block_of or block in self._digest_of:
             return False
         self._block_of[digest] = block
         self._digest_of[block] = digest
+        if self.listener is not None:
+            self.listener.stored(digest, parent, tokens, tenant)
         return True
+
+    def _unregister(self, block: int) -> None:
+        """`block`'s digest is no longer cached (the listener is told)."""
+        digest = self._digest_of.pop(block)
+        del self._block_of[digest]
+        if self.listener is not None:
+            self.listener.removed(digest)
 
     def blocks_needed(self, tables: Sequence["BlockTable"], new_tokens: Sequence[int]) -> int:
         """Blocks appending new_tokens[i] tokens to tables[i], one table after the other, would
@@ -311,7 +338,7 @@ class BlockTable:
                 return
             parent = self.digests[-1] if self.digests else None
             self.digests.append(chain_digest(parent, self.tenant, tokens))
-            self.pool.register(self.blocks[k], self.digests[k])
+            self.pool.register(self.blocks[k], self.digests[k], parent, tokens, self.tenant)
 
     def commit(self) -> None:
         """The tokens are final (no `Rollback` will take any back): register every full block."""

@@ -80,7 +80,7 @@ def add_tp_argument(p: argparse.ArgumentParser) -> None:
 def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     """'auto' (or None): CUDA if available, else MPS, else CPU; otherwise the named device, which
     must exist on this machine."""
-    from .capabilities import default_device
+    from .hardware import default_device
 
     if name is None or name == "auto":
         return default_device()

@@ -1,4 +1,4 @@
-"""A stage 4 for the embedded model (not shipped): answer plain chat with text, keep the agent protocol.
+"""Stage 4 of the embedded model: answer plain chat with text, keep the agent protocol.
 
 After stage 3 (``train_long.py``) the model answered most plain chat turns (no tools offered) by
 opening a ``get_weather`` call with an invented city: stage 2's drills had no tools section, so it
@@ -30,8 +30,8 @@ Evaluation (``--eval-only``, also before and after training), written to trainin
   each read from position 0, and of the same 6,144 tokens after 36,864 tokens of other text
   (the training split) in one sequence.
 
-Not shipped (training.json, ``stage4_not_shipped``): the candidate was stage 3 followed by two
-runs of this script, then ``train_mtp.py`` on the final weights:
+The shipped model (training.json, ``stage4``, ``stage4_decision`` and ``mtp``) is stage 3 followed
+by two runs of this script, then ``train_mtp.py`` on the final weights:
 
     python examples/train_chat.py --out /tmp/chat1 --steps 320 --minutes 48 --lr 5e-4 --seed 41
     python examples/train_chat.py --base /tmp/chat1 --out /tmp/chat2 --steps 12 --minutes 14 --lr 3e-4 \
@@ -42,7 +42,12 @@ runs of this script, then ``train_mtp.py`` on the final weights:
 The first run taught plain chat (39 of 40 held-out prompts answered with text) but lost long
 context (held-out text after 36K tokens of other text: 3.154 -> 3.311); the second, every step
 one 24K-44K-token sequence, won back little of it (3.284), and exact arguments of held-out calls
-fell (31 -> 15 of 60), so stage 3 stays the shipped model.
+fell (31 -> 15 of 60). It ships anyway: a plain chat answered in prose outweighed both.
+
+``--resume FILE`` keeps a run resumable across sessions: every ``--save-every`` steps and at the
+end the weights, the optimiser and schedule, the data's random states and the losses so far go to
+FILE (outside the package), and the same command run again continues from there, with the same
+losses as a run that never stopped; ``--minutes`` is then each session's budget.
 """
 from __future__ import annotations
 
@@ -188,7 +193,7 @@ def _ask(client, messages, n: int, **kw) -> list:
 def chat_eval(model_dir: Path, quick: bool = False) -> dict:
     """The plain-prompt and weather tables through the real server, and the model's raw output."""
     import openai
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     from ds4_torch.generation import generate
@@ -278,6 +283,10 @@ def main(argv=None):
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--quick-eval", action="store_true")
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--resume", type=Path, metavar="FILE",
+                   help="the run's resumable state (weights, optimiser, schedule, data position, losses), written "
+                        "with --out every --save-every steps and at the end; when FILE exists the run continues from "
+                        "it (run the same command again). Keep it outside the package: it is not shipped")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -288,24 +297,59 @@ def main(argv=None):
 
     from tokenizers import Tokenizer
 
+    package = Path(__file__).resolve().parents[1] / "ds4_torch"
+    if args.resume is not None and args.resume.resolve().is_relative_to(package):
+        p.error(f"--resume {args.resume}: keep the resumable state outside the package ({package})")
+    state = torch.load(args.resume, weights_only=False) if args.resume is not None and args.resume.exists() else None
+    if state is not None and state["settings"] != run_settings(args):
+        changed = sorted(k for k, v in run_settings(args).items() if state["settings"].get(k) != v)
+        p.error(f"--resume {args.resume} was written by a run with other settings ({', '.join(changed)}): "
+                "resume with the same ones, or start afresh with another --resume file")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if args.base.resolve() != args.out.resolve():
             (args.out / name).write_bytes((args.base / name).read_bytes())
-    record = json.loads((args.base / "training.json").read_text())
+    record = json.loads((args.base / "training.json").read_text()) if state is None else state["record"]
     model = DS4ForCausalLM.from_pretrained(args.base, progress=False)
     tok = Tokenizer.from_file(str(args.base / "tokenizer.json"))
     train_ids, _ = shakespeare_splits(tok, args.data)
     text = args.data.read_text(encoding="utf-8")
     lines = ShakespeareLines(text[:int(len(text) * 0.9)])
     balance, opt, sched = start_training(model, args)
-    rng = random.Random(args.seed)
-    text_data = batches(train_ids, args.text_rows, args.length, torch.Generator().manual_seed(args.seed))
-    tool_data = tool_batches(tok, 1, args.seed + 1, model.config.eos_token_ids[0], (1, 3), 0.7, "mixed")
+    # Every draw of the data comes from these three, so their states are the data's position.
+    rng, tool_rng = random.Random(args.seed), random.Random(args.seed + 1)
+    text_generator = torch.Generator().manual_seed(args.seed)
+    text_data = batches(train_ids, args.text_rows, args.length, text_generator)
+    tool_data = tool_batches(tok, 1, tool_rng, model.config.eos_token_ids[0], (1, 3), 0.7, "mixed")
     tokens = dict.fromkeys(("plain_chat", "drill", "tool_chat", "agent_chat", "text", "long"), 0)
     history = []
+    step, earlier = 0, 0.0  # steps and training seconds of the sessions before this one
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        rng.setstate(state["rng"])
+        tool_rng.setstate(state["tool_rng"])
+        text_generator.set_state(state["text_generator"])
+        torch.set_rng_state(state["torch_rng"])
+        step, earlier, tokens, history = state["step"], state["train_seconds"], state["tokens"], state["history"]
+        print(f"resumed from {args.resume} at step {step} ({earlier / 60:.1f} min trained)", flush=True)
+
+    def save() -> None:
+        model.eval().save_pretrained(args.out)
+        save_record(args, record, step, earlier + time.time() - t0, tokens, history)
+        if args.resume is not None:
+            args.resume.parent.mkdir(parents=True, exist_ok=True)
+            partial = args.resume.with_name(args.resume.name + ".partial")
+            torch.save({"settings": run_settings(args), "record": record, "step": step,
+                        "train_seconds": earlier + time.time() - t0, "tokens": tokens, "history": history,
+                        "model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                        "rng": rng.getstate(), "tool_rng": tool_rng.getstate(),
+                        "text_generator": text_generator.get_state(), "torch_rng": torch.get_rng_state()}, partial)
+            partial.replace(args.resume)  # a run killed while saving keeps the previous state
+        model.train()
+
     t0 = time.time()
-    step = 0
     while time.time() - t0 < args.minutes * 60 and step < args.steps:
         step += 1
         opt.zero_grad(set_to_none=True)
@@ -347,12 +391,18 @@ def main(argv=None):
         history.append({"step": step, **losses})
         print(f"step {step:4d} {json.dumps(losses)} {time.time() - t0:7.1f} s", flush=True)
         if step % args.save_every == 0:
-            model.eval().save_pretrained(args.out)
-            save_record(args, record, step, time.time() - t0, tokens, history)
-            model.train()
-    model.eval().save_pretrained(args.out)
-    save_record(args, record, step, time.time() - t0, tokens, history)
-    print(f"trained {step} steps in {(time.time() - t0) / 60:.1f} min", flush=True)
+            save()
+    save()
+    print(f"trained {step} steps in {(earlier + time.time() - t0) / 60:.1f} min", flush=True)
+
+
+def run_settings(args) -> dict:
+    """What a resumed run must share with the run that wrote its state: the base, the schedule, the
+    optimiser, the seed and the data mix (not --minutes, --out or --save-every)."""
+    keys = ("steps", "lr", "weight_decay", "seed", "chat_rows", "drill_rows", "drill_length", "text_rows", "length",
+            "tool_every", "agent_every", "long_every", "long_length", "thinking")
+    return {"base": str(args.base.resolve()), **{k: list(v) if isinstance(v, tuple) else v
+                                                 for k, v in vars(args).items() if k in keys}}
 
 
 def save_record(args, record: dict, step: int, train_time: float, tokens: dict, history: list) -> None:

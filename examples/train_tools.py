@@ -156,10 +156,11 @@ def drill_batches(tok, rows: int, length: int, seed: int, novel: float, repeat: 
         yield torch.tensor(xs), torch.tensor(ys)
 
 
-def tool_batches(tok, batch: int, seed: int, pad_id: int, rounds: tuple[int, int] = (1, 3), novel: float = 0.0,
-                 names: str = "syllables"):
-    """Batches of whole tool chats (tools section, several rounds), padded."""
-    rng = random.Random(seed)
+def tool_batches(tok, batch: int, seed: int | random.Random, pad_id: int, rounds: tuple[int, int] = (1, 3),
+                 novel: float = 0.0, names: str = "syllables"):
+    """Batches of whole tool chats (tools section, several rounds), padded. `seed` may be the
+    random.Random to draw from (a resumable run keeps its state)."""
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
     while True:
         rows = [encode_chat(tok, tool_corpus.conversation(rng, "train", rounds=rounds, novel=novel, names=names))
                 for _ in range(batch)]

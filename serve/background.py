@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from .app import HTTP_PARSER
+from serve.http.app import HTTP_PARSER
 
 
 class BackgroundServer:

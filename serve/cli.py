@@ -7,12 +7,13 @@ import logging
 import os
 import sys
 
-from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, non_negative_int, positive_float,
-                               positive_int, resolve_device)
+from ds4_torch.runtime import (UserError, add_model_arguments, add_tp_argument, load_config, non_negative_int,
+                               positive_float, positive_int, resolve_device)
 
-from .setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
-                    REPLAY_SHARE, _api_key, attach_kv_store, choose_kv_pool, load, load_api_side)  # (imported from here)
-from .wire import BACKLOG_MB
+from serve.core.setup import (API_KEY_ENV, KV_DISK_DEFAULT_EVERY, KV_DISK_DEFAULT_MB, KV_DISK_DEFAULT_MIN_TOKENS,  # noqa: F401
+                    REPLAY_SHARE, _api_key, attach_kv_store, check_kv_events, choose_kv_pool, load,
+                    load_api_side, warn_if_open)  # (imported from here)
+from serve.core.wire import BACKLOG_MB
 
 SHUTDOWN_WAIT_S = 60  # the engine core's drain (it saves conversations for up to 30 s) before it is killed
 
@@ -64,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=non_negative_int, default=64,
                    help="requests that may wait for the engine; one more is answered 429 (default 64)")
     p.add_argument("--api-key", metavar="KEY", action="append", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (repeatable: any of "
-                        f"the keys; each is a tenant of its own, and cached prefixes and replayed turns never "
-                        f"cross keys) (default: env {API_KEY_ENV}, else none)")
+                   help=f"require the key on /v1/*, /tokenize, /detokenize, as 'Authorization: Bearer KEY' or "
+                        f"'x-api-key: KEY' (Anthropic's clients) (repeatable: any of the keys; each is a tenant of its "
+                        f"own, and cached prefixes and replayed turns never cross keys) (default: env {API_KEY_ENV}, "
+                        f"else none)")
     p.add_argument("--checkpoint-interval", type=non_negative_int, default=256, metavar="N",
                    help="checkpoint a conversation's cache every N tokens of prefill and decode, besides prompt "
                         "ends and message starts, so a later request diverging from it resumes there "
@@ -99,6 +101,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="browser origins given CORS headers (repeatable; none by default)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer only the served names: another model name is a 400 (404 on GET /v1/models/{id})")
+    p.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                   help="publish the KV pool's full blocks as they are stored and removed, on a ZeroMQ PUB socket "
+                        "bound at ENDPOINT (e.g. tcp://127.0.0.1:5557; port * takes a free one), in vLLM 0.29's "
+                        "KV-event format: what KV-aware routers (vllm-router --policy kv_aware) place requests by. "
+                        "The events carry the blocks' token ids and the socket has no authentication: bind it where "
+                        "only the router reaches it (docs/scaling-out.md) (default: none)")
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
+                   help="with --kv-events: also bind a ZeroMQ ROUTER socket there that sends a subscriber the "
+                        "batches it missed (the last 10,000), as vLLM's replay endpoint does (default: none)")
+    p.add_argument("--kv-events-all-tenants", action="store_true",
+                   help="with --kv-events and several --api-key: publish every tenant's blocks (their token ids) "
+                        "to whoever subscribes (a router forwarding every tenant's requests sees them anyway); "
+                        "without it, several keys and --kv-events are refused")
     p.add_argument("--api-servers", type=positive_int, default=1, metavar="N",
                    help="HTTP processes answering on the same port over one engine core (default 1; each tokenizes, "
                         "detokenizes and streams its own requests; with --tp, over rank 0's core; not with "
@@ -124,14 +139,55 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for DS4 models."))
 
 
-def run(args) -> int:
-    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
-    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.tp)."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def check_flags(args) -> None:
+    """The flag errors found without the weights, raised (UserError) before anything loads or logs:
+    the flags among themselves, against the model's config.json, and the port."""
     if args.tp_timeout is not None and args.tp == 1:
         raise UserError("--tp-timeout needs --tp N with N > 1")
     if args.api_servers > 1 and args.engine_core == "thread":
         raise UserError("--api-servers N needs the engine core in a process of its own (not --engine-core thread)")
+    check_kv_events(args)
+    if args.max_sessions is not None and args.max_sessions < args.max_batch:
+        raise UserError(f"--max-sessions {args.max_sessions} is less than --max-batch {args.max_batch}: every "
+                        "decoding request holds a resident session")
+    if args.kv_disk_space_mb is not None and args.kv_disk_dir is None:
+        raise UserError("--kv-disk-space-mb needs --kv-disk-dir")
+    config = load_config(args.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and args.ctx is not None and args.ctx > limit:
+        raise UserError(f"--ctx {args.ctx} is larger than the model's max_position_embeddings ({limit})")
+    rates = sorted({config.compress_rate(i) for i in range(config.num_hidden_layers)} - {0})
+    if any(args.kv_block_tokens % m for m in rates):
+        raise UserError(f"--kv-block-tokens {args.kv_block_tokens} must be a multiple of every compression rate of "
+                        f"the model ({rates}): a block holds whole compressed rows")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, global rank 0 answers HTTP
+        check_port_free(args.host, args.port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UserError when `host`:`port` cannot be bound: found before the model loads, not after the
+    server has logged its start-up."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use (another server?): stop it, or choose another "
+                                f"port with --port (0: any free one)") from None
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run(args) -> int:
+    """Load, build the app and serve until interrupted (uvicorn handles SIGINT/SIGTERM). With
+    `--tp N` (under torchrun), rank 0 serves and the other ranks follow it (serve.core.tp)."""
+    check_flags(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp == 1 and args.engine_core == "process":
         return serve_with_core(args)
     if args.tp == 1:
@@ -144,7 +200,7 @@ def run_tensor_parallel(args) -> int:
 
     from ds4_torch.parallel import init_tensor_parallel
 
-    from . import tp as tensor_parallel
+    from serve.core import tp as tensor_parallel
 
     timeout = args.tp_timeout or tensor_parallel.DEFAULT_TIMEOUT_S
     try:  # the group first, with our timeout: loading joins it
@@ -168,13 +224,13 @@ def run_tensor_parallel(args) -> int:
 
 def serve(args, model, tokenizer, config, peers=None) -> int:
     """Serve `model` until interrupted; 0, or 3 when the server could not start (uvicorn's code).
-    `peers` (a serve.tp.Lead): the other ranks of a tensor-parallel group; when they fail the
+    `peers` (a serve.core.tp.Lead): the other ranks of a tensor-parallel group; when they fail the
     server ends (status 1)."""
     import uvicorn
 
-    from .app import HTTP_PARSER, create_app
+    from serve.http.app import HTTP_PARSER, create_app
 
-    from .replay import ReplayStore
+    from serve.http.replay import ReplayStore
 
     # Exact-replay records go to the KV directory only once its lock is this process's.
     app = create_app(model, tokenizer, config, peers=peers, replay=ReplayStore())
@@ -182,13 +238,11 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
     if store is not None:
         app.state.replay.max_disk_bytes = store.budget // REPLAY_SHARE
         app.state.replay.open_directory(args.kv_disk_dir)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
-        logging.getLogger("ds4.serve").warning("binding to %s without --api-key: anyone who can reach it can use it",
-                                               args.host)
+    warn_if_open(args.host, config.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                           access_log=False, timeout_graceful_shutdown=5, http=HTTP_PARSER))
     if peers is not None:
-        from .tp import EXIT_GRACE_S, exit_soon
+        from serve.core.tp import EXIT_GRACE_S, exit_soon
 
         def end(reason: str) -> None:  # called by the engine's worker once every request has its 503
             server.should_exit = True
@@ -209,14 +263,14 @@ def serve(args, model, tokenizer, config, peers=None) -> int:
 
 
 def serve_with_core(args) -> int:
-    """Serve with the engine core in a process of its own (serve.core): this process loads only
+    """Serve with the engine core in a process of its own (serve.core.process): this process loads only
     the tokenizer and runs the HTTP side; with `--api-servers N`, N - 1 more API processes
-    (serve.api_process) answer on the same port (SO_REUSEPORT), each with its own connection to
+    (serve.core.api_process) answer on the same port (SO_REUSEPORT), each with its own connection to
     the core. 0 after a clean shutdown (Ctrl-C, SIGTERM: the other API processes drain, then the
     core, which saves the conversations), 1 when the core died (every open request answered 503),
     2 when it refused the flags, 3 when the server could not start."""
-    from .api_process import connect_core, run_api_server
-    from .core import spawn_core
+    from serve.core.api_process import connect_core, run_api_server
+    from serve.core.process import spawn_core
 
     tokenizer, model_config = load_api_side(args)
     core = spawn_core(args)
@@ -228,7 +282,7 @@ def serve_with_core(args) -> int:
     sock = None
     workers: list = []
     if args.api_servers > 1:
-        from .api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
+        from serve.core.api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
 
         sock = reuse_port_socket(args.host, args.port)
         port = sock.getsockname()[1]
@@ -249,8 +303,8 @@ def serve_with_core(args) -> int:
 
 
 def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
-    """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.tp),
-    and `--api-servers` API processes (serve.api_process, its children) answer HTTP, on one port
+    """Rank 0 under `--tp`: this process is the engine core, leading the other ranks (serve.core.tp),
+    and `--api-servers` API processes (serve.core.api_process, its children) answer HTTP, on one port
     (SO_REUSEPORT) when there are several. SIGINT or SIGTERM: the other API processes drain, then
     the first, which drains the core (the other ranks are told to stop), then this process exits
     (by SIGTERM again, as uvicorn does); the group failing: 503s, status 1; the first API process
@@ -260,10 +314,10 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
     import threading
     from multiprocessing.connection import Listener
 
-    from .api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
-    from .core import CoreProcess, EngineCore, new_address
-    from .engine import Engine
-    from .tp import EXIT_GRACE_S, exit_soon
+    from serve.core.api_process import reuse_port_socket, spawn_api_worker, stop_api_workers
+    from serve.core.process import CoreProcess, EngineCore, new_address
+    from serve.engine.loop import Engine
+    from serve.core.tp import EXIT_GRACE_S, exit_soon
 
     engine = Engine.from_config(model, tokenizer, config, peers=lead)
     store = attach_kv_store(engine, args)
@@ -319,6 +373,43 @@ def serve_tensor_parallel_core(args, model, tokenizer, config, lead) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
     return 0 if signals else 1
+
+
+def add_explain_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("request_id", help="the request's id: the access log's id=, the x-ds4-cache header's request=")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the running server (default http://127.0.0.1:8000)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help=f"a key of the server, the one the request was sent with (default: env {API_KEY_ENV})")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def explain_cache(args) -> int:
+    """`ds4-torch cache-explain ID`: ask a running server what a past request reused of the cache
+    and why not more (GET /v1/cache/explain/{ID}), and print it."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from serve.http.cache_explain import describe
+
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    url = f"{args.url.rstrip('/')}/v1/cache/explain/{urllib.parse.quote(args.request_id, safe='')}"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            view = json.load(r)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise UserError(f"{url}: {e.code}: {message}") from None
+    except OSError as e:
+        raise UserError(f"cannot reach {args.url}: {e}") from None
+    print(json.dumps(view, indent=1, ensure_ascii=False) if args.json else describe(view))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

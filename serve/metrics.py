@@ -24,6 +24,12 @@ class Metrics:
         self.cached_prompt_tokens = Counter(
             "ds4_cached_prompt_tokens", "Prompt tokens reused from the live KV cache (not prefilled again)",
             registry=r)
+        self.reuse_reasons = Counter(
+            "ds4_prompt_reuse", "Requests by what limited their prompt's reuse (serve.engine.reuse): new, full, "
+            "diverged, no_checkpoint, evicted, pool, evicted_to_disk, prompt_logprobs, other_tenant", ["reason"],
+            registry=r)
+        self.reused_tokens = Counter("ds4_reused_prompt_tokens", "Prompt tokens reused, by where they came from: "
+                                     "session, shared, checkpoint, disk", ["source"], registry=r)
         self.generated_tokens = Counter("ds4_generated_tokens", "Tokens generated", registry=r)
         self.prefill_chunks = Counter("ds4_prefill_chunks", "Prefill chunks run through the model", registry=r)
         self.prefill_aborted = Counter(

@@ -14,7 +14,10 @@ from pathlib import Path
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+DATA = TESTS / "data"  # the small slices tests read (a fresh clone has no ../shared)
+MODEL = "ds4-default"  # the embedded model's served name
 
 
 def assert_close(actual, expected, dtype):
@@ -51,6 +54,60 @@ def wait_for(cond, timeout=10.0, what="condition"):
         time.sleep(0.005)
 
 
+class PrefillGate:
+    """Holds an engine inside its prefill chunks, each until the test lets it run (`held_prefill`):
+    `entered` counts the chunks that reached the gate; `allow(n)` lets n more run; `open()` lets
+    every one run from then on. What the engine does meanwhile (queueing, cancels, keep-alives)
+    is then ordered by the test, not by how fast the machine is."""
+
+    def __init__(self):
+        self.entered, self.permits, self.is_open = 0, 0, False
+        self.cond = threading.Condition()
+
+    def wait_turn(self) -> None:
+        with self.cond:
+            self.entered += 1
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: self.is_open or self.permits > 0, timeout=120):
+                raise AssertionError("a held prefill chunk was never let through")
+            if not self.is_open:
+                self.permits -= 1
+
+    def allow(self, n: int = 1) -> None:
+        with self.cond:
+            self.permits += n
+            self.cond.notify_all()
+
+    def open(self) -> None:
+        with self.cond:
+            self.is_open = True
+            self.cond.notify_all()
+
+    def wait_entered(self, n: int, timeout: float = 30.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.entered >= n, timeout=timeout):
+                raise AssertionError(f"{self.entered} prefill chunk(s) reached the gate, waiting for {n}")
+
+
+@contextlib.contextmanager
+def held_prefill(engine):
+    """A `PrefillGate` on `engine`'s prefill chunks (an in-process engine's runner) for the block;
+    opened at its end."""
+    runner, gate = engine.runner, PrefillGate()
+    prefill = runner.prefill
+
+    def gated(*args, **kwargs):
+        gate.wait_turn()
+        return prefill(*args, **kwargs)
+
+    runner.prefill = gated
+    try:
+        yield gate
+    finally:
+        gate.open()
+        del runner.prefill  # the class's method again
+
+
 def reference_logprobs(model, ids):
     """log_softmax of a stateless forward over `ids` [T, V]: row i predicts token i + 1."""
     with torch.no_grad():
@@ -75,6 +132,28 @@ def penalised_greedy(model, ids, n, presence, frequency, repetition):
 def metric(srv, name: str, **labels) -> float:
     """A metric's current value on a test server (0 when absent)."""
     return srv.app.state.metrics.value(name, **labels)
+
+
+def server(model=None, tok=None, *, kv_store=None, kv_disk: dict | None = None, peers=None, engine=None,
+           **settings):
+    """The app on a background thread, not yet started (`with server(...) as srv:` starts it, with
+    `.url` and `.app`): `create_app(model, tok, ServerConfig(**settings))`, the embedded model and
+    tokenizer by default. `kv_disk` (dir, space_mb and `KVStore`'s keywords) attaches a disk KV
+    store counting into the app's metrics."""
+    from ds4_torch.default_model import build_default_model, default_tokenizer
+    from serve.background import BackgroundServer
+    from serve.http.app import ServerConfig, create_app
+
+    model = build_default_model() if model is None else model
+    app = create_app(model, default_tokenizer() if tok is None else tok, ServerConfig(**settings),
+                     kv_store=kv_store, peers=peers, engine=engine)
+    if kv_disk is not None:
+        from serve.kvstore.store import KVStore
+
+        disk = dict(kv_disk)
+        app.state.engine.kv_store = KVStore(disk.pop("dir"), disk.pop("space_mb"), model, ctx=settings["ctx"],
+                                            registry=app.state.metrics.registry, **disk)
+    return BackgroundServer(app)
 
 
 @contextlib.contextmanager
@@ -139,3 +218,101 @@ def interrupt(proc) -> str:
     assert proc.wait(30) == 0, "".join(proc.lines)
     proc.drain.join(10)
     return "".join(proc.lines)
+
+
+def expected(model, tok, ids, n, eos=None, forbidden=(), chunk=32):
+    """Greedy tokens and text as `ds4_torch.generate` gives them for the same prompt (no EOS stop
+    unless `eos`: requests that compare with it send `ignore_eos`; `forbidden` tokens never drawn)."""
+    from ds4_torch.generation import generate
+    from ds4_torch.tokenizer import StreamDecoder
+
+    tokens = list(generate(model, ids, n, prefill_chunk=chunk, eos_token_id=eos, forbidden_token_ids=forbidden))
+    sd = StreamDecoder(tok)
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    text = "".join(sd.push(t) for t in tokens if t not in eos) + sd.flush()  # EOS adds no text
+    return tokens, text
+
+
+def greedy_completion(srv, prompt, n=8, key=None, timeout=120):
+    """A greedy completion of token ids through /v1/completions (EOS ignored): (its token ids, the
+    prompt tokens it reused)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=timeout,
+                   headers={"Authorization": f"Bearer {key}"} if key else {})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    return data["choices"][0]["token_ids"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def random_prompt(seed, n=80):
+    """`n` token ids of the embedded model's vocabulary, from `seed`."""
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def wait_idle(srv, timeout=10.0):
+    """No request in the engine and every snapshot it handed to its background writer written."""
+    engine = srv.app.state.engine
+    wait_for(engine.idle, timeout, "the engine to be idle")
+    engine.flush_snapshots()
+
+
+def prompt_ids(n, salt):
+    """`n` distinct-looking token ids, the same for the same salt."""
+    return [(i * 13 + salt * 31) % 997 + 2 for i in range(n)]
+
+
+def stop_spanning_tokens(tok, tokens):
+    """A stop string that starts inside one token's text and ends inside a later one's, occurring
+    first there; and the count of tokens up to the one that completes it."""
+    texts = [tok.decode(tokens[:m]) for m in range(len(tokens) + 1)]
+    full = texts[-1]
+    for m in range(4, len(tokens)):
+        c = len(texts[m])  # the boundary between token m-1 and token m
+        if len(texts[m - 1]) < c - 2 and len(texts[m + 1]) > c + 2:
+            stop = full[c - 2:c + 2]
+            if full.find(stop) == c - 2 and stop.strip() == stop and stop.isprintable():
+                upto = next(k for k in range(len(tokens) + 1) if stop in texts[k])
+                return stop, full[:c - 2], upto
+    raise AssertionError("no stop string spans tokens in this continuation")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    """The environment torchrun gives rank `rank` of `world` on this machine (gloo on loopback)."""
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+
+
+BPE_TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+
+
+def write_bpe(directory, config=None):
+    """A tiny byte-level BPE with DeepSeek's chat markers as special tokens, as `directory`'s
+    tokenizer.json (and `config` as its tokenizer_config.json)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ds4_torch.tokenizer import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=[BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([BPE_TEXT] * 3 + ["Hello there. How are you?"], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory

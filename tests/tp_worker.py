@@ -1,4 +1,4 @@
-"""One rank of a tensor-parallel run, started by the tests (tests/test_tensor_parallel.py) with
+"""One rank of a tensor-parallel run, started by the tests (tests/library/test_tensor_parallel.py) with
 the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set.
 
     python tests/tp_worker.py logits CHECKPOINT IDS.pt PREFILL OUT_DIR [eager|graph] [dequantize|keep]

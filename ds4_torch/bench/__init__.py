@@ -108,6 +108,19 @@ def _run_stops(args) -> int:
     return importlib.import_module(".stops", __name__).run(args)
 
 
+def announce(args, parser, description: str) -> None:
+    """Every target's first line, on stderr: what it measures and the settings given (its table
+    comes at the end; a progress bar shows how far it is), said once it starts measuring."""
+    from .report import announce as say
+
+    given = [(k, v) for k, v in vars(args).items()
+             if k not in ("func", "command", "target") and v != parser.get_default(k)]
+    settings = ", ".join(f"--{k.replace('_', '-')}" + ("" if v is True else " " + (" ".join(map(str, v))
+                                                      if isinstance(v, list) else str(v))) for k, v in given)
+    say(f"ds4-torch bench {args.target}: {description}" + (f" ({settings})" if settings else " (the defaults)"),
+        pending=True)
+
+
 def add_parser(sub) -> None:
     """The `bench` command and its targets, under the CLI's subparsers `sub`."""
     from ..runtime import add_model_arguments, add_tp_argument, positive_int
@@ -118,7 +131,12 @@ def add_parser(sub) -> None:
 
     def target(name, help_text, run):
         p = targets.add_parser(name, help=help_text)
-        p.set_defaults(func=run)
+
+        def announced(args):
+            announce(args, p, help_text)
+            return run(args)
+
+        p.set_defaults(func=announced)
         return p
 
     def common(p):

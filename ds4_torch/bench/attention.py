@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from .report import write_csv
+from .report import progress, write_csv
 from ..kernels import attention_ops, reference
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
@@ -121,8 +121,10 @@ def run(contexts=(4096, 16384, 65536, 262144), dtype=torch.float32, repeats: int
     g = torch.Generator().manual_seed(0)
     scale = HEAD_DIM ** -0.5
     rows = []
+    bar = progress(len(contexts) * len(RATES), "bench attention", unit="cell")
     for context in contexts:
         for kind in RATES:
+            bar.set_postfix_str(f"{kind} at {context}")
             s = _state(kind, context, dtype, g)
             row = {"context": context, "layer": kind, "kv_bytes_ours": kv_bytes(kind, context, True),
                    "kv_bytes_transformers": kv_bytes(kind, context, False)}
@@ -137,6 +139,8 @@ def run(contexts=(4096, 16384, 65536, 262144), dtype=torch.float32, repeats: int
                 row[name] = 1e3 * _time(fn, repeats)
             row["indexer_scan_ms"] = 1e3 * _time(_indexer_scan(s, g), repeats) if kind == "CSA" else 0.0
             rows.append(row)
+            bar.update()
+    bar.close()
     print_table(rows, dtype)
     if csv_path:
         write_csv(rows, csv_path)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .report import machine, print_table, write_csv
+from .report import machine, print_table, progress, write_csv
 from ..cache import DS4Cache
 from ..config import v4_flash_config as flash_config  # (the name tests and callers use)
 
@@ -56,6 +56,7 @@ def run(contexts=(4096, 65536), dtype: torch.dtype = torch.bfloat16, device="cpu
     device = torch.device(device)
     config = flash_config()
     rows = []
+    bar = progress(len(contexts), "bench checkpoint", unit="context")
     for ctx in contexts:
         if ctx <= BACK:
             raise ValueError(f"context {ctx} must exceed {BACK} tokens")
@@ -82,6 +83,8 @@ def run(contexts=(4096, 65536), dtype: torch.dtype = torch.bfloat16, device="cpu
             "copy_sequence_ms": _median_ms(lambda: cache.copy_sequence(1, 0), back_to_end, repeats, device),
         })
         del cache
+        bar.update()
+    bar.close()
     where = machine() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print_table(f"checkpoints, V4-Flash layout, {str(dtype).removeprefix('torch.')}, {device}; {where}, "
                 f"{torch.get_num_threads()} thread(s); median of {repeats}",

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .report import machine, write_csv
+from .report import machine, progress, write_csv
 from ..decode import choose_mode, make_decoder, prefill
 
 FLASH_LAYER = {
@@ -116,6 +116,8 @@ class _Run:
 def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compile"), csv_path=None,
         caches=("static",), batch: int = 1, models=tuple(MODELS)) -> list[dict]:
     rows, skipped, ratios = [], [], {}
+    per_model = sum(1 for kind in caches for mode in modes if kind != "paged" or mode == "eager")
+    bar = progress(len(models) * per_model * steps, "bench decode", unit="step")
     for key in models:
         name, build = MODELS[key]
         model = build()
@@ -128,10 +130,16 @@ def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compil
                     skipped.append(f"{name}, paged cache, {mode}")
                     continue
                 runs.append(_Run(model, kind, mode, ids, prompt_len, steps))
-        first = [r.step(ids[:, prompt_len]) for r in runs]  # the first step captures / compiles
+        first = []
+        for r in runs:  # the first step captures / compiles
+            bar.set_postfix_str(f"{name}, {r.kind} cache, {r.decoder.mode}: first step")
+            first.append(r.step(ids[:, prompt_len]))
+            bar.update()
+        bar.set_postfix_str(name)
         for i in range(1, steps):  # interleaved: one step of each decoder in turn, each first in turn
             for r in runs[i % len(runs):] + runs[:i % len(runs)]:
                 r.times.append(r.step(ids[:, prompt_len + i]))
+                bar.update()
         reference = torch.stack(runs[0].outs) if runs else None
         eager = {r.kind: r for r in runs if r.decoder.mode == "eager"}
         if {"static", "paged"} <= set(eager):  # step by step: the pairs ran back to back
@@ -156,6 +164,7 @@ def run(prompt_len: int = 200, steps: int = 32, modes=("eager", "graph", "compil
         gain = (e["ms_per_step"] - r["ms_per_step"]) / 1e3 if e else 0.0
         r["break_even_tokens"] = None if e is None or r is e or gain <= 0 else \
             max(0, round((r["first_step_s"] - e["first_step_s"]) / gain))
+    bar.close()
     device = torch.device("cpu")
     auto, why = choose_mode(device)
     print(f"decode, batch {batch}, prompt {prompt_len}, {steps} steps; {machine()}, {torch.get_num_threads()} "

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .report import write_csv
+from .report import progress, write_csv
 
 HEADS, HEAD_DIM, WINDOW, TOPK, ROPE = 64, 512, 128, 512, 64
 INDEX_HEADS, INDEX_DIM = 64, 128
@@ -109,8 +109,10 @@ def run(contexts=(65536, 262144), dtypes=(torch.bfloat16,), csv_path=None) -> li
     peak = triton.testing.get_dram_gbps(device.index or 0)  # GB/s
     g = torch.Generator().manual_seed(0)
     rows = []
+    bar = progress(len(dtypes) * len(contexts), "bench kernels", unit="cell")
     for dtype in dtypes:
         for context in contexts:
+            bar.set_postfix_str(f"{str(dtype).replace('torch.', '')} at {context}")
             for name, fn, nbytes in _cases(context, dtype, device, g):
                 fn()  # compile outside the timing
                 ms = triton.testing.do_bench(fn, return_mode="median")
@@ -118,6 +120,8 @@ def run(contexts=(65536, 262144), dtypes=(torch.bfloat16,), csv_path=None) -> li
                 rows.append({"dtype": str(dtype).replace("torch.", ""), "context": context, "kernel": name,
                              "bytes": nbytes, "us": 1e3 * ms, "GB_s": gbps, "peak_GB_s": peak,
                              "pct_peak": 100 * gbps / peak})
+            bar.update()
+    bar.close()
     print(f"Triton kernels, one decode step, batch 1, V4-Flash sizes ({HEADS} heads x {HEAD_DIM}, window {WINDOW}, "
           f"top-k {TOPK}, indexer {INDEX_HEADS} x {INDEX_DIM}); {props.name}, peak DRAM bandwidth {peak:,.0f} GB/s; "
           "median of triton.testing.do_bench, L2 flushed")

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .report import machine, write_csv
+from .report import machine, progress, write_csv
 
 FLASH = {
     "vocab_size": 1024, "hidden_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 64, "head_dim": 512,
@@ -135,8 +135,10 @@ class _TransformersLayer:
 def run(contexts=(4096, 65536, 262144), kinds=("CSA", "HCA"), dtypes=(torch.float32, torch.bfloat16),
         repeats: int = 5, transformers: bool = True, csv_path=None) -> list[dict]:
     rows = []
+    bar = progress(len(contexts) * len(kinds), "bench layer", unit="layer")
     for context in contexts:
         for kind in kinds:
+            bar.set_postfix_str(f"{kind} at {context}")
             fns, before = {}, {}
             for dtype in dtypes:
                 ours = _Layer(kind, context, dtype)
@@ -153,6 +155,8 @@ def run(contexts=(4096, 65536, 262144), kinds=("CSA", "HCA"), dtypes=(torch.floa
             best = _best_times(fns, repeats, before)
             rows.append({"context": context, "layer": kind, **{k: 1e3 * v for k, v in best.items()}})
             del fns, before
+            bar.update()
+    bar.close()
     print_table(rows)
     if csv_path:
         write_csv(rows, csv_path)

@@ -4,13 +4,12 @@ prefill and decode throughput and KV cache bytes per token.
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 
 import torch
 
-from .report import machine
+from .report import announce, machine, progress
 
 # --------------------------------------------------------------------------- measuring
 def _storage_bytes(obj, seen: set[int]) -> int:
@@ -120,8 +119,8 @@ def run_tensor_parallel(args) -> int:
         del model
         single_model = load_model(args.model, device=args.device, dtype=args.dtype, quantized=args.quantized)
         single = bench_ours(single_model, prompt, args.new_tokens)
-        print(f"bench model --tp {args.tp}: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
-              f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads per process, greedy", file=sys.stderr)
+        announce(f"bench model --tp {args.tp}: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
+                 f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads per process, greedy")
         print(f"{'run':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'weight bytes per rank':>22}")
         for name, r, weights in ((f"tp {args.tp}", split, max(per_rank)), ("one process", single, weight_bytes(single_model))):
             print(f"{name:<14} {args.prompt_len / r['prefill_s']:>14.1f} {(args.new_tokens - 1) / r['decode_s']:>13.1f} "
@@ -163,16 +162,20 @@ def run(args) -> int:
         spec = 1 if getattr(model, "mtp", None) is not None else 0
     elif spec and getattr(model, "mtp", None) is None:
         raise UserError("--speculative-tokens needs a model with an MTP layer (mtp.* weights)")
-    print(f"bench model: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, fp32, greedy; {machine()}; "
-          f"best of {repeats} interleaved runs per implementation", file=sys.stderr)
+    announce(f"bench model: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, "
+             f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, fp32, greedy; {machine()}; "
+             f"best of {repeats} interleaved runs per implementation")
     spec_name = f"ds4_torch+mtp{spec}"
     runs = {"ds4_torch": [], "transformers": []} | ({spec_name: []} if spec else {})
-    for _ in range(repeats):  # interleaved, so a noisy stretch of the machine hits all alike
-        runs["ds4_torch"].append(bench_ours(model, prompt, args.new_tokens))
-        runs["transformers"].append(bench_transformers(hf_model, prompt, args.new_tokens))
-        if spec:
-            runs[spec_name].append(bench_ours(model, prompt, args.new_tokens, spec))
+    with progress(repeats * len(runs), "bench model") as bar:
+        for _ in range(repeats):  # interleaved, so a noisy stretch of the machine hits all alike
+            runs["ds4_torch"].append(bench_ours(model, prompt, args.new_tokens))
+            bar.update()
+            runs["transformers"].append(bench_transformers(hf_model, prompt, args.new_tokens))
+            bar.update()
+            if spec:
+                runs[spec_name].append(bench_ours(model, prompt, args.new_tokens, spec))
+                bar.update()
     results = {name: dict(r[0], prefill_s=min(x["prefill_s"] for x in r), decode_s=min(x["decode_s"] for x in r))
                for name, r in runs.items()}
     agree = sum(a == b for a, b in zip(results["ds4_torch"]["tokens"], results["transformers"]["tokens"]))

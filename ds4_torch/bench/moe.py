@@ -16,7 +16,6 @@ two implementations, and the largest output difference from ds4_torch.
 
 from __future__ import annotations
 
-import sys
 import time
 from types import SimpleNamespace
 
@@ -97,7 +96,7 @@ def time_interleaved(fns: dict, repeats: int) -> dict:
 
 
 @torch.no_grad()
-def measure(args, dtype_name: str) -> list[dict]:
+def measure(args, dtype_name: str, bar=None) -> list[dict]:
     dtype = DTYPES[dtype_name]
     H, I, E, k = args.hidden, args.intermediate, args.experts, args.top_k
     ours, theirs = build_modules(H, I, E, dtype, args.backend)
@@ -114,6 +113,8 @@ def measure(args, dtype_name: str) -> list[dict]:
         reference = fns["ds4_torch"]().float()
         diffs = {name: (fn().float() - reference).abs().max().item() for name, fn in fns.items()}
         best = time_interleaved(fns, repeats)
+        if bar is not None:
+            bar.update()
         floor = ids.unique().numel() * expert_bytes
         for name, seconds in best.items():
             rows.append({
@@ -129,14 +130,15 @@ def measure(args, dtype_name: str) -> list[dict]:
 
 
 def run(args) -> int:
-    from .report import write_csv
+    from .report import announce, progress, write_csv
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"bench moe: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
-          f"top-{args.top_k}, {torch.get_num_threads()} threads, backend {args.backend}, "
-          f"best of {args.decode_repeats} (decode) / {args.repeats} (prefill)", file=sys.stderr)
-    rows = [row for name in args.dtypes for row in measure(args, name)]
+    announce(f"bench moe: hidden {args.hidden}, expert intermediate {args.intermediate}, {args.experts} experts, "
+             f"top-{args.top_k}, {torch.get_num_threads()} threads, backend {args.backend}, "
+             f"best of {args.decode_repeats} (decode) / {args.repeats} (prefill)")
+    with progress(2 * len(args.dtypes), "bench moe", unit="case") as bar:  # decode and prefill per dtype
+        rows = [row for name in args.dtypes for row in measure(args, name, bar)]
     header = (f"{'dtype':<5} {'case':<11} {'impl':<24} {'ms':>9} {'ms/token':>9} {'floor MB':>9} {'GB/s':>6} "
               f"{'x eager':>8} {'x best':>7} {'max diff':>9}")
     print(header)

@@ -21,7 +21,7 @@ from .agents import _text
 
 
 def _server(model, tokenizer, *, ctx: int, kv_cache_mb: float, chats: int, prefill_chunk: int):
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=prefill_chunk, max_batch=chats,
@@ -52,28 +52,40 @@ def shared_prompt(model, tokenizer, *, chats: int, system_tokens: int, user_toke
 
     from ds4_torch.generation import generate
 
+    from .report import progress
+
     system = _ids(tokenizer, system_tokens, 0)
     prompts = [system + _ids(tokenizer, user_tokens, 1000 + c) for c in range(chats)]
     ctx = system_tokens + 2 * (user_tokens + new_tokens) + 512
     app, server = _server(model, tokenizer, ctx=ctx, kv_cache_mb=kv_cache_mb, chats=chats, prefill_chunk=prefill_chunk)
     engine = app.state.engine
     pool, block_bytes = engine.runner.pool, engine.replica.kv.block_nbytes
+    bar = progress(3 * chats, "pool: chats on one system prompt", unit="request")  # first, second turn, alone
+
+    def ask(prompt, n):
+        out = _ask(http, srv.url, prompt, n)
+        bar.update()
+        return out
+
     with server as srv, httpx.Client(timeout=3600) as http:
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(chats) as ex:
-            firsts = list(ex.map(lambda p: _ask(http, srv.url, p, new_tokens), prompts))
+            firsts = list(ex.map(lambda p: ask(p, new_tokens), prompts))
         wall = time.perf_counter() - start
         peak, after_first = pool.peak_used, pool.num_used
         reused = []  # per chat: its second turn's reused tokens less its first prompt's
         for c, (prompt, first) in enumerate(zip(prompts, firsts)):
             if first["status"] == 200:
-                second = _ask(http, srv.url, prompt + first["tokens"] + _ids(tokenizer, 20, 5000 + c), 4)
+                second = ask(prompt + first["tokens"] + _ids(tokenizer, 20, 5000 + c), 4)
                 reused.append(second["cached"] - len(prompt) if second["status"] == 200 else None)
         evicted = app.state.metrics.value("ds4_session_evictions_total")
         preempted = app.state.metrics.value("ds4_preemptions_total")
     # Each chat alone, as a fresh server decodes it: the library's greedy generation of its prompt.
-    same = sum(first["status"] == 200 and first["tokens"] == list(generate(model, prompt, new_tokens))
-               for prompt, first in zip(prompts, firsts))
+    same = 0
+    for prompt, first in zip(prompts, firsts):
+        same += first["status"] == 200 and first["tokens"] == list(generate(model, prompt, new_tokens))
+        bar.update()
+    bar.close()
     own = sum(len(p) - len(system) + new_tokens for p in prompts)
     bound = (len(system) + own) * block_bytes / pool.block_tokens + chats * block_bytes
     return {"chats": chats, "answered": sum(f["status"] == 200 for f in firsts), "same_as_alone": same,
@@ -89,15 +101,19 @@ def long_sessions(model, tokenizer, *, session_tokens: int, kv_cache_mb: float, 
     """Scenario 2 (see the module docstring): one row per session sent."""
     import httpx
 
+    from .report import progress
+
     ctx = session_tokens + new_tokens + 512
     app, server = _server(model, tokenizer, ctx=ctx, kv_cache_mb=kv_cache_mb, chats=2, prefill_chunk=prefill_chunk)
     engine = app.state.engine
     pool = engine.runner.pool
     holds = pool.num_blocks * pool.block_tokens // session_tokens
     rows = []
-    with server as srv, httpx.Client(timeout=3600) as http:
+    bar = progress(holds + 2, "pool: long sessions", unit="session")
+    with server as srv, httpx.Client(timeout=3600) as http, bar:
         for s in range(holds + 2):
             r = _ask(http, srv.url, _ids(tokenizer, session_tokens, 7000 + s), new_tokens)
+            bar.update()
             rows.append({"session": s + 1, "status": r["status"], "fill": pool.num_used / pool.num_blocks,
                          "resident": sum(1 for x in engine.sessions if x.tokens),
                          "evicted": int(app.state.metrics.value("ds4_session_evictions_total"))})

@@ -289,7 +289,6 @@ def _llama_peer(args, path: Path, work: Path) -> tuple[dict | None, str]:
     llama, why = llama_cpp.find(args.llama_cpp)
     if llama is None:
         return None, why
-    print(f"bench quant: converting the checkpoint with llama.cpp's converter ({llama.source}) ...", file=sys.stderr)
     gguf = llama_cpp.convert(llama, path, work)
     experts_per_token = json.loads((path / "config.json").read_text())["num_experts_per_tok"]
     return {"bench": str(llama.bench), "source": str(llama.source), "gguf": str(gguf),
@@ -298,27 +297,38 @@ def _llama_peer(args, path: Path, work: Path) -> tuple[dict | None, str]:
 
 
 def run(args) -> int:
-    from .report import machine, write_csv
+    from .report import machine, progress, write_csv
 
     path = Path(args.model) if args.model else None
     work = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))  # deleted afterwards: a written checkpoint, a GGUF
-    if path is None:
-        path = work / "checkpoint"
-        print(f"bench quant: writing a real-size {args.layers}-layer, {args.experts}-expert upstream-layout "
-              f"checkpoint to {path} ...", file=sys.stderr)
-        write_checkpoint(path, real_size_config(args.layers, args.experts))
     cuda = torch.device(args.device).type == "cuda"
     counts = args.threads or [torch.get_num_threads()]
+    bar = progress((path is None) + 3 + len(MODES), "bench quant", unit="stage")
+    if path is None:
+        path = work / "checkpoint"
+        bar.set_postfix_str(f"writing a real-size {args.layers}-layer, {args.experts}-expert checkpoint to {path}")
+        write_checkpoint(path, real_size_config(args.layers, args.experts))
+        bar.update()
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
+        bar.set_postfix_str("converting the checkpoint with llama.cpp's converter (when a build is found)")
         llama, no_llama = _llama_peer(args, path, work / "llama.cpp")
+        bar.update()
+        bar.set_postfix_str("read bandwidth")
         reads = {} if cuda else {t: read_bandwidth(t) for t in sorted({1, os.cpu_count() or 1, *counts})}
         bandwidth = {t: gb for t, (gb, _) in reads.items()}
+        bar.update()
+        bar.set_postfix_str("speed, both modes (and llama.cpp) at each thread count")
         speed = _child("speed", path, args.device, json.dumps({
             "threads": counts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "repeats": args.repeats, "llama": llama}))
-        memory = {mode: _child("memory", path, args.device, json.dumps({"threads": counts[:1], "mode": mode}))
-                  for mode in MODES}
+        bar.update()
+        memory = {}
+        for mode in MODES:
+            bar.set_postfix_str(f"memory, {mode}, in a process of its own")
+            memory[mode] = _child("memory", path, args.device, json.dumps({"threads": counts[:1], "mode": mode}))
+            bar.update()
+        bar.close()
     finally:
         shutil.rmtree(work)
     rows = []

@@ -1,8 +1,10 @@
-"""What every benchmark writes besides its printed table."""
+"""What every benchmark writes besides its printed table: what it will do and its progress (on
+stderr, from the start), the CSV, the machine's description."""
 from __future__ import annotations
 
 import csv
 import platform
+import sys
 
 
 def write_csv(rows: list[dict], path) -> None:
@@ -41,3 +43,28 @@ def machine() -> str:
     except OSError:
         pass
     return f"{name}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
+_pending: list[str] = []  # the target's announcement, said with its first plan or progress bar
+
+
+def announce(text: str, pending: bool = False) -> None:
+    """What a benchmark is about to do, on stderr before its first measurement (its tables come at
+    the end, on stdout). `pending`: said only when the benchmark starts (its first `announce` or
+    `progress`), so a bad argument found before that stays a one-line error."""
+    if pending:
+        _pending[:] = [text]
+        return
+    for line in [*_pending, text]:
+        print(line, file=sys.stderr, flush=True)
+    _pending.clear()
+
+
+def progress(total: int, desc: str, unit: str = "run"):
+    """A progress bar on stderr over a benchmark's `total` units of work (tqdm; `.update()` per
+    unit, a context manager)."""
+    from tqdm import tqdm
+
+    if _pending:
+        print(_pending.pop(), file=sys.stderr, flush=True)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)

@@ -19,7 +19,8 @@
    plus one chunk.
 
 `--scenario agents` runs `ds4_torch.bench.agents` instead: the tokens agents' conversations make
-the server prefill, with cache checkpoints on and off. `--scenario pool` runs
+the server prefill, with cache checkpoints on and off; with `--replicas N` (or `--router-url`),
+through vllm-router in front of N replicas, per routing policy. `--scenario pool` runs
 `ds4_torch.bench.pool`: what the paged KV pool holds for chats on one system prompt and for long
 sessions.
 """
@@ -53,6 +54,20 @@ def add_arguments(p) -> None:
                    help="agents: the server's --checkpoint-interval in the run with checkpoints (default 256)")
     p.add_argument("--checkpoint-memory-mb", type=float, default=1024,
                    help="agents: the server's --checkpoint-memory-mb (default 1024)")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="agents: run the conversations through vllm-router in front of N replicas (`python -m serve` "
+                        "processes with --kv-events), a fresh set for each of --policies, and compare the policies "
+                        "(default: one server, in this process)")
+    p.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware", "kv_aware"], metavar="POLICY",
+                   choices=("round_robin", "random", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
+                            "sticky_least_loaded"),
+                   help="agents with --replicas: vllm-router's --policy values to run (default round_robin "
+                        "cache_aware kv_aware)")
+    p.add_argument("--router-url", metavar="URL", default=None,
+                   help="agents: run the conversations through the router (or server) at URL instead")
+    p.add_argument("--router", metavar="PATH", default=None,
+                   help="agents with --replicas: the vllm-router executable (default: the one installed beside this "
+                        "Python, else on PATH)")
     p.add_argument("--clients", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
                    help="concurrent streaming clients, one run per count (default 1 2 4 8 16)")
     p.add_argument("--max-batch", type=positive_int, default=None,
@@ -172,7 +187,7 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     process): what the engine and its output thread give alone."""
     import threading
 
-    from serve.sequence import GenRequest
+    from serve.engine.sequence import GenRequest
 
     stamps: list[list[float]] = [[] for _ in prompts]
     left, done, lock = [len(prompts)], threading.Event(), threading.Lock()
@@ -246,12 +261,20 @@ def _gaps(stamps: list[float]) -> list[float]:
 def run(args) -> int:
     from ..decode import prefill
     from ..runtime import UserError, load_model, load_model_tokenizer
-    from .report import write_csv
+    from .report import announce, progress, write_csv
 
     if args.new_tokens < 2:
         raise UserError(f"--new-tokens must be >= 2 (a decode rate needs two tokens), got {args.new_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if (args.replicas or args.router_url) and args.scenario != "agents":
+        raise UserError("--replicas and --router-url run the agents scenario: add --scenario agents")
+    if args.replicas and args.router_url:
+        raise UserError("--replicas starts a router; --router-url uses one: give one of them")
+    if args.scenario == "agents" and (args.replicas or args.router_url):
+        from . import agents
+
+        return agents.run_routed(args, load_model_tokenizer(args.model))  # (the replicas load the model)
     model = load_model(args.model, device=args.device, dtype=args.dtype, quantized=args.quantized)
     tokenizer = load_model_tokenizer(args.model)
     if args.scenario == "agents":
@@ -271,12 +294,19 @@ def run(args) -> int:
     counts = sorted(set(args.clients))
     # Room for the long prompt beside the streams: a prefill starts only when a batch slot is free.
     max_batch = args.max_batch or max(*counts, args.stall_clients + 1)
-    print(f"bench serve: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
-          f"tokens, clients {counts}, max batch {max_batch}, {torch.get_num_threads()} threads, greedy",
-          file=sys.stderr)
+    announce(f"bench serve: {args.model or 'built-in default'}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
+             f"tokens, clients {counts}, max batch {max_batch}, {torch.get_num_threads()} threads, greedy")
+    cores = ("thread", "process") if args.engine_core == "both" else (args.engine_core,)
+    # runs: direct decode, the model alone per count, then per server the engine alone and HTTP per count
+    bar = progress(args.repeat + len(counts) + len(cores) * len(args.speculative_tokens) * 2 * len(counts)
+                   + (args.stall_prompt_len > 0), "bench serve")
+    bar.set_postfix_str("direct decode")
     bench_direct(model, prompts(1)[0][:8], 2, args.prefill_chunk)  # one-off first-call costs
-    direct = sorted((bench_direct(model, prompts(1)[0], args.new_tokens, args.prefill_chunk)
-                     for _ in range(args.repeat)), key=lambda r: r["rates"][0])[args.repeat // 2]
+    direct = []
+    for _ in range(args.repeat):
+        direct.append(bench_direct(model, prompts(1)[0], args.new_tokens, args.prefill_chunk))
+        bar.update()
+    direct = sorted(direct, key=lambda r: r["rates"][0])[args.repeat // 2]
     stall_prompt = prompts(1, args.stall_prompt_len)[0] if args.stall_prompt_len > 0 else None
     chunk_s = float("nan")
     if stall_prompt is not None:  # the same prompt's chunks, directly: the stall bound
@@ -289,16 +319,20 @@ def run(args) -> int:
     ctx = max(args.prompt_len + args.new_tokens, args.stall_prompt_len + 1)
     if any(args.speculative_tokens) and getattr(model, "mtp", None) is None:
         raise UserError("--speculative-tokens needs a model with an MTP layer (mtp.* weights)")
+    bar.clear()
     print(f"direct decode (1 sequence, nothing else running): {direct['rates'][0]:.1f} tok/s")
-    floor = [model_floor(model, prompts(c), args.new_tokens, args.prefill_chunk) for c in counts]
+    floor = []
+    for c in counts:
+        bar.set_postfix_str(f"the model alone, {c} client(s)")
+        floor.append(model_floor(model, prompts(c), args.new_tokens, args.prefill_chunk))
+        bar.update()
     all_rows, first = [], None
-    cores = ("thread", "process") if args.engine_core == "both" else (args.engine_core,)
     for core in cores:
         for n in args.speculative_tokens:
             # the same prompts for every value: the tokens, and so the work, are the same
             gen.manual_seed(1)
             rows = _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts,
-                                stall_prompt if first is None else None, chunk_s, core)
+                                stall_prompt if first is None else None, chunk_s, core, bar)
             if first is None:
                 first = rows
             elif n != args.speculative_tokens[0]:
@@ -307,6 +341,7 @@ def run(args) -> int:
                     for r, f in zip(rows, first) if r["clients"] == f["clients"]))
             all_rows += rows
     rows = all_rows
+    bar.close()
     print_floor(floor)
     print_against_floor(rows, floor)
     if args.csv:
@@ -398,12 +433,20 @@ def _core_arguments(args, config, threads: int):
 
 
 def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, stall_prompt, chunk_s,
-                 engine_core: str = "thread") -> list[dict]:
+                 engine_core: str = "thread", bar=None) -> list[dict]:
     """One server (`--speculative-tokens n`, its engine on a thread of this process or in an
-    engine core process) through every client count: its table printed, its rows."""
+    engine core process) through every client count: its table printed, its rows. `bar` (a
+    progress bar) counts its runs."""
+    def step(what: str):  # the previous run is done (the first call: none was), this one starts
+        if bar is not None:
+            bar.update(int(bool(step.started)))
+            bar.set_postfix_str(what)
+            step.started = True
+    step.started = False
+
     import os
 
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     config = ServerConfig(model_name="bench", ctx=ctx, prefill_chunk=args.prefill_chunk,
@@ -413,8 +456,8 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                           speculative_policy=args.speculative_policy)
     core = None
     if engine_core == "process":
-        from serve.client import CoreClient
-        from serve.core import spawn_core
+        from serve.core.client import CoreClient
+        from serve.core.process import spawn_core
 
         threads = str(torch.get_num_threads())  # the core's model runs on as many threads as this one's
         saved, os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS"), threads
@@ -444,6 +487,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
         loop_cpu = _thread_cpu_clock(srv.thread)
         alone = []
         for c in counts:  # the engine alone, in-process: the same work without HTTP and the client process
+            step(f"engine ({engine_core}, speculative tokens {n}) alone, {c} client(s)")
             r = run_engine(engine, prompts(c), args.new_tokens)
             gaps = [g for s in r["stamps"] for g in _gaps(s)]
             alone.append({"clients": c, "tok_s_total": r["tokens"] / r["wall"], "itl_p50_ms": 1000 * _pct(gaps, 50),
@@ -451,6 +495,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
         for c, by_itself in zip(counts, alone):
             cpu0, rows0, steps0, parts0, spec0, api0, only0 = host_counters()
             loop0 = loop_cpu()
+            step(f"HTTP ({engine_core}, speculative tokens {n}), {c} client(s)")
             r = run_clients(srv.url, prompts(c), args.new_tokens)
             engine.output.flush(10)
             cpu1, rows1, steps1, parts1, spec1, api1, only1 = host_counters()
@@ -474,6 +519,7 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                          "alone_tok_s": by_itself["tok_s_total"], "alone_itl_p50_ms": by_itself["itl_p50_ms"],
                          "acceptance_length": (spec1[1] - spec0[1]) / verify if verify else float("nan"), **split})
         if stall_prompt is not None:
+            step(f"a {len(stall_prompt)}-token prompt arriving mid-stream")
             r = run_clients(srv.url, prompts(args.stall_clients), 4 * args.new_tokens, late=stall_prompt)
             lo, hi = r["window"]
             inside = [b - a for s in r["stamps"] for a, b in zip(s, s[1:]) if b > lo and a < hi]
@@ -483,7 +529,9 @@ def _serve_table(args, model, tokenizer, n, counts, max_batch, ctx, prompts, sta
                      "prefill_s": hi - lo}
     if core is not None:
         core.wait(60)
-
+    if bar is not None:
+        bar.update()  # the last run
+        bar.clear()
     base = rows[0]["tok_s_total"] if rows and rows[0]["clients"] == 1 else float("nan")
     print(f"the engine {'in a core process of its own' if core is not None else 'on a thread of the HTTP process'}:")
     if n:

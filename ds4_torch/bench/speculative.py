@@ -11,12 +11,11 @@ more experts) and its MTP block is one layer of 43 (N passes, m = N/43).
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
-from .report import machine
+from .report import announce, machine, progress
 
 DEFAULT_PROMPT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
                   "Arise, fair sun, and kill the envious moon,\n")
@@ -89,21 +88,24 @@ def run(args) -> int:
 
         tok = default_tokenizer()
     prompt = tok.encode(args.prompt or DEFAULT_PROMPT)
-    print(f"bench speculative: {args.model or 'built-in default'}, prompt {len(prompt)} tokens, {args.new_tokens} new "
-          f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, {args.decode_mode}; {machine()}; best of "
-          f"{args.repeats} interleaved runs", file=sys.stderr)
+    announce(f"bench speculative: {args.model or 'built-in default'}, prompt {len(prompt)} tokens, {args.new_tokens} new "
+             f"tokens, {torch.get_num_threads()} threads, {args.dtype}, greedy, {args.decode_mode}; {machine()}; best of "
+             f"{args.repeats} interleaved runs")
     print(f"{'draft tokens':>12} {'decode tok/s':>13} {'speed-up':>9} {'drafted':>8} {'accepted':>9} {'accept len':>11} "
           f"{'verify cost':>12} {'MTP cost':>9} {'predicted':>10} {'V4-Flash':>9} {'identical':>10}")
     rows = []
+    bar = progress(args.repeats * (1 + 2 * len(args.speculative_tokens)), "bench speculative")
     for n in [0, *args.speculative_tokens]:
         plain_s, spec_s, stats = [], [], SpeculationStats()
         for _ in range(args.repeats):  # interleaved, so a noisy stretch of the machine hits both alike
             t, plain = _decode_time(model, prompt, args.new_tokens, 0, mode=args.decode_mode)
             plain_s.append(t)
+            bar.update()
             if n:
                 stats = SpeculationStats()
                 t, tokens = _decode_time(model, prompt, args.new_tokens, n, stats, args.decode_mode)
                 spec_s.append(t)
+                bar.update()
         base = (args.new_tokens - 1) / min(plain_s)
         if not n:
             print(f"{0:>12} {base:>13.1f} {1.0:>8.2f}x {'-':>8} {'-':>9} {1.0:>11.2f}")
@@ -119,6 +121,7 @@ def run(args) -> int:
         rows.append({"draft_tokens": n, "decode_tok_s": speed, "speedup": speed / base, "drafted": stats.drafted,
                      "accepted": stats.accepted, "acceptance_length": a, "verify_cost": verify, "mtp_cost": mtp,
                      "predicted_speedup": predicted, "v4_flash_speedup": flash})
+    bar.close()
     print("speed-up: against plain decoding of the same run; drafted/accepted: draft tokens of the last run; accept "
           "len: tokens emitted per verify step (bonus included); costs in decode steps: verify = the 1 + N token "
           "forward and its rollback, MTP = the step's N MTP passes (catch-up over 1 + N positions, N - 1 drafts) "

@@ -1,4 +1,4 @@
-"""`ds4-torch bench stops`: the stop-string matcher (`serve.stops`) against the plain scan it replaced.
+"""`ds4-torch bench stops`: the stop-string matcher (`serve.engine.stops`) against the plain scan it replaced.
 
 1. The matcher alone: microseconds per token (a 4-character piece, the nodes the automaton makes
    on the way included) and its steps per character, for stops of 10, 100 and 1,000 characters,
@@ -60,10 +60,10 @@ class _Naive:
         return out
 
 
-def matcher_table(lengths=(10, 100, 1000), counts=(1, 16, 64), tokens: int = 500) -> list[dict]:
+def matcher_table(lengths=(10, 100, 1000), counts=(1, 16, 64), tokens: int = 500, bar=None) -> list[dict]:
     """Per cell: the automaton's microseconds per token (its nodes made on the way included) and
     steps per character, and the plain scan's microseconds per token, over the same tokens."""
-    from serve.stops import StopMatcher
+    from serve.engine.stops import StopMatcher
 
     rows = []
     for length in lengths:
@@ -83,6 +83,8 @@ def matcher_table(lengths=(10, 100, 1000), counts=(1, 16, 64), tokens: int = 500
             naive_us = 1e6 * (time.perf_counter() - t0) / len(pieces)
             rows.append({"stop_chars": length, "stops": count, "us_per_token": new_us,
                          "steps_per_char": m.steps / (4 * len(pieces)), "naive_us_per_token": naive_us})
+            if bar is not None:
+                bar.update()
     return rows
 
 
@@ -110,28 +112,33 @@ def _gap_ms(stamps: list[float]) -> float:
 def gap_table(tokens: int, beside_tokens: int) -> list[dict]:
     import httpx
 
-    import serve.output
+    from .report import progress
+
+    import serve.engine.output
     from ds4_torch.default_model import build_default_model, default_tokenizer
-    from serve.app import ServerConfig, create_app
+    from serve.http.app import ServerConfig, create_app
     from serve.background import BackgroundServer
 
     app = create_app(build_default_model(), default_tokenizer(), ServerConfig(model_name="bench", ctx=4096))
     rows = []
-    with BackgroundServer(app) as srv:
+    bar = progress(5, "bench stops: the gaps", unit="stream")  # the reply, alone, then beside 3 requests
+    with BackgroundServer(app) as srv, bar:
         long_prompt = "Write out the whole of the first act, every line."
         r = httpx.post(srv.url + "/v1/completions", timeout=600, json={
             "model": "bench", "prompt": long_prompt, "max_tokens": beside_tokens, "temperature": 0,
             "ignore_eos": True})
         reply = r.json()["choices"][0]["text"]
+        bar.update()
         # 63 shifted copies of its reply, then one it follows for up to 999 characters (last: the
         # plain scan tries every prefix of the others against the held text first): never completed.
         stops = [(reply[i:i + 999] + "\x07" * 1000)[:1000] for i in range(1, 64)] + [reply[:999] + "\x07"]
         prompt = "Now is the winter of our discontent"
         alone = _gap_ms(_stream(srv.url, prompt, tokens))
+        bar.update()
         for name, side_stops in (("no stops", None), ("automaton", stops), ("plain scan", stops)):
-            real = serve.output.StopMatcher
+            real = serve.engine.output.StopMatcher
             if name == "plain scan":
-                serve.output.StopMatcher = _Naive
+                serve.engine.output.StopMatcher = _Naive
             output = app.state.engine.output
             cpu0 = output.cpu_s
             try:
@@ -141,8 +148,9 @@ def gap_table(tokens: int, beside_tokens: int) -> list[dict]:
                 beside = _gap_ms(_stream(srv.url, prompt, tokens))
                 side.join()
             finally:
-                serve.output.StopMatcher = real
+                serve.engine.output.StopMatcher = real
             output.flush(10)
+            bar.update()
             rows.append({"beside": name, "gap_alone_ms": alone, "gap_beside_ms": beside, "ratio": beside / alone,
                          "output_us_per_token": 1e6 * (output.cpu_s - cpu0) / (tokens + beside_tokens),
                          "reply_chars": len(reply)})
@@ -150,9 +158,10 @@ def gap_table(tokens: int, beside_tokens: int) -> list[dict]:
 
 
 def run(args) -> int:
-    from .report import write_csv
+    from .report import progress, write_csv
 
-    rows = matcher_table(tokens=args.tokens)
+    with progress(9, "bench stops: the matcher", unit="cell") as bar:  # 3 stop lengths x 3 counts
+        rows = matcher_table(tokens=args.tokens, bar=bar)
     print("stop matcher, adversarial stops (4-character tokens): the automaton vs the plain scan")
     print(f"{'stop chars':>10} {'stops':>6} {'us/token':>9} {'steps/char':>11} {'plain scan us/token':>20}")
     for r in rows:

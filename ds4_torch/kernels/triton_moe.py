@@ -136,7 +136,7 @@ def moe_config(pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     pairs per expert (decode: 16, the smallest tensor-core M; long prefills: up to 64). With
     BLOCK_M 16 the kernels stream weights, so BLOCK_N 32 doubles the programs reading them. fp32
     (no tensor cores, an FMA dot) takes half the K tile and 8 warps for BLOCK_M 64: with 4 the
-    gate_up kernel's two accumulators spill at sm_80 (see tests/test_moe.py compile check)."""
+    gate_up kernel's two accumulators spill at sm_80 (see tests/kernels/test_moe.py compile check)."""
     per_expert = pairs / max(num_experts, 1)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     fp32 = dtype == torch.float32

@@ -8,7 +8,8 @@ Run it inside a private network namespace, so the clients can reach nothing off 
 It brings the loopback interface up, starts the server and a logging proxy in front of it
 (`logging_proxy.py`), then runs, each in a scratch directory with a scratch HOME:
 
-* ``claude -p "List the files in this directory."`` with only ANTHROPIC_BASE_URL and a key set;
+* ``claude -p "List the files in this directory."`` with only ANTHROPIC_BASE_URL and a key set
+  (``claude-hi``, not run by default: the same with ``claude -p "Say hi."``, a second task);
 * ``codex exec "What is the weather in Paris?"`` with the README's provider config and one stdio
   MCP server (`weather_mcp.py`);
 * ``claude-interactive`` (not run by default): interactive Claude Code (no ``-p``) in a tmux
@@ -19,8 +20,9 @@ It brings the loopback interface up, starts the server and a logging proxy in fr
   longer shows Claude Code working. The pane is kept in OUT (``claude-interactive-pane.txt``).
 
 OUT gets ``proxy.jsonl`` (every request and response body as the client saw it), each client's
-output and exit status in ``result.json``, and the server's log. `install_clients(DIR)` installs
-the pinned client versions with npm (the tests' `clients` group and `record_bodies.py` use it).
+output, exit status and lines of ``proxy.jsonl`` in ``result.json``, and the server's log.
+`install_clients(DIR)` installs the pinned client versions with npm (the tests' `clients` group
+and `record_bodies.py` use it).
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ CODEX_VERSION = "0.169.0"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PROMPTS = {"claude": "List the files in this directory.", "codex": "What is the weather in Paris?",
-           "claude-interactive": "Hello! What can you do?"}
+           "claude-interactive": "Hello! What can you do?", "claude-hi": "Say hi."}
+CLAUDE_TASKS = ("claude", "claude-hi")  # `claude -p`, each with its own prompt (a second task after the first)
 QUIET_CLAUDE = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                 "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
 
@@ -195,7 +198,10 @@ def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float
                server_url: str | None = None) -> dict:
     if name == "claude-interactive":
         return run_claude_interactive(bin_dir, proxy_url, out, timeout, run, server_url)
-    tag = f"{name}-{run}" if run else name
+    # Claude Code's tasks run as one user's would, one after another: the same directory and HOME
+    # (the system prompt names both; a second task on another path would share less of it).
+    base = "claude" if name in CLAUDE_TASKS else name
+    tag = f"{base}-{run}" if run else base
     work = os.path.join(out, f"{tag}-work")
     home = os.path.join(out, f"{tag}-home")
     os.makedirs(work, exist_ok=True)
@@ -204,7 +210,7 @@ def run_client(name: str, bin_dir: str, proxy_url: str, out: str, timeout: float
         with open(os.path.join(work, fname), "w") as f:
             f.write(text)
     env = {"PATH": os.environ.get("PATH", ""), "HOME": home, "TERM": "dumb", "LANG": "C.UTF-8"}
-    if name == "claude":
+    if name in CLAUDE_TASKS:
         env.update(QUIET_CLAUDE, ANTHROPIC_BASE_URL=proxy_url, ANTHROPIC_API_KEY="x")
         cmd = [os.path.join(bin_dir, "claude"), "-p", PROMPTS[name]]
     else:
@@ -255,7 +261,7 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=None)
     p.add_argument("--tp", type=int, default=1, help="serve with torchrun --nproc-per-node N (gloo)")
     p.add_argument("--clients", nargs="+", default=["claude", "codex"],
-                   choices=["claude", "codex", "claude-interactive"])
+                   choices=[*CLAUDE_TASKS, "codex", "claude-interactive"])
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per client run")
     p.add_argument("--serve-args", default="", help="more arguments for the server, one string (e.g. "
                                                        "'--speculative-tokens 2')")
@@ -298,6 +304,7 @@ def main() -> int:
                 result = run_client(name, bin_dir, f"http://127.0.0.1:{proxy_port}", a.out, a.timeout, run,
                                     server_url=f"http://127.0.0.1:{port}")
                 time.sleep(1)  # the proxy writes an exchange once its response has ended
+                result["exchanges"] = [seen, _lines(log)]  # its lines of proxy.jsonl
                 result["loop"] = judge_loop(name, _entries(log)[seen:], a.out, result["run"])
                 result["completed_loop"] = completed(result["loop"])
                 results.append(result)

@@ -1,5 +1,5 @@
 """Turn what real clients sent (the logging proxy's log, see `drive.py`) into the request bodies
-that `tests/test_client_bodies.py` replays in the default suite.
+that `tests/server/http/test_client_bodies.py` replays in the default suite.
 
     python tests/clients/record_bodies.py PROXY_LOG [PROXY_LOG ...] --out tests/data/clients
 
