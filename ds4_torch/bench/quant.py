@@ -4,10 +4,11 @@ parameter and peak RSS, and whether both decode the same greedy tokens; with a l
 (`--llama-cpp`, or `llama-bench` on PATH), llama.cpp on the same checkpoint converted by its own
 converter (`llama_cpp.py`), at the same thread counts.
 
-The roofline: on a CPU the run also measures the machine's read bandwidth (a native sum over 1 GiB, torch's
-sum without native code)
-at one thread and at each thread count timed, and prints each mode's weight GB/s (the weight
-bytes a decode step reads at least, as stored, per decode time) as a fraction of it.
+The roofline: on a CPU the run also measures the machine's read bandwidth (a native sum over 1
+GiB, torch's sum without native code) at one thread, at all of the machine's, and at each count
+timed, in the speed process between the decode runs (so under the same load), and prints each
+implementation's weight GB/s (the weight bytes a decode step reads at least, as stored, per decode
+time) as a fraction of the one-thread and the all-thread bandwidth.
 
 Without `--model` it first writes a checkpoint with V4-Flash's real tensor sizes in DeepSeek's
 upstream layout (`write_checkpoint`, also `python -m ds4_torch.bench.quant --write DIR`): names as
@@ -203,38 +204,50 @@ def measure_memory(path, quantized: str, device: str = "cpu") -> dict:
     }
 
 
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 3) -> tuple[float, str]:
-    """(GB/s, how) reading `gib` GiB at `threads` threads, best of `repeats`: what a decode step's
-    weight reads are set against. The native word sum where native code runs (torch's int64 sum
-    reads no faster with a second thread on the 2-core Xeon this was written on, while the native
-    products read twice as fast), else torch's sum."""
-    import time
+class ReadBandwidth:
+    """The machine's read bandwidth, what a decode step's weight reads are set against: GB/s
+    reading `gib` GiB at a thread count, best of the calls to `time(threads)` (`bench quant` times
+    it between the decode runs, so that it sees the same load). The native word sum where native
+    code runs (torch's int64 sum reads no faster with a second thread on the 2-core Xeon this was
+    written on, while the native products read twice as fast), else torch's sum."""
 
-    from ..kernels import cpu_linear
+    def __init__(self, gib: float = 1.0):
+        from ..kernels import cpu_linear
 
-    before = torch.get_num_threads()
-    data = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
-    native = cpu_linear.read_words(data[:8], 1) is not None
-    read = (lambda: cpu_linear.read_words(data, threads)) if native else data.sum
-    try:
-        torch.set_num_threads(threads)
-        read()
-        best = float("inf")
-        for _ in range(repeats):
+        self.data = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
+        self.native = cpu_linear.read_words(self.data[:8], 1) is not None
+        self.how = "a native sum" if self.native else "a torch sum"
+        self.best: dict[int, float] = {}  # threads -> seconds
+
+    def time(self, threads: int) -> None:
+        import time
+
+        from ..kernels import cpu_linear
+
+        read = (lambda: cpu_linear.read_words(self.data, threads)) if self.native else self.data.sum
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            if threads not in self.best:
+                read()  # first touch: page faults are not reads
             start = time.perf_counter()
             read()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
-    return data.nbytes / best / 1e9, "a native sum" if native else "a torch sum"
+            self.best[threads] = min(self.best.get(threads, float("inf")), time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+
+    def gb_s(self) -> dict[int, float]:
+        return {t: self.data.nbytes / s / 1e9 for t, s in sorted(self.best.items())}
 
 
 def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu",
-                  threads: list[int] | None = None, llama: dict | None = None) -> dict:
+                  threads: list[int] | None = None, llama: dict | None = None,
+                  read_threads: list[int] = ()) -> dict:
     """Both modes loaded in one process and timed in turns (so both see the same load), at each
     thread count, with llama-bench run between them when `llama` ({"bench", "source", "gguf"})
-    is given: {threads: {impl: best decode ms/token, best prefill tokens/s, (ours) the greedy
-    tokens}}. `threads` None: torch's own count."""
+    is given, and the read bandwidth at each of `read_threads`: {"speed": {threads: {impl: best
+    decode ms/token, best prefill tokens/s, (ours) the greedy tokens}}, "read_gb_s": {threads:
+    GB/s}, "read_how"}. `threads` None: torch's own count."""
     from .model import bench_ours
 
     models = {mode: _load(path, mode, device) for mode in MODES}
@@ -249,10 +262,13 @@ def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: 
         peer = LlamaCpp(Path(llama["bench"]), Path(llama["source"]))
         for t in counts:
             runs[t]["llama.cpp"] = []
+    bandwidth = ReadBandwidth() if read_threads else None
     with torch.no_grad():
         for model in models.values():
             bench_ours(model, prompt[:8], 2)  # warm-up: first-call allocations, buffers
         for _ in range(repeats):
+            for t in read_threads:
+                bandwidth.time(t)
             for t in counts:
                 torch.set_num_threads(t)
                 for mode, model in models.items():
@@ -262,10 +278,12 @@ def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: 
                 if peer is not None:
                     runs[t]["llama.cpp"].append(time_once(peer, Path(llama["gguf"]), t, prompt_len, new_tokens,
                                                           llama["flags"]))
-    return {t: {impl: {"decode_ms_per_token": min(r["decode_ms_per_token"] for r in rs),
-                       "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rs),
-                       **({"tokens": rs[0]["tokens"]} if "tokens" in rs[0] else {})}
-                for impl, rs in by_impl.items()} for t, by_impl in runs.items()}
+    speed = {t: {impl: {"decode_ms_per_token": min(r["decode_ms_per_token"] for r in rs),
+                        "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rs),
+                        **({"tokens": rs[0]["tokens"]} if "tokens" in rs[0] else {})}
+                 for impl, rs in by_impl.items()} for t, by_impl in runs.items()}
+    return {"speed": speed, "read_gb_s": bandwidth.gb_s() if bandwidth else {},
+            "read_how": bandwidth.how if bandwidth else ""}
 
 
 def _child(*argv) -> dict:
@@ -303,7 +321,8 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))  # deleted afterwards: a written checkpoint, a GGUF
     cuda = torch.device(args.device).type == "cuda"
     counts = args.threads or [torch.get_num_threads()]
-    bar = progress((path is None) + 3 + len(MODES), "bench quant", unit="stage")
+    all_threads = os.cpu_count() or 1
+    bar = progress((path is None) + 2 + len(MODES), "bench quant", unit="stage")
     if path is None:
         path = work / "checkpoint"
         bar.set_postfix_str(f"writing a real-size {args.layers}-layer, {args.experts}-expert checkpoint to {path}")
@@ -314,14 +333,13 @@ def run(args) -> int:
         bar.set_postfix_str("converting the checkpoint with llama.cpp's converter (when a build is found)")
         llama, no_llama = _llama_peer(args, path, work / "llama.cpp")
         bar.update()
-        bar.set_postfix_str("read bandwidth")
-        reads = {} if cuda else {t: read_bandwidth(t) for t in sorted({1, os.cpu_count() or 1, *counts})}
-        bandwidth = {t: gb for t, (gb, _) in reads.items()}
-        bar.update()
-        bar.set_postfix_str("speed, both modes (and llama.cpp) at each thread count")
-        speed = _child("speed", path, args.device, json.dumps({
+        bar.set_postfix_str("speed, both modes (and llama.cpp) and the read bandwidth at each thread count")
+        timed = _child("speed", path, args.device, json.dumps({
             "threads": counts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "llama": llama}))
+            "repeats": args.repeats, "llama": llama,
+            "read_threads": [] if cuda else sorted({1, all_threads, *counts})}))
+        speed, read_how = timed["speed"], timed["read_how"]
+        bandwidth = {int(t): gb for t, gb in timed["read_gb_s"].items()}
         bar.update()
         memory = {}
         for mode in MODES:
@@ -338,22 +356,24 @@ def run(args) -> int:
             row = {"quantized": impl, "threads": t, **(memory.get(impl) or {}), **r,
                    "decode_weight_bytes": weight_bytes,
                    "weight_gb_s": weight_bytes / r["decode_ms_per_token"] / 1e6}
-            if t in bandwidth:
-                row["read_gb_s"] = bandwidth[t]
-                row["of_read_bandwidth"] = row["weight_gb_s"] / bandwidth[t]
+            if bandwidth:  # the roofline: this run's read bandwidth at one thread and at all of them
+                for key, n in (("1_thread", 1), ("all_threads", all_threads)):
+                    row[f"read_gb_s_{key}"] = bandwidth[n]
+                    row[f"of_read_{key}"] = row["weight_gb_s"] / bandwidth[n]
             rows.append(row)
     where = torch.cuda.get_device_name(torch.device(args.device)) if cuda else machine()
     print(f"bench quant: {args.model or 'a written checkpoint'} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, best of {args.repeats}")
     if bandwidth:
-        print(f"read bandwidth ({next(iter(reads.values()))[1]} over 1 GiB): "
+        print(f"read bandwidth ({read_how} over 1 GiB, timed between the decode runs): "
               + ", ".join(f"{t} thread{'s' * (t > 1)} {gb:.1f} GB/s" for t, gb in bandwidth.items()))
+    all_label = f"of {all_threads}T read"
     print(f"{'impl':<11} {'threads':>7} {'decode ms/token':>16} {'prefill tok/s':>14} {'weights GB/s':>13} "
-          f"{'of read BW':>11}")
+          f"{'of 1T read':>11} {all_label:>11}")
     for r in rows:
-        fraction = f"{100 * r['of_read_bandwidth']:.0f}%" if "of_read_bandwidth" in r else "-"
+        fractions = [f"{100 * r[k]:.0f}%" if k in r else "-" for k in ("of_read_1_thread", "of_read_all_threads")]
         print(f"{r['quantized']:<11} {r['threads']:>7} {r['decode_ms_per_token']:>16.1f} "
-              f"{r['prefill_tokens_per_s']:>14.1f} {r['weight_gb_s']:>13.1f} {fraction:>11}")
+              f"{r['prefill_tokens_per_s']:>14.1f} {r['weight_gb_s']:>13.1f} {fractions[0]:>11} {fractions[1]:>11}")
     if llama is None:
         print(f"llama.cpp: not timed ({no_llama})")
     else:
@@ -394,9 +414,9 @@ def run(args) -> int:
         print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: "
               + ", ".join(f"{r['quantized']} {100 * r['weight_gb_s'] / peak:.0f}%" for r in rows))
     print("(weights GB/s: the weight bytes a decode step reads at least, as stored (top-k experts a layer; "
-          "llama.cpp: its GGUF's tensors), per decode time; of read BW: that against the read bandwidth at the same "
-          "thread count; layers bytes/param: the transformer layers alone, without the bf16 embedding and head; "
-          "peak RSS counts the safetensors pages mapped while loading)")
+          f"llama.cpp: its GGUF's tensors), per decode time; of 1T / {all_threads}T read: that against this run's "
+          f"read bandwidth at one thread / at all {all_threads}; layers bytes/param: the transformer layers alone, "
+          "without the bf16 embedding and head; peak RSS counts the safetensors pages mapped while loading)")
     if args.csv:
         write_csv([{k: v for k, v in r.items() if k != "tokens"} for r in rows], args.csv)
     return 0
@@ -412,7 +432,7 @@ def main(argv=None) -> int:
             print(json.dumps(measure_memory(path, options["mode"], device)))
         else:
             print(json.dumps(measure_speed(path, options["prompt_len"], options["new_tokens"], options["repeats"], device,
-                                           options["threads"], options["llama"])))
+                                           options["threads"], options["llama"], options["read_threads"])))
         return 0
     if argv[:1] == ["--write"] and len(argv) >= 2:
         layers, experts = (int(a) for a in (argv[2:4] + ["1", "16"][len(argv[2:4]):]))
