@@ -4,7 +4,7 @@
  *   FP4 e2m1, two per byte (low nibble first), an e8m0 scale per 32 inputs   (routed experts)
  * x is bf16 or float32 (row-major [N, K]); every product is exact and summed in float32 (fused
  * multiply-adds); out is x's dtype (bf16 rounded to nearest even, once). Compiled on first use by
- * kernels/cpu_linear.py with -O3 -march=native -fopenmp: AVX-512 (F, BW, VL) code where the CPU has
+ * kernels/cpu_linear.py with -O3 -march=native -pthread: AVX-512 (F, BW, VL) code where the CPU has
  * it, portable loops that the compiler vectorises elsewhere.
  *
  * The arithmetic is float32 FMA, not AVX512-BF16's vdpbf16ps: on the Emerald Rapids this was
@@ -28,16 +28,14 @@
  * of the Xeon this was written on, 12 FP4 experts read at 6.0 GB/s without, 9.5 with; a
  * 32768x1024 FP8 weight at 5.1 and 11.4).
  *
- * Threads: the weight's rows are cut into units of contiguous rows handed out to the OpenMP
- * threads as they come free (as many threads as the caller asks: torch's thread count). Loaded into a process that already holds torch, the OpenMP
- * runtime is torch's own libgomp (same soname), so no second pool competes for the cores. */
+ * Threads: the weight's rows are cut into units of contiguous rows, taken by the calling thread and
+ * this library's helper threads as they come free (as many threads as the caller asks: torch's
+ * thread count); see "threads" below. */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define DS4_AVX512 1
@@ -446,31 +444,171 @@ static void store_rows(const float *acc, int rows, long N, void *out, long ldo, 
     }
 }
 
-/* ------------------------------------------------------------------ threads */
+/* ------------------------------------------------------------------ threads
+ * A call's work is cut into units of rows, handed out from an atomic counter to the calling thread
+ * and to up to threads - 1 helper threads of this library's own (started on first use, kept).
+ * The caller starts on the units at once and, once none is left, waits only for units a helper
+ * took: a helper the OS has not scheduled yet (a loaded machine) takes no unit and holds up
+ * nothing, where an OpenMP region's closing barrier waits for every thread of its team (on 2 busy
+ * cores, 15x the step's median time). Helpers spin briefly for the next call, then sleep.
+ * Which thread runs a unit changes no bit of it. Without pthreads (DS4_SINGLE_THREAD) the caller
+ * runs every unit. */
+#ifndef DS4_SINGLE_THREAD
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+#endif
+
+typedef void (*unit_fn)(void *job, long unit);
+
+#define MAX_HELPERS 255
+#define MAX_UNITS ((1L << 24) - 1)   /* the claim word's unit counter */
+#define HELPER_SPIN_NS 50000L         /* a helper's wait for the next call before it sleeps */
+
+#ifndef DS4_SINGLE_THREAD
+/* claim: (call << 32) | (helpers wanted << 24) | next unit. A helper takes unit `next` of call
+   `call` by a compare-and-swap of the whole word, so a helper late from an earlier call takes
+   nothing of a later one; the call's fields are read after a successful swap (the caller wrote
+   them before publishing the word, and cannot finish the call while the unit is out). */
+static _Atomic uint64_t pool_claim;
+static _Atomic long pool_done, pool_units;
+static unit_fn pool_fn;
+static void *pool_job;
+static uint32_t pool_calls;                                   /* under pool_caller */
+static int pool_helpers;                                      /* started, under pool_caller */
+static pthread_mutex_t pool_caller = PTHREAD_MUTEX_INITIALIZER;  /* one call uses the helpers at a time */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;    /* sleeping helpers and their wake-up */
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static uint32_t pool_published;                               /* under pool_lock */
+static int pool_sleepers;                                     /* under pool_lock */
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void run_units(uint32_t call, int index) {
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&pool_claim, memory_order_acquire);
+        if ((uint32_t)(c >> 32) != call || index > (int)((c >> 24) & 0xff)) return;
+        long next = (long)(c & 0xffffff);
+        if (next >= atomic_load_explicit(&pool_units, memory_order_relaxed)) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool_claim, &c, c + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        pool_fn(pool_job, next);
+        atomic_fetch_add_explicit(&pool_done, 1, memory_order_release);
+    }
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void *helper_main(void *arg) {
+    int index = (int)(intptr_t)arg;
+    uint32_t seen = (uint32_t)(atomic_load_explicit(&pool_claim, memory_order_acquire) >> 32);
+    for (;;) {
+        uint32_t call = seen;
+        long until = now_ns() + HELPER_SPIN_NS;
+        for (int i = 0; call == seen; i++) {
+            call = (uint32_t)(atomic_load_explicit(&pool_claim, memory_order_acquire) >> 32);
+            if (call != seen) break;
+            CPU_RELAX();
+            if ((i & 63) == 63 && now_ns() > until) {
+                pthread_mutex_lock(&pool_lock);
+                pool_sleepers++;
+                while (pool_published == seen) pthread_cond_wait(&pool_wake, &pool_lock);
+                pool_sleepers--;
+                pthread_mutex_unlock(&pool_lock);
+                call = (uint32_t)(atomic_load_explicit(&pool_claim, memory_order_acquire) >> 32);
+                until = now_ns() + HELPER_SPIN_NS;
+            }
+        }
+        seen = call;
+        run_units(call, index);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {  /* the child has none of the parent's helpers */
+    pthread_mutex_init(&pool_caller, NULL);
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pool_helpers = 0;
+    pool_sleepers = 0;
+}
+
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+#endif
+
+/* fn(job, u) for u < units, on the caller and up to threads - 1 helpers */
+static void pool_run(unit_fn fn, void *job, long units, int threads) {
+    if (threads > units) threads = (int)units;
+#ifndef DS4_SINGLE_THREAD
+    if (threads > 1 && units <= MAX_UNITS) {
+        pthread_once(&pool_once, pool_init);
+        if (pthread_mutex_trylock(&pool_caller) == 0) {  /* busy (another thread's call): run alone */
+            int wanted = threads - 1 > MAX_HELPERS ? MAX_HELPERS : threads - 1;
+            while (pool_helpers < wanted) {
+                pthread_t t;
+                pthread_attr_t attr;
+                pthread_attr_init(&attr);
+                pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+                int failed = pthread_create(&t, &attr, helper_main, (void *)(intptr_t)(pool_helpers + 1));
+                pthread_attr_destroy(&attr);
+                if (failed) break;
+                pool_helpers++;
+            }
+            if (wanted > pool_helpers) wanted = pool_helpers;
+            pool_fn = fn;
+            pool_job = job;
+            atomic_store_explicit(&pool_units, units, memory_order_relaxed);
+            atomic_store_explicit(&pool_done, 0, memory_order_relaxed);
+            uint32_t call = ++pool_calls;
+            atomic_store_explicit(&pool_claim, (uint64_t)call << 32 | (uint64_t)wanted << 24, memory_order_release);
+            pthread_mutex_lock(&pool_lock);
+            pool_published = call;
+            if (pool_sleepers) pthread_cond_broadcast(&pool_wake);
+            pthread_mutex_unlock(&pool_lock);
+            run_units(call, 0);
+            for (int i = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < units; i++) {
+                if (i < 4096) CPU_RELAX();
+                else sched_yield();  /* a helper in its unit, maybe descheduled on this core */
+            }
+            pthread_mutex_unlock(&pool_caller);
+            return;
+        }
+    }
+#endif
+    for (long u = 0; u < units; u++) fn(job, u);
+}
+
+/* Threads a call asks for: at most `threads` (torch's count), fewer when the weight is small */
 static int thread_count(int threads, long R, long weight_bytes) {
-#ifdef _OPENMP
     long t = threads, by_size = weight_bytes / MIN_THREAD_BYTES, by_rows = R / ROWS;
     if (t > by_size) t = by_size;
     if (t > by_rows) t = by_rows;
     return t < 1 ? 1 : (int)t;
-#else
-    (void)threads; (void)R; (void)weight_bytes;
-    return 1;
-#endif
 }
 
-/* Rows per work unit: the whole of R for one thread; else about 8 units a thread, a multiple of
-   `align`, handed out dynamically (`schedule(dynamic)`): a thread the OS descheduled on a shared
-   machine leaves its units to the others instead of holding up the step at the barrier. Which
-   thread takes a row changes no bit of it. */
-static long unit_rows(long R, long align) {
-#ifdef _OPENMP
-    long T = omp_get_num_threads();
-#else
-    long T = 1;
-#endif
-    long unit = T == 1 ? R : R / (8 * T);
-    return unit < align ? align : round_up(unit, align);
+/* Rows per unit: the whole of R for one thread; else about 8 units a thread and at most
+   UNIT_BYTES of weight (a helper descheduled inside a unit holds up only that unit), a multiple
+   of `align`. */
+#define UNIT_BYTES (1L << 20)
+static long unit_rows(long R, long row_bytes, long align, int threads) {
+    if (threads <= 1) return R;
+    long unit = R / (8L * threads), by_bytes = UNIT_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    if (unit > by_bytes) unit = by_bytes;
+    unit = unit < align ? align : round_up(unit, align);
+    while ((R + unit - 1) / unit > MAX_UNITS) unit *= 2;
+    return unit;
 }
 
 int ds4_features(void) {
@@ -478,7 +616,7 @@ int ds4_features(void) {
 #ifdef DS4_AVX512
     f |= 1;
 #endif
-#ifdef _OPENMP
+#ifndef DS4_SINGLE_THREAD
     f |= 4;
 #endif
     return f;
@@ -499,31 +637,87 @@ static float *x_compute(const void *x, int x_bf16, long N, long K) {
     return xc;
 }
 
+/* one call of a product, as its units see it */
+typedef struct {
+    const void *x;          /* as given (FP8: scaled per row block by each unit) */
+    const float *xc;        /* x in compute form (bf16, FP4) */
+    int x_bf16, out_bf16;
+    long N, K, ldx, R, ldw, lds, bm, bn, ldo, unit;
+    const void *w, *scale;
+    void *out;
+    _Atomic int failed;
+} product;
+
+static void bf16_unit(void *arg, long u) {
+    product *p = arg;
+    long N = p->N, K = p->K, kb = N <= XROWS ? K : K_BLOCK, b = (u + 1) * p->unit < p->R ? (u + 1) * p->unit : p->R;
+    float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
+    if (!acc) {
+        p->failed = 1;
+        return;
+    }
+    const bf16 *w = p->w;
+    for (long r = u * p->unit; r < b; r += ROWS) {
+        int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+        memset(acc, 0, sizeof(float) * LANES * rows * N);
+        rows_ref ref = {w + r * p->ldw, NULL, p->ldw};
+        for (long k0 = 0; k0 < K; k0 += kb)  /* many rows of x: the rows' block stays in L1 */
+            accumulate(ref, rows, k0, k0 + kb < K ? k0 + kb : K, p->xc, p->ldx, N, acc);
+        store_rows(acc, rows, N, p->out, p->ldo, p->out_bf16, r);
+    }
+}
+
 int ds4_linear_bf16(const void *x, int x_bf16, long N, long K, const bf16 *w, long ldw, long R,
                     void *out, int out_bf16, long ldo, int threads) {
     float *xc = x_compute(x, x_bf16, N, K);
     if (!xc) return -1;
-    long ldx = round_up(K, CHUNK), kb = N <= XROWS ? K : K_BLOCK;
-    int failed = 0;
-#pragma omp parallel num_threads(thread_count(threads, R, R * K * 2))
-    {
-        long unit = unit_rows(R, ROWS);
-        float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
-        if (!acc) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (long u = 0; u < (R + unit - 1) / unit; u++) {
-            long b = (u + 1) * unit < R ? (u + 1) * unit : R;
-            for (long r = u * unit; acc && r < b; r += ROWS) {
-                int rows = b - r < ROWS ? (int)(b - r) : ROWS;
-                memset(acc, 0, sizeof(float) * LANES * rows * N);
-                rows_ref ref = {w + r * ldw, NULL, ldw};
-                for (long k0 = 0; k0 < K; k0 += kb)  /* many rows of x: the rows' block stays in L1 */
-                    accumulate(ref, rows, k0, k0 + kb < K ? k0 + kb : K, xc, ldx, N, acc);
-                store_rows(acc, rows, N, out, ldo, out_bf16, r);
+    int t = thread_count(threads, R, R * K * 2);
+    product p = {.x = x, .xc = xc, .x_bf16 = x_bf16, .out_bf16 = out_bf16, .N = N, .K = K, .ldx = round_up(K, CHUNK),
+                 .R = R, .ldw = ldw, .ldo = ldo, .w = w, .out = out, .unit = unit_rows(R, K * 2, ROWS, t)};
+    pool_run(bf16_unit, &p, (R + p.unit - 1) / p.unit, t);
+    return p.failed ? -1 : 0;
+}
+
+static void fp8_unit(void *arg, long u) {
+    product *p = arg;
+    long N = p->N, K = p->K, ldx = p->ldx, bm = p->bm, ldw = p->ldw;
+    long b = (u + 1) * p->unit < p->R ? (u + 1) * p->unit : p->R;
+    float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
+    float *xs = scratch_get(SCRATCH_XS, sizeof(float) * N * ldx);
+    float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
+    if (!tile || !xs || !acc) {
+        p->failed = 1;
+        return;
+    }
+    const uint8_t *w = p->w;
+    long block = -1;
+    for (long r = u * p->unit; r < b;) {
+        long rb = r / bm, end = (rb + 1) * bm < b ? (rb + 1) * bm : b;
+        int rows = end - r < ROWS ? (int)(end - r) : ROWS;
+        if (rb != block) {  /* x times this row block's column scales: the weights stay e4m3 values */
+            for (long n = 0; n < N; n++)
+                x_row_to_compute((const char *)p->x + n * K * (p->x_bf16 ? 2 : 4), p->x_bf16, K,
+                                 (const float *)p->scale + rb * p->lds, p->bn, xs + n * ldx);
+            block = rb;
+        }
+#ifdef FP8_FEW_ROWS
+        if (N <= FP8_FEW_ROWS)
+            fp8_few[rows - 1][N - 1](w + r * ldw, ldw, K, xs, ldx, acc);
+        else
+#endif
+        {
+            memset(acc, 0, sizeof(float) * LANES * rows * N);
+            for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+                prefetch_rows(w + (r + rows) * ldw, ldw, ROWS, k0, k1);
+                for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
+                rows_ref ref = {NULL, tile, K_BLOCK};
+                accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
             }
         }
+        store_rows(acc, rows, N, p->out, p->ldo, p->out_bf16, r);
+        r += rows;
     }
-    return failed ? -1 : 0;
 }
 
 /* scale: float32 [ceil(R / bm), lds], the scale of block (r / bm, k / bn); bn % 32 == 0 */
@@ -531,49 +725,45 @@ int ds4_linear_fp8(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
                    const float *scale, long bm, long bn, long lds, void *out, int out_bf16, long ldo, int threads) {
     if (bn % CHUNK || bm < 1) return -2;
     ensure_tables();
-    long ldx = round_up(K, CHUNK);
-    int failed = 0;
-#pragma omp parallel num_threads(thread_count(threads, R, R * K))
-    {
-        long unit = unit_rows(R, bm % ROWS == 0 ? bm : ROWS);
-        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
-        float *xs = scratch_get(SCRATCH_XS, sizeof(float) * N * ldx);
-        float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
-        if (!tile || !xs || !acc) failed = 1;
-        long block = -1;
-#pragma omp for schedule(dynamic, 1)
-        for (long u = 0; u < (R + unit - 1) / unit; u++) {
-            long b = (u + 1) * unit < R ? (u + 1) * unit : R;
-            for (long r = u * unit; !failed && r < b;) {
-                long rb = r / bm, end = (rb + 1) * bm < b ? (rb + 1) * bm : b;
-                int rows = end - r < ROWS ? (int)(end - r) : ROWS;
-                if (rb != block) {  /* x times this row block's column scales: the weights stay e4m3 values */
-                    for (long n = 0; n < N; n++)
-                        x_row_to_compute((const char *)x + n * K * (x_bf16 ? 2 : 4), x_bf16, K, scale + rb * lds, bn,
-                                         xs + n * ldx);
-                    block = rb;
-                }
-#ifdef FP8_FEW_ROWS
-                if (N <= FP8_FEW_ROWS)
-                    fp8_few[rows - 1][N - 1](w + r * ldw, ldw, K, xs, ldx, acc);
-                else
-#endif
-                {
-                    memset(acc, 0, sizeof(float) * LANES * rows * N);
-                    for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
-                        long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                        prefetch_rows(w + (r + rows) * ldw, ldw, ROWS, k0, k1);
-                        for (int i = 0; i < rows; i++) unpack_fp8_paired(w + (r + i) * ldw, k0, k1, tile + i * K_BLOCK);
-                        rows_ref ref = {NULL, tile, K_BLOCK};
-                        accumulate(ref, rows, k0, k1, xs, ldx, N, acc);
-                    }
-                }
-                store_rows(acc, rows, N, out, ldo, out_bf16, r);
-                r += rows;
-            }
-        }
+    int t = thread_count(threads, R, R * K);
+    product p = {.x = x, .x_bf16 = x_bf16, .out_bf16 = out_bf16, .N = N, .K = K, .ldx = round_up(K, CHUNK), .R = R,
+                 .ldw = ldw, .lds = lds, .bm = bm, .bn = bn, .ldo = ldo, .w = w, .scale = scale, .out = out,
+                 .unit = unit_rows(R, K, bm % ROWS == 0 ? bm : ROWS, t)};
+    pool_run(fp8_unit, &p, (R + p.unit - 1) / p.unit, t);
+    return p.failed ? -1 : 0;
+}
+
+static void fp4_unit(void *arg, long u) {
+    product *p = arg;
+    long N = p->N, K = p->K, ldx = p->ldx, ldw = p->ldw, lds = p->lds;
+    long b = (u + 1) * p->unit < p->R ? (u + 1) * p->unit : p->R;
+    float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
+    float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
+    if (!tile || !acc) {
+        p->failed = 1;
+        return;
     }
-    return failed ? -1 : 0;
+    const uint8_t *w = p->w, *scale = p->scale;
+    for (long r = u * p->unit; r < b; r += ROWS) {
+        int rows = b - r < ROWS ? (int)(b - r) : ROWS;
+#ifdef DS4_AVX512
+        if (N <= XROWS) {
+            fp4_few[rows - 1][N - 1](w + r * ldw, ldw, scale + r * lds, lds, K, p->xc, ldx, acc);
+            store_rows(acc, rows, N, p->out, p->ldo, p->out_bf16, r);
+            continue;
+        }
+#endif
+        memset(acc, 0, sizeof(float) * LANES * rows * N);
+        for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+            long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
+            prefetch_rows(w + (r + rows) * ldw, ldw, ROWS, k0 / 2, k1 / 2);
+            for (int i = 0; i < rows; i++)
+                unpack_fp4_paired(w + (r + i) * ldw, scale + (r + i) * lds, k0, k1, tile + i * K_BLOCK);
+            rows_ref ref = {NULL, tile, K_BLOCK};
+            accumulate(ref, rows, k0, k1, p->xc, ldx, N, acc);
+        }
+        store_rows(acc, rows, N, p->out, p->ldo, p->out_bf16, r);
+    }
 }
 
 /* w [R, K / 2] bytes (row stride ldw), scale uint8 e8m0 [R, K / 32] (row stride lds); K % 32 == 0 */
@@ -583,39 +773,12 @@ int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
     ensure_tables();
     float *xc = x_compute(x, x_bf16, N, K);
     if (!xc) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(thread_count(threads, R, R * K / 2))
-    {
-        long unit = unit_rows(R, ROWS);
-        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * ROWS * K_BLOCK);
-        float *acc = scratch_get(SCRATCH_ACC, sizeof(float) * LANES * ROWS * N);
-        if (!tile || !acc) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (long u = 0; u < (R + unit - 1) / unit; u++) {
-            long b = (u + 1) * unit < R ? (u + 1) * unit : R;
-            for (long r = u * unit; !failed && r < b; r += ROWS) {
-                int rows = b - r < ROWS ? (int)(b - r) : ROWS;
-#ifdef DS4_AVX512
-                if (N <= XROWS) {
-                    fp4_few[rows - 1][N - 1](w + r * ldw, ldw, scale + r * lds, lds, K, xc, round_up(K, CHUNK), acc);
-                    store_rows(acc, rows, N, out, ldo, out_bf16, r);
-                    continue;
-                }
-#endif
-                memset(acc, 0, sizeof(float) * LANES * rows * N);
-                for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
-                    long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                    prefetch_rows(w + (r + rows) * ldw, ldw, ROWS, k0 / 2, k1 / 2);
-                    for (int i = 0; i < rows; i++)
-                        unpack_fp4_paired(w + (r + i) * ldw, scale + (r + i) * lds, k0, k1, tile + i * K_BLOCK);
-                    rows_ref ref = {NULL, tile, K_BLOCK};
-                    accumulate(ref, rows, k0, k1, xc, round_up(K, CHUNK), N, acc);
-                }
-                store_rows(acc, rows, N, out, ldo, out_bf16, r);
-            }
-        }
-    }
-    return failed ? -1 : 0;
+    int t = thread_count(threads, R, R * K / 2);
+    product p = {.x = x, .xc = xc, .x_bf16 = x_bf16, .out_bf16 = out_bf16, .N = N, .K = K, .ldx = round_up(K, CHUNK),
+                 .R = R, .ldw = ldw, .lds = lds, .ldo = ldo, .w = w, .scale = scale, .out = out,
+                 .unit = unit_rows(R, K / 2, ROWS, t)};
+    pool_run(fp4_unit, &p, (R + p.unit - 1) / p.unit, t);
+    return p.failed ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------ prefill: dequantized rows
@@ -660,60 +823,92 @@ static void store_dequantized(const float *t, long n, long k0, const float *s, l
     }
 }
 
+/* one unpacking call, as its units see it: rows [u * unit, (u + 1) * unit) */
+typedef struct {
+    const uint8_t *w, *scale8;
+    const float *scale;
+    long ldw, R, K, bm, bn, lds, unit;
+    void *dst;
+    int dst_f32;
+    _Atomic int failed;
+} unpacking;
+
+static void *dst_row(const unpacking *p, long r, long k0) {
+    return p->dst_f32 ? (void *)((float *)p->dst + r * p->K + k0) : (void *)((bf16 *)p->dst + r * p->K + k0);
+}
+
+static void dequantize_fp8_unit(void *arg, long u) {
+    unpacking *p = arg;
+    float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
+    if (!tile) {
+        p->failed = 1;
+        return;
+    }
+    for (long r = u * p->unit; r < (u + 1) * p->unit && r < p->R; r++)
+        for (long k0 = 0; k0 < p->K; k0 += K_BLOCK) {
+            long k1 = k0 + K_BLOCK < p->K ? k0 + K_BLOCK : p->K;
+            unpack_fp8_paired(p->w + r * p->ldw, k0, k1, tile);
+            store_dequantized(tile, k1 - k0, k0, p->scale + (r / p->bm) * p->lds, p->bn, dst_row(p, r, k0), p->dst_f32);
+        }
+}
+
 int ds4_dequantize_fp8(const uint8_t *w, long ldw, long R, long K, const float *scale, long bm, long bn, long lds,
                        void *dst, int dst_f32, int threads) {
     if (bn % CHUNK || bm < 1) return -2;
     ensure_tables();
-    int failed = 0;
-#pragma omp parallel num_threads(thread_count(threads, R, R * K))
-    {
-        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
-        if (!tile) failed = 1;
-#pragma omp for schedule(dynamic, 16)
-        for (long r = 0; r < R; r++)
-            for (long k0 = 0; tile && k0 < K; k0 += K_BLOCK) {
-                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                unpack_fp8_paired(w + r * ldw, k0, k1, tile);
-                store_dequantized(tile, k1 - k0, k0, scale + (r / bm) * lds, bn,
-                                  dst_f32 ? (void *)((float *)dst + r * K + k0) : (void *)((bf16 *)dst + r * K + k0), dst_f32);
-            }
+    int t = thread_count(threads, R, R * K);
+    unpacking p = {.w = w, .scale = scale, .ldw = ldw, .R = R, .K = K, .bm = bm, .bn = bn, .lds = lds, .dst = dst,
+                   .dst_f32 = dst_f32, .unit = unit_rows(R, K, 16, t)};
+    pool_run(dequantize_fp8_unit, &p, (R + p.unit - 1) / p.unit, t);
+    return p.failed ? -1 : 0;
+}
+
+static void dequantize_fp4_unit(void *arg, long u) {
+    unpacking *p = arg;
+    float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
+    if (!tile) {
+        p->failed = 1;
+        return;
     }
-    return failed ? -1 : 0;
+    for (long r = u * p->unit; r < (u + 1) * p->unit && r < p->R; r++)
+        for (long k0 = 0; k0 < p->K; k0 += K_BLOCK) {
+            long k1 = k0 + K_BLOCK < p->K ? k0 + K_BLOCK : p->K;
+            unpack_fp4_paired(p->w + r * p->ldw, p->scale8 + r * p->lds, k0, k1, tile);
+            store_dequantized(tile, k1 - k0, k0, NULL, 1, dst_row(p, r, k0), p->dst_f32);
+        }
 }
 
 int ds4_dequantize_fp4(const uint8_t *w, long ldw, long R, long K, const uint8_t *scale, long lds,
                        void *dst, int dst_f32, int threads) {
     if (K % CHUNK) return -2;
     ensure_tables();
-    int failed = 0;
-#pragma omp parallel num_threads(thread_count(threads, R, R * K / 2))
-    {
-        float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
-        if (!tile) failed = 1;
-#pragma omp for schedule(dynamic, 16)
-        for (long r = 0; r < R; r++)
-            for (long k0 = 0; tile && k0 < K; k0 += K_BLOCK) {
-                long k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-                unpack_fp4_paired(w + r * ldw, scale + r * lds, k0, k1, tile);
-                store_dequantized(tile, k1 - k0, k0, NULL, 1,
-                                  dst_f32 ? (void *)((float *)dst + r * K + k0) : (void *)((bf16 *)dst + r * K + k0), dst_f32);
-            }
-    }
-    return failed ? -1 : 0;
+    int t = thread_count(threads, R, R * K / 2);
+    unpacking p = {.w = w, .scale8 = scale, .ldw = ldw, .R = R, .K = K, .lds = lds, .dst = dst, .dst_f32 = dst_f32,
+                   .unit = unit_rows(R, K / 2, 16, t)};
+    pool_run(dequantize_fp4_unit, &p, (R + p.unit - 1) / p.unit, t);
+    return p.failed ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------ the roofline
- * The sum of n 64-bit words, read by `threads` threads (units handed out as above): what `bench
- * quant` times as the machine's read bandwidth. */
+ * The sum of n 64-bit words, read by `threads` threads in units of 512 KB handed out as the
+ * products' are: what `bench quant` times as the machine's read bandwidth. */
+typedef struct {
+    const uint64_t *p;
+    long n;
+    _Atomic uint64_t total;
+} word_sum;
+
+#define WORDS_UNIT (1L << 16)
+static void read_words_unit(void *arg, long u) {
+    word_sum *job = arg;
+    uint64_t s = 0;
+    long end = (u + 1) * WORDS_UNIT < job->n ? (u + 1) * WORDS_UNIT : job->n;
+    for (long i = u * WORDS_UNIT; i < end; i++) s += job->p[i];
+    atomic_fetch_add_explicit(&job->total, s, memory_order_relaxed);
+}
+
 uint64_t ds4_read_words(const uint64_t *p, long n, int threads) {
-    uint64_t total = 0;
-    long unit = 1L << 16;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : total)
-    for (long u = 0; u < (n + unit - 1) / unit; u++) {
-        uint64_t s = 0;
-        long end = (u + 1) * unit < n ? (u + 1) * unit : n;
-        for (long i = u * unit; i < end; i++) s += p[i];
-        total += s;
-    }
-    return total;
+    word_sum job = {.p = p, .n = n};
+    pool_run(read_words_unit, &job, (n + WORDS_UNIT - 1) / WORDS_UNIT, threads);
+    return job.total;
 }

@@ -14,11 +14,14 @@ Why native code: torch has no product that reads FP8 block-scaled or FP4 bytes, 
 unpacks each weight into a tile in several passes and multiplies that; and its 1-row bf16 product
 is not the fastest GEMV on every CPU. Here each weight byte is read once per step, unpacked in
 registers or a 4-row tile in L1 (`cpu_linear.c` says how), and the weight's rows are split over
-torch's thread count (`torch.set_num_threads`, `--threads`) with torch's own OpenMP runtime.
+torch's thread count (`torch.set_num_threads`, `--threads`): the calling thread and helper threads
+of the library's own take units of rows as they come free, and the caller never waits for a
+helper that has not started (OpenMP's closing barrier does: on a loaded machine a second thread
+made a step many times slower).
 
 The C source (`cpu_linear.c`) is compiled on first use with the system's C compiler (`cc`, or
-`$CC`), `-O3 -march=native -fopenmp` (AVX-512 and AVX512-BF16 paths where the CPU has them,
-portable loops elsewhere), into the cache of `native.py` (one library per CPU model). Without a
+`$CC`), `-O3 -march=native -pthread` (AVX-512 paths where the CPU has them, portable loops
+elsewhere), into the cache of `native.py` (one library per CPU model). Without a
 compiler, or with `DS4_TORCH_NATIVE=0`, nothing here runs.
 """
 from __future__ import annotations
@@ -44,8 +47,9 @@ __all__ = ["MAX_ROWS", "available", "bf16_linear", "fp8_linear", "fp4_linear", "
 MAX_ROWS = 16
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
-# Tried in order: the first that compiles serves (a compiler without -march=native or OpenMP).
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
+# Tried in order: the first that compiles serves (a compiler without -march=native, a system
+# without pthreads: one thread).
+FLAG_SETS = (["-O3", "-march=native", "-pthread"], ["-O3", "-pthread"], ["-O3", "-DDS4_SINGLE_THREAD"])
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -108,7 +112,7 @@ def features() -> dict:
     if lib is None:
         return {}
     bits = lib.ds4_features()
-    return {"avx512": bool(bits & 1), "openmp": bool(bits & 4)}
+    return {"avx512": bool(bits & 1), "threads": bool(bits & 4)}
 
 
 def read_words(data: Tensor, threads: int) -> int | None:

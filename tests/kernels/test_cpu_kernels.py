@@ -1,7 +1,8 @@
 """The native CPU products (kernels/cpu_linear.py + cpu_linear.c): bf16, FP8 e4m3 with block scales
 and FP4 e2m1 with e8m0 scales, against the dense product on weights dequantized by tests/ckpt_utils'
 own reference, in float64; the same bits at 1 and 2 threads and at any batch size; the portable
-build (no AVX-512, no OpenMP) and the torch path without a compiler; and a whole model kept
+builds (no AVX-512, with and without threads) and the torch path without a compiler; callers on
+two threads at once and in a forked child; and a whole model kept
 quantized against the same checkpoint dequantized.
 
 Tolerances as tests/kernels/test_quantized.py: fp32 within 1e-5 of the output's largest magnitude, bf16
@@ -193,20 +194,87 @@ def _fresh_library(monkeypatch, **env):
         monkeypatch.setenv(name, value)
 
 
+@pytest.mark.parametrize("threads", [True, False], ids=["threads", "one-thread"])
 @torch.no_grad()
-def test_portable_build_without_avx512_or_openmp(native, monkeypatch, tmp_path):
-    """The C built with no -march and no OpenMP (what a CPU without AVX-512, or a compiler without
-    OpenMP, runs): the same results, within the same tolerance."""
+def test_portable_build_without_avx512(native, monkeypatch, tmp_path, threads):
+    """The C built with no -march (what a CPU without AVX-512 runs), with its helper threads and
+    without them (a system without pthreads): the same results, within the same tolerance, at 2
+    torch threads."""
     _fresh_library(monkeypatch, DS4_TORCH_CACHE=str(tmp_path))
-    monkeypatch.setattr(cpu_linear, "FLAG_SETS", (["-O2"],))
-    assert cpu_linear.features() == {"avx512": False, "openmp": False}
-    for case in (CASES[0], CASES[1], CASES[3], CASES[5], CASES[7]):
-        kind, R, K, fmt, block = case
-        dense, product = weights(kind, R, K, seed=R, fmt=fmt or "e8m0", block=block or 128)
-        for n in ROWS:
-            for dtype in (torch.float32, torch.bfloat16):
-                x = torch.randn(n, K).to(dtype)
-                assert_near(product(x), x.double() @ dense.T, dtype)
+    monkeypatch.setattr(cpu_linear, "FLAG_SETS", (["-O2", "-pthread"] if threads else ["-O2", "-DDS4_SINGLE_THREAD"],))
+    assert cpu_linear.features() == {"avx512": False, "threads": threads}
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for case in (CASES[0], CASES[1], CASES[3], CASES[5], CASES[7]):
+            kind, R, K, fmt, block = case
+            dense, product = weights(kind, R, K, seed=R, fmt=fmt or "e8m0", block=block or 128)
+            for n in ROWS:
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(n, K).to(dtype)
+                    assert_near(product(x), x.double() @ dense.T, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.no_grad()
+def test_callers_on_two_threads_at_once(native):
+    """Two Python threads multiplying at once at 2 torch threads (one call has the helpers, the
+    other runs alone): every result is the one-thread result, bit for bit."""
+    import threading
+
+    _, product = weights("fp4", 512, 2048, seed=8)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = product(x)
+        torch.set_num_threads(2)
+        results = []
+
+        def worker():
+            results.extend(torch.equal(product(x), want) for _ in range(200))
+
+        threads = [threading.Thread(target=worker) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        torch.set_num_threads(before)
+    assert len(results) == 400 and all(results)
+
+
+@torch.no_grad()
+def test_a_forked_child_multiplies_with_threads(native):
+    """A process forked after the helper threads started (a server's workers, multiprocessing's
+    fork) has none of them: its products at 2 threads still finish, with the parent's bits."""
+    import os
+    import time
+
+    _, product = weights("bf16", 512, 2048, seed=10)
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = product(x)  # the helpers run in the parent now
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only with the parent's result, twice (the pool restarted)
+            ok = all(torch.equal(product(x), want) for _ in range(2))
+            os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 120
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung in a native product")
+            time.sleep(0.05)
+    finally:
+        torch.set_num_threads(before)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @torch.no_grad()
