@@ -511,9 +511,9 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-static void *helper_main(void *arg) {
-    int index = (int)(intptr_t)arg;
-    uint32_t seen = (uint32_t)(atomic_load_explicit(&pool_claim, memory_order_acquire) >> 32);
+static void *helper_main(void *arg) {  /* arg: (the last call published before it started << 8) | index */
+    int index = (int)((uintptr_t)arg & 0xff);
+    uint32_t seen = (uint32_t)((uintptr_t)arg >> 8);  /* so that it joins the call that started it */
     for (;;) {
         uint32_t call = seen;
         long until = now_ns() + HELPER_SPIN_NS;
@@ -561,7 +561,8 @@ static void pool_run(unit_fn fn, void *job, long units, int threads) {
                 pthread_attr_t attr;
                 pthread_attr_init(&attr);
                 pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-                int failed = pthread_create(&t, &attr, helper_main, (void *)(intptr_t)(pool_helpers + 1));
+                uintptr_t arg = (uintptr_t)pool_calls << 8 | (uintptr_t)(pool_helpers + 1);
+                int failed = pthread_create(&t, &attr, helper_main, (void *)arg);
                 pthread_attr_destroy(&attr);
                 if (failed) break;
                 pool_helpers++;
