@@ -288,7 +288,7 @@ def test_bench_quant_times_both_modes_and_llama_cpp(upstream_checkpoint, capsys,
     assert main(["bench", "quant", "--model", str(upstream_checkpoint), "--prompt-len", "8", "--new-tokens", "3",
                  "--repeats", "1", "--threads", "1", "2", "--llama-cpp", str(build), "--csv", str(table)]) == 0
     out = capsys.readouterr().out
-    assert "same greedy tokens: yes" in out and "keep / llama.cpp: decode" in out and "--repack 0" in out
+    assert "same greedy tokens: yes at 1 thread, yes at 2 threads" in out and "keep / llama.cpp: decode" in out and "--repack 0" in out
     rows = {(r["quantized"], int(r["threads"])): r for r in csv.DictReader(table.open())}
     assert set(rows) == {(impl, t) for impl in ("keep", "dequantize", "llama.cpp") for t in (1, 2)}
     keep, dense = rows[("keep", 1)], rows[("dequantize", 1)]
