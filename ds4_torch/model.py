@@ -21,6 +21,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .cache import CompressorState, DS4Cache, LayerCache, Rollback
 from .config import CSA, HCA, SLIDING, DS4Config, RopeSpec
 from .kernels import BACKENDS, AttentionOps, attention_ops, backend_name, kernel_for
+from .kernels import cpu_linear
+from .kernels.linear import use_native_linears
 from .kernels.moe import moe, moe_torch
 from .kernels.reference import cast, indexer_scores, rms_norm, rope_tables, rotate, visible_rows
 from .kernels.sinkhorn import sinkhorn
@@ -445,6 +447,11 @@ class GroupedLinear(nn.Linear):
 
     def forward(self, x):  # x [..., groups, in_per_group] -> [..., groups, out/groups]
         w = self.weight.view(self.groups, -1, x.shape[-1])
+        if w.dtype == x.dtype == torch.bfloat16:  # CPU decode: the native GEMV, a group at a time
+            first = cpu_linear.bf16_linear(x[..., 0, :], w[0])
+            if first is not None:
+                return torch.stack([first, *(cpu_linear.bf16_linear(x[..., g, :], w[g]) for g in range(1, self.groups))],
+                                   dim=-2)
         return torch.einsum("...gi,gri->...gr", x, w)
 
 
@@ -763,6 +770,7 @@ class DS4ForCausalLM(nn.Module):
             mtp_config = config.mtp_config()
             self.mtp = nn.ModuleList(MTPBlock(mtp_config, k) for k in range(config.num_nextn_predict_layers))
         self.attn_backend = attn_backend
+        use_native_linears(self)  # bf16 decode on a CPU: the native GEMV (the head above all)
 
     @property
     def attn_backend(self) -> str:

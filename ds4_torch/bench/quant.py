@@ -1,18 +1,28 @@
 """`ds4-torch bench quant`: one quantized checkpoint loaded kept quantized (`--quantized keep`)
 and dequantized to bf16, in the same run: decode ms/token, prefill tokens/s, tensor bytes per
-parameter and peak RSS, and whether both decode the same greedy tokens.
+parameter and peak RSS, and whether both decode the same greedy tokens; with a llama.cpp build
+(`--llama-cpp`, or `llama-bench` on PATH), llama.cpp on the same checkpoint converted by its own
+converter (`llama_cpp.py`), at the same thread counts.
+
+The roofline: on a CPU the run also measures the machine's read bandwidth (a native sum over 1
+GiB, torch's sum without native code) at one thread, at all of the machine's, and at each count
+timed, in the speed process between the decode runs (so under the same load), and prints each
+implementation's weight GB/s (the weight bytes a decode step reads at least, as stored, per decode
+time) as a fraction of the one-thread and the all-thread bandwidth.
 
 Without `--model` it first writes a checkpoint with V4-Flash's real tensor sizes in DeepSeek's
 upstream layout (`write_checkpoint`, also `python -m ds4_torch.bench.quant --write DIR`): names as
 DeepSeek ships them (`layers.0.attn.wq_a.weight` + `.scale`, `layers.0.ffn.experts.3.w1.weight`),
 every linear but the head FP8 e4m3 with e8m0 128x128 block scales, routed experts FP4 (e2m1 two
-per byte, an e8m0 scale per 32 inputs), the rest bf16. Its layers (default one CSA layer) and
+per byte, an e8m0 scale per 32 inputs), the rest bf16 (float32 where the model keeps float32:
+norms, mHC, sinks). Its layers (default one CSA layer) and
 routed experts (default 16 of V4-Flash's 256) are the only sizes cut down. It goes to a temporary
 directory, deleted afterwards. Weights are random: only sizes and speed matter here.
 
 Memory: each mode loads in a child process of its own, so that its peak RSS (ru_maxrss) is its
-own. Speed: one more child loads both and times them in turns, best of `--repeats` each, so that
-both see the same load on a shared machine.
+own. Speed: one more child loads both and times them in turns, at every thread count (`--threads
+1 2`) and with llama-bench between them, best of `--repeats` each, so that all see the same load
+on a shared machine.
 """
 
 from __future__ import annotations
@@ -48,7 +58,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu (default) or cuda: on a GPU the peak column is the GPU's allocated memory and "
                              "the weight GB/s is set against the device's peak bandwidth")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=positive_int, nargs="+", default=None, metavar="N",
+                        help="thread counts to time (torch.set_num_threads; llama.cpp's -t), e.g. 1 2; "
+                             "default: torch's own")
+    parser.add_argument("--llama-cpp", metavar="PATH", default=None,
+                        help="a llama.cpp build (its llama-bench, a directory holding it, or a source tree built "
+                             "in build/) to time as the peer; default: llama-bench on PATH, else ours alone")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
 
 
@@ -71,6 +86,9 @@ def upstream_name(hf_key: str) -> str:
             key = source + key[len(replacement):] if key.startswith(replacement) else key
         else:
             key = key.replace(replacement, source, 1)
+    # the attention's kv_norm ships as is (the loader's `.norm.` rename is the compressors'), as
+    # llama.cpp's DeepSeek-V4 converter, written against the release, expects
+    key = key.replace(".attn.norm.", ".attn.kv_norm.")
     if rename_checkpoint_key(key) != hf_key.removeprefix("model."):
         raise ValueError(f"no upstream name found for {hf_key}")
     return key
@@ -89,7 +107,7 @@ def write_checkpoint(directory, config, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from torch import nn
 
-    from ..model import DS4ForCausalLM
+    from ..model import FP32_PARAM_MARKERS, DS4ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -120,9 +138,10 @@ def write_checkpoint(directory, config, seed: int = 0) -> Path:
             name = upstream_name(key).removesuffix(".weight")
             tensors[name + ".weight"] = (torch.randn(rows, cols, generator=g) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
             tensors[name + ".scale"] = e8m0((math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)))
-        elif t.is_floating_point():
+        elif t.is_floating_point():  # float32 where the model keeps float32 (norms, mHC, sinks, ape)
             scale = 1.0 if key.endswith("norm.weight") else 0.02
-            tensors[upstream_name(key)] = (torch.randn(t.shape, generator=g) * scale).to(torch.bfloat16)
+            dtype = torch.float32 if any(mark in key for mark in FP32_PARAM_MARKERS) else torch.bfloat16
+            tensors[upstream_name(key)] = (torch.randn(t.shape, generator=g) * scale).to(dtype)
         else:  # the hash-routing table
             tensors[upstream_name(key)] = torch.randint(0, config.n_routed_experts, t.shape, dtype=t.dtype, generator=g)
     weight_map = {}
@@ -185,24 +204,86 @@ def measure_memory(path, quantized: str, device: str = "cpu") -> dict:
     }
 
 
-def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu") -> dict:
-    """Both modes loaded in one process and timed in turns (so both see the same machine load):
-    {mode: best decode ms/token, best prefill tokens/s, the greedy tokens}."""
+class ReadBandwidth:
+    """The machine's read bandwidth, what a decode step's weight reads are set against: GB/s
+    reading `gib` GiB at a thread count, best of the calls to `time(threads)` (`bench quant` times
+    it between the decode runs, so that it sees the same load). The native word sum where native
+    code runs (torch's int64 sum reads no faster with a second thread on the 2-core Xeon this was
+    written on, while the native products read twice as fast), else torch's sum."""
+
+    def __init__(self, gib: float = 1.0):
+        from ..kernels import cpu_linear
+
+        self.data = torch.ones(int(gib * 2**30) // 8, dtype=torch.int64)
+        self.native = cpu_linear.read_words(self.data[:8], 1) is not None
+        self.how = "a native sum" if self.native else "a torch sum"
+        self.best: dict[int, float] = {}  # threads -> seconds
+
+    def time(self, threads: int) -> None:
+        import time
+
+        from ..kernels import cpu_linear
+
+        read = (lambda: cpu_linear.read_words(self.data, threads)) if self.native else self.data.sum
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            if threads not in self.best:
+                read()  # first touch: page faults are not reads
+            start = time.perf_counter()
+            read()
+            self.best[threads] = min(self.best.get(threads, float("inf")), time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+
+    def gb_s(self) -> dict[int, float]:
+        return {t: self.data.nbytes / s / 1e9 for t, s in sorted(self.best.items())}
+
+
+def measure_speed(path, prompt_len: int, new_tokens: int, repeats: int, device: str = "cpu",
+                  threads: list[int] | None = None, llama: dict | None = None,
+                  read_threads: list[int] = ()) -> dict:
+    """Both modes loaded in one process and timed in turns (so both see the same load), at each
+    thread count, with llama-bench run between them when `llama` ({"bench", "source", "gguf"})
+    is given, and the read bandwidth at each of `read_threads`: {"speed": {threads: {impl: best
+    decode ms/token, best prefill tokens/s, (ours) the greedy tokens}}, "read_gb_s": {threads:
+    GB/s}, "read_how"}. `threads` None: torch's own count."""
     from .model import bench_ours
 
     models = {mode: _load(path, mode, device) for mode in MODES}
     prompt = torch.randint(2, models["keep"].config.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    runs = {mode: [] for mode in MODES}
+    counts = threads or [torch.get_num_threads()]
+    runs = {t: {mode: [] for mode in MODES} for t in counts}
+    peer = None
+    if llama:
+        from .llama_cpp import LlamaCpp, time_once
+
+        peer = LlamaCpp(Path(llama["bench"]), Path(llama["source"]))
+        for t in counts:
+            runs[t]["llama.cpp"] = []
+    bandwidth = ReadBandwidth() if read_threads else None
     with torch.no_grad():
         for model in models.values():
             bench_ours(model, prompt[:8], 2)  # warm-up: first-call allocations, buffers
         for _ in range(repeats):
-            for mode, model in models.items():
-                runs[mode].append(bench_ours(model, prompt, new_tokens))
-    return {mode: {"decode_ms_per_token": min(r["decode_s"] for r in rs) * 1e3 / max(len(rs[0]["tokens"]) - 1, 1),
-                   "prefill_tokens_per_s": prompt_len / min(r["prefill_s"] for r in rs),
-                   "tokens": rs[0]["tokens"]} for mode, rs in runs.items()}
+            for t in read_threads:
+                bandwidth.time(t)
+            for t in counts:
+                torch.set_num_threads(t)
+                for mode, model in models.items():
+                    r = bench_ours(model, prompt, new_tokens)
+                    runs[t][mode].append({"decode_ms_per_token": r["decode_s"] * 1e3 / max(len(r["tokens"]) - 1, 1),
+                                          "prefill_tokens_per_s": prompt_len / r["prefill_s"], "tokens": r["tokens"]})
+                if peer is not None:
+                    runs[t]["llama.cpp"].append(time_once(peer, Path(llama["gguf"]), t, prompt_len, new_tokens,
+                                                          llama["flags"]))
+    speed = {t: {impl: {"decode_ms_per_token": min(r["decode_ms_per_token"] for r in rs),
+                        "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in rs),
+                        **({"tokens": rs[0]["tokens"]} if "tokens" in rs[0] else {})}
+                 for impl, rs in by_impl.items()} for t, by_impl in runs.items()}
+    return {"speed": speed, "read_gb_s": bandwidth.gb_s() if bandwidth else {},
+            "read_how": bandwidth.how if bandwidth else ""}
 
 
 def _child(*argv) -> dict:
@@ -216,60 +297,130 @@ def _child(*argv) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _llama_peer(args, path: Path, work: Path) -> tuple[dict | None, str]:
+    """({"bench", "source", "gguf", "decode_weight_bytes"}, "") with the checkpoint converted, or
+    (None, why llama.cpp is not timed)."""
+    from . import llama_cpp
+
+    if torch.device(args.device).type != "cpu":
+        return None, "llama.cpp is timed on CPU runs only"
+    llama, why = llama_cpp.find(args.llama_cpp)
+    if llama is None:
+        return None, why
+    gguf = llama_cpp.convert(llama, path, work)
+    experts_per_token = json.loads((path / "config.json").read_text())["num_experts_per_tok"]
+    return {"bench": str(llama.bench), "source": str(llama.source), "gguf": str(gguf),
+            "flags": llama_cpp.working_flags(llama, gguf),
+            "decode_weight_bytes": llama_cpp.decode_weight_bytes(llama, gguf, experts_per_token)}, ""
+
+
 def run(args) -> int:
     from .report import machine, progress, write_csv
 
-    written = None
     path = Path(args.model) if args.model else None
-    bar = progress((path is None) + 1 + len(MODES), "bench quant", unit="stage")
+    work = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))  # deleted afterwards: a written checkpoint, a GGUF
+    cuda = torch.device(args.device).type == "cuda"
+    counts = args.threads or [torch.get_num_threads()]
+    all_threads = os.cpu_count() or 1
+    bar = progress((path is None) + 2 + len(MODES), "bench quant", unit="stage")
     if path is None:
-        written = path = Path(tempfile.mkdtemp(prefix="ds4-bench-quant-"))
+        path = work / "checkpoint"
         bar.set_postfix_str(f"writing a real-size {args.layers}-layer, {args.experts}-expert checkpoint to {path}")
         write_checkpoint(path, real_size_config(args.layers, args.experts))
         bar.update()
     try:
         file_gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
-        threads = args.threads or 0
-        bar.set_postfix_str("speed, both modes loaded in one process")
-        speed = _child("speed", path, args.device, threads, args.prompt_len, args.new_tokens, args.repeats)
+        bar.set_postfix_str("converting the checkpoint with llama.cpp's converter (when a build is found)")
+        llama, no_llama = _llama_peer(args, path, work / "llama.cpp")
         bar.update()
-        rows = []
+        bar.set_postfix_str("speed, both modes (and llama.cpp) and the read bandwidth at each thread count")
+        timed = _child("speed", path, args.device, json.dumps({
+            "threads": counts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "llama": llama,
+            "read_threads": [] if cuda else sorted({1, all_threads, *counts})}))
+        speed, read_how = timed["speed"], timed["read_how"]
+        bandwidth = {int(t): gb for t, gb in timed["read_gb_s"].items()}
+        bar.update()
+        memory = {}
         for mode in MODES:
             bar.set_postfix_str(f"memory, {mode}, in a process of its own")
-            rows.append({**_child("memory", path, args.device, threads, mode), **speed[mode]})
+            memory[mode] = _child("memory", path, args.device, json.dumps({"threads": counts[:1], "mode": mode}))
             bar.update()
         bar.close()
-        for r in rows:
-            r["weight_gb_s"] = r["decode_weight_bytes"] / r["decode_ms_per_token"] / 1e6
     finally:
-        if written is not None:
-            shutil.rmtree(written)
-    keep, dense = rows
-    cuda = torch.device(args.device).type == "cuda"
+        shutil.rmtree(work)
+    rows = []
+    for t in counts:
+        for impl, r in speed[str(t)].items():
+            weight_bytes = llama["decode_weight_bytes"] if impl == "llama.cpp" else memory[impl]["decode_weight_bytes"]
+            row = {"quantized": impl, "threads": t, **(memory.get(impl) or {}), **r,
+                   "decode_weight_bytes": weight_bytes,
+                   "weight_gb_s": weight_bytes / r["decode_ms_per_token"] / 1e6}
+            if bandwidth:  # the roofline: this run's read bandwidth at one thread and at all of them
+                for key, n in (("1_thread", 1), ("all_threads", all_threads)):
+                    row[f"read_gb_s_{key}"] = bandwidth[n]
+                    row[f"of_read_{key}"] = row["weight_gb_s"] / bandwidth[n]
+            rows.append(row)
     where = torch.cuda.get_device_name(torch.device(args.device)) if cuda else machine()
-    print(f"bench quant: {path} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
-          f"threads {args.threads or torch.get_num_threads()}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"best of {args.repeats}")
-    peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
-    print(f"{'quantized':<11} {'decode ms/token':>16} {'prefill tok/s':>14} {'tensor GiB':>11} "
-          f"{'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13} {'weights GB/s':>13}")
+    print(f"bench quant: {args.model or 'a written checkpoint'} ({file_gib:.2f} GiB of safetensors), bf16, {where}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, best of {args.repeats}")
+    if bandwidth:
+        print(f"read bandwidth ({read_how} over 1 GiB, timed between the decode runs): "
+              + ", ".join(f"{t} thread{'s' * (t > 1)} {gb:.1f} GB/s" for t, gb in bandwidth.items()))
+    all_label = f"of {all_threads}T read"
+    print(f"{'impl':<11} {'threads':>7} {'decode ms/token':>16} {'prefill tok/s':>14} {'weights GB/s':>13} "
+          f"{'of 1T read':>11} {all_label:>11}")
     for r in rows:
-        print(f"{r['quantized']:<11} {r['decode_ms_per_token']:>16.1f} {r['prefill_tokens_per_s']:>14.1f} "
-              f"{r['tensor_gib']:>11.2f} {r['bytes_per_parameter']:>12.3f} {r['layer_bytes_per_parameter']:>19.3f} "
-              f"{r['peak_gib']:>13.2f} {r['weight_gb_s']:>13.1f}")
-    print(f"keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x, "
-          f"prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s, "
-          f"memory {keep['tensor_gib'] / dense['tensor_gib']:.2f}x; same greedy tokens: "
-          f"{'yes' if keep['tokens'] == dense['tokens'] else 'no'}")
+        fractions = [f"{100 * r[k]:.0f}%" if k in r else "-" for k in ("of_read_1_thread", "of_read_all_threads")]
+        print(f"{r['quantized']:<11} {r['threads']:>7} {r['decode_ms_per_token']:>16.1f} "
+              f"{r['prefill_tokens_per_s']:>14.1f} {r['weight_gb_s']:>13.1f} {fractions[0]:>11} {fractions[1]:>11}")
+    if llama is None:
+        print(f"llama.cpp: not timed ({no_llama})")
+    else:
+        print(f"llama.cpp: {llama['bench']} on the GGUF its converter wrote ({llama['decode_weight_bytes'] / 1e9:.2f} GB a "
+              f"decode step reads){'; llama-bench ' + ' '.join(llama['flags']) if llama['flags'] else ''}")
+    peak_label = "peak GPU GiB" if cuda else "peak RSS GiB"
+    print(f"{'quantized':<11} {'tensor GiB':>11} {'bytes/param':>12} {'layers bytes/param':>19} {peak_label:>13}")
+    for mode in MODES:
+        m = memory[mode]
+        print(f"{mode:<11} {m['tensor_gib']:>11.2f} {m['bytes_per_parameter']:>12.3f} "
+              f"{m['layer_bytes_per_parameter']:>19.3f} {m['peak_gib']:>13.2f}")
+    by = {(r["quantized"], r["threads"]): r for r in rows}
+    for t in counts:
+        keep, dense = by[("keep", t)], by[("dequantize", t)]
+        line = (f"threads {t}: keep / dequantize: decode {keep['decode_ms_per_token'] / dense['decode_ms_per_token']:.2f}x "
+                f"the ms/token, prefill {keep['prefill_tokens_per_s'] / dense['prefill_tokens_per_s']:.2f}x the tokens/s")
+        if ("llama.cpp", t) in by:
+            peer = by[("llama.cpp", t)]
+            line += (f"; keep / llama.cpp: decode {keep['decode_ms_per_token'] / peer['decode_ms_per_token']:.2f}x "
+                     f"the ms/token (target <= 1.0x), prefill "
+                     f"{keep['prefill_tokens_per_s'] / peer['prefill_tokens_per_s']:.2f}x the tokens/s")
+        print(line)
+    if len(counts) > 1:
+        first = counts[0]
+        for impl in dict.fromkeys(r["quantized"] for r in rows):
+            speedups = ", ".join(f"{t} threads {by[(impl, first)]['decode_ms_per_token'] / by[(impl, t)]['decode_ms_per_token']:.2f}x"
+                                 for t in counts[1:])
+            print(f"{impl} decode against {first} thread{'s' * (first > 1)}: {speedups}")
+    same = [by[("keep", t)]["tokens"] == by[("dequantize", t)]["tokens"] for t in counts]
+    m_keep, m_dense = memory["keep"], memory["dequantize"]
+    line = (f"keep / dequantize memory {m_keep['tensor_gib'] / m_dense['tensor_gib']:.2f}x; same greedy tokens: "
+            + ", ".join(f"{'yes' if ok else 'no'}" + (f" at {t} thread{'s' * (t > 1)}" if len(counts) > 1 else "")
+                        for t, ok in zip(counts, same)))
+    if len({tuple(by[("keep", t)]["tokens"]) for t in counts}) > 1:
+        # torch's dense prefill products (oneDNN) sum in another order at another thread count
+        line += " (the tokens differ between thread counts: torch's dense prefill products round differently)"
+    print(line)
     if cuda:
         import triton
 
         peak = triton.testing.get_dram_gbps(torch.device(args.device).index or 0)
-        print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: keep {100 * keep['weight_gb_s'] / peak:.0f}%, "
-              f"dequantized {100 * dense['weight_gb_s'] / peak:.0f}%")
-    print("(layers bytes/param: the transformer layers alone, without the bf16 embedding and head; peak RSS "
-          "counts the safetensors pages mapped while loading; weights GB/s: the weight bytes a decode step "
-          "reads at least, as stored (top-k experts a layer), per decode time)")
+        print(f"weights GB/s against the device's peak {peak:,.0f} GB/s: "
+              + ", ".join(f"{r['quantized']} {100 * r['weight_gb_s'] / peak:.0f}%" for r in rows))
+    print("(weights GB/s: the weight bytes a decode step reads at least, as stored (top-k experts a layer; "
+          f"llama.cpp: its GGUF's tensors), per decode time; of 1T / {all_threads}T read: that against this run's "
+          f"read bandwidth at one thread / at all {all_threads}; layers bytes/param: the transformer layers alone, "
+          "without the bf16 embedding and head; peak RSS counts the safetensors pages mapped while loading)")
     if args.csv:
         write_csv([{k: v for k, v in r.items() if k != "tokens"} for r in rows], args.csv)
     return 0
@@ -278,13 +429,14 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        kind, path, device, threads, *rest = argv[1:]
-        if int(threads):
-            torch.set_num_threads(int(threads))
+        kind, path, device, options = argv[1:5]
+        options = json.loads(options)
         if kind == "memory":
-            print(json.dumps(measure_memory(path, rest[0], device)))
+            torch.set_num_threads(options["threads"][0])
+            print(json.dumps(measure_memory(path, options["mode"], device)))
         else:
-            print(json.dumps(measure_speed(path, *(int(a) for a in rest), device=device)))
+            print(json.dumps(measure_speed(path, options["prompt_len"], options["new_tokens"], options["repeats"], device,
+                                           options["threads"], options["llama"], options["read_threads"])))
         return 0
     if argv[:1] == ["--write"] and len(argv) >= 2:
         layers, experts = (int(a) for a in (argv[2:4] + ["1", "16"][len(argv[2:4]):]))

@@ -8,8 +8,8 @@ sum accumulated in float, then x / (sum + eps)), called through ctypes.
 
 The C source below is compiled on first use with the system's C compiler (`cc`, or `$CC`) into
 `$DS4_TORCH_CACHE` (default `~/.cache/ds4_torch`), under a name holding the source's hash, and
-loaded from there afterwards. Without a compiler, or with `DS4_TORCH_NATIVE=0`, `sinkhorn()`
-returns None and callers run the torch loop: nothing else depends on this module.
+loaded from there afterwards (`build`, which `cpu_linear.py` uses for its kernels too). Without a
+compiler, or with `DS4_TORCH_NATIVE=0`, `sinkhorn()` returns None and callers run the torch loop.
 """
 from __future__ import annotations
 
@@ -63,19 +63,41 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build() -> ctypes.CDLL | None:
-    digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"native-{digest}.so"
+def build(source: str, flags: list[str], name: str = "native") -> Path:
+    """`source` (C) compiled into a shared library in the cache, named by the hash of the source,
+    the compiler, the flags and (for -march=native) the CPU, built only when absent; its path.
+    Raises when the compiler fails or is missing."""
+    cc = os.environ.get("CC", "cc")
+    salt = [cc, *flags] + ([_cpu_signature()] if any(f.startswith("-march=native") for f in flags) else [])
+    digest = hashlib.sha256("\0".join([source, *salt]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, out = Path(tmp) / "native.c", Path(tmp) / "native.so"
-            src.write_text(SOURCE)
-            # -ffp-contract=off: no fused multiply-adds, the same rounding as the torch loop's ops
-            cmd = [os.environ.get("CC", "cc"), "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(src), "-o", str(out)]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            cmd = [cc, *flags, "-shared", "-fPIC", str(src), "-o", str(out)]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=300)
             os.replace(out, target)  # atomic: a process beside this one sees the whole file or none
-    lib = ctypes.CDLL(str(target))
+    return target
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a cache shared by hosts
+    of different CPUs keeps one library per CPU)."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(dict.fromkeys(keep))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _build() -> ctypes.CDLL | None:
+    # -ffp-contract=off: no fused multiply-adds, the same rounding as the torch loop's ops
+    lib = ctypes.CDLL(str(build(SOURCE, ["-O2", "-ffp-contract=off"])))
     lib.ds4_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float]
     lib.ds4_sinkhorn.restype = None
     return lib

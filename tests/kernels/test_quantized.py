@@ -215,22 +215,121 @@ def test_info_reports_the_bytes_a_keep_load_holds(upstream_checkpoint, capsys):
         assert re.search(r"fits in [\d.]+ GiB per device: (yes|no) ", out)[1] == verdict
 
 
-def test_bench_quant_runs_both_modes(upstream_checkpoint, capsys, tmp_path):
-    """`bench quant --model DIR` end to end (each mode in a child process): both rows, the keep
-    row's bytes per parameter below the dequantized one's, the CSV."""
+# A stand-in llama.cpp build (tests must not need the real one, a 20-minute build): a source tree
+# with llama.cpp's converter entry point, `conversion.base` and `gguf-py`, and build/bin/llama-bench,
+# found through build/CMakeCache.txt as a real out-of-tree build is. The converter checks what
+# `bench quant` hands it and writes a tensor list; llama-bench logs its arguments and answers in
+# its `-o json` shape, refusing to run without `--repack 0` (as a CPU with AMX does on deepseek4).
+FAKE_CONVERTER = """
+import json, sys
+from pathlib import Path
+hf, out = Path(sys.argv[1]), Path(sys.argv[sys.argv.index("--outfile") + 1])
+config = json.loads((hf / "config.json").read_text())
+assert {"compress_ratios", "qk_rope_head_dim", "num_hash_layers"} <= set(config), config
+assert (hf / "tokenizer.json").is_file() and any(hf.glob("*.safetensors"))
+experts = config["n_routed_experts"]
+out.write_text(json.dumps([["token_embd.weight", 10 ** 6, [4, 4]], ["output.weight", 3000, [4, 4]],
+                           ["blk.0.ffn_up_exps.weight", 100 * experts, [4, 4, experts]]]))
+"""
+FAKE_GGUF = """
+import json
+class _Tensor:
+    def __init__(self, name, n_bytes, shape):
+        self.name, self.n_bytes, self.shape = name, n_bytes, shape
+class GGUFReader:
+    def __init__(self, path):
+        self.tensors = [_Tensor(*t) for t in json.loads(open(path).read())]
+"""
+FAKE_BENCH = """#!{python}
+import json, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as log:
+    log.write(json.dumps(args) + "\\n")
+if "--repack" not in args:
+    sys.exit("GGML_ASSERT(*cur_backend_id != -1) failed")
+get = lambda flag: int(args[args.index(flag) + 1])
+t, p, n = get("-t"), get("-p"), get("-n")
+print(json.dumps([{{"n_prompt": p, "n_gen": 0, "avg_ts": 100.0 * t}}, {{"n_prompt": 0, "n_gen": n, "avg_ts": 40.0 * t}}]))
+"""
+
+
+def fake_llama_cpp(root):
+    import os
+    import sys
+
+    source, build = root / "llama.cpp", root / "build"
+    (source / "conversion").mkdir(parents=True)
+    (source / "conversion" / "__init__.py").write_text("")
+    (source / "conversion" / "base.py").write_text("class TextModel:\n    pass\n")
+    (source / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    (source / "gguf-py" / "gguf").mkdir(parents=True)
+    (source / "gguf-py" / "gguf" / "__init__.py").write_text(FAKE_GGUF)
+    (build / "bin").mkdir(parents=True)
+    (build / "CMakeCache.txt").write_text(f"CMAKE_BUILD_TYPE:STRING=Release\nCMAKE_HOME_DIRECTORY:INTERNAL={source}\n")
+    bench = build / "bin" / "llama-bench"
+    bench.write_text(FAKE_BENCH.format(python=sys.executable, log=str(root / "calls.jsonl")))
+    os.chmod(bench, 0o755)
+    return build
+
+
+def test_bench_quant_times_both_modes_and_llama_cpp(upstream_checkpoint, capsys, tmp_path):
+    """`bench quant --model DIR --threads 1 2 --llama-cpp BUILD` end to end (each mode in a child
+    process): our two modes and llama.cpp at both thread counts with the same prompt and new
+    tokens, llama.cpp's converted GGUF's decode bytes (top-k of its experts), every row's weight
+    GB/s and its fraction of this run's one- and all-thread read bandwidth, the CSV."""
     import csv
+    import json
+    import os
 
     from ds4_torch.cli import main
 
+    build = fake_llama_cpp(tmp_path / "llama")
     table = tmp_path / "quant.csv"
     assert main(["bench", "quant", "--model", str(upstream_checkpoint), "--prompt-len", "8", "--new-tokens", "3",
-                 "--repeats", "1", "--threads", "1", "--csv", str(table)]) == 0
+                 "--repeats", "1", "--threads", "1", "2", "--llama-cpp", str(build), "--csv", str(table)]) == 0
     out = capsys.readouterr().out
-    assert "keep / dequantize: decode" in out and "same greedy tokens:" in out
-    rows = {r["quantized"]: r for r in csv.DictReader(table.open())}
-    assert float(rows["keep"]["layer_bytes_per_parameter"]) < 0.5 * float(rows["dequantize"]["layer_bytes_per_parameter"])
+    assert "same greedy tokens: yes at 1 thread, yes at 2 threads" in out and "keep / llama.cpp: decode" in out and "--repack 0" in out
+    rows = {(r["quantized"], int(r["threads"])): r for r in csv.DictReader(table.open())}
+    assert set(rows) == {(impl, t) for impl in ("keep", "dequantize", "llama.cpp") for t in (1, 2)}
+    keep, dense = rows[("keep", 1)], rows[("dequantize", 1)]
+    assert float(keep["layer_bytes_per_parameter"]) < 0.5 * float(dense["layer_bytes_per_parameter"])
     # a decode step reads fewer weight bytes kept: everything but the embedding, top-k experts a layer
-    assert 0 < int(rows["keep"]["decode_weight_bytes"]) < int(rows["dequantize"]["decode_weight_bytes"])
+    assert 0 < int(keep["decode_weight_bytes"]) < int(dense["decode_weight_bytes"])
+    top_k = small_config().num_experts_per_tok
+    for t in (1, 2):
+        peer = rows[("llama.cpp", t)]
+        assert float(peer["decode_ms_per_token"]) == pytest.approx(1e3 / (40.0 * t))
+        assert float(peer["prefill_tokens_per_s"]) == pytest.approx(100.0 * t)
+        assert int(peer["decode_weight_bytes"]) == 3000 + 100 * top_k  # not the embedding; top-k experts
+    for r in rows.values():
+        weight_gb_s = int(r["decode_weight_bytes"]) / float(r["decode_ms_per_token"]) / 1e6
+        assert float(r["weight_gb_s"]) == pytest.approx(weight_gb_s)
+        for key in ("1_thread", "all_threads"):
+            assert float(r[f"of_read_{key}"]) == pytest.approx(weight_gb_s / float(r[f"read_gb_s_{key}"]))
+    assert f"of {os.cpu_count()}T read" in out
+    calls = [json.loads(line) for line in (tmp_path / "llama" / "calls.jsonl").read_text().splitlines()]
+    timed = [c for c in calls if "--repack" in c and c[c.index("-p") + 1] == "8"]
+    assert sorted(c[c.index("-t") + 1] for c in timed) == ["1", "2"]
+    assert all(c[c.index("-n") + 1] == "3" for c in timed)
+
+
+def test_bench_quant_without_llama_cpp_says_so(tmp_path, monkeypatch):
+    """No build on PATH, or a --llama-cpp path without one: why llama.cpp is not timed (our modes
+    are timed alone)."""
+    import os
+
+    from ds4_torch.bench import llama_cpp
+
+    monkeypatch.setenv("PATH", os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
+                                               if not (os.path.isdir(d) and "llama-bench" in os.listdir(d))))
+    assert llama_cpp.find(None) == (None, "no llama.cpp build: pass --llama-cpp PATH or put llama-bench on PATH "
+                                          "(docs/performance.md)")
+    found, why = llama_cpp.find(str(tmp_path))
+    assert found is None and why.startswith(f"no llama-bench at {tmp_path}")
+    build = fake_llama_cpp(tmp_path / "llama")
+    (build / "CMakeCache.txt").unlink()  # a binary whose source cannot be found: no converter
+    found, why = llama_cpp.find(str(build))
+    assert found is None and "convert_hf_to_gguf.py" in why
 
 
 @torch.no_grad()

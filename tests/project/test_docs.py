@@ -32,6 +32,9 @@ LM_EVAL_FLAGS = {"--model", "--model_args", "--tasks", "--include_path"}
 VLLM_ROUTER_FLAGS = {"--host", "--port", "--worker-urls", "--policy", "--api-key", "--health-check-interval-secs",
                      "--health-failure-threshold", "--kv-aware-session-affinity-ttl-secs", "--kv-event-source",
                      "--kv-event-block-size", "--kv-event-model"}
+# Building llama.cpp, `bench quant`'s optional peer (performance page): pip's and cmake's flags it
+# is built with, and llama-bench's `--repack` (which the benchmark passes where it must).
+LLAMA_CPP_BUILD_FLAGS = {"--no-deps", "--no-binary", "--build", "--target", "--repack"}
 
 
 def doc_files() -> list[Path]:
@@ -148,7 +151,7 @@ def script_flags(path: Path) -> frozenset[str]:
 @lru_cache(maxsize=None)
 def known_flags() -> frozenset[str]:
     """Every flag of every command and script: what a flag named outside a command line must be."""
-    flags = LM_EVAL_FLAGS | VLLM_ROUTER_FLAGS
+    flags = LM_EVAL_FLAGS | VLLM_ROUTER_FLAGS | LLAMA_CPP_BUILD_FLAGS
     for parser in parsers().values():
         flags |= options(parser)
     for script in [*ROOT.glob("examples/*.py"), *ROOT.glob("tests/clients/*.py"), *ROOT.glob("ds4_torch/**/*.py"),
