@@ -25,6 +25,9 @@ class FakeCache:
     def take_tokens(self, input_ids):  # rows reserved: nothing to take (a paged cache takes blocks)
         pass
 
+    def commit_tokens(self, index=None):  # nothing to register (a paged cache registers its blocks)
+        pass
+
     def check_usable(self, n=None):
         assert not self.invalid
 
