@@ -6,8 +6,9 @@ runs it; `python tests/server/core/process_simulation.py SEED...` too.
 
 - **Workload** (from the seed): conversations, each a chain of turns on OpenAI chat or
   completions, Anthropic messages or OpenAI Responses, streamed or not; every turn goes to the
-  API process the seed picks (a chat's next turn often to the other one); a few conversations at
-  once. Greedy, so every answer is the single-process server's.
+  API process the seed picks (a chat's next turn often to the other one); some chats offer a
+  tool (the model calls it; the next turn sends its result); a few conversations at once.
+  Greedy, so every answer is the single-process server's.
 - **Faults** (from the seed): in the core (`DS4_TORCH_FAULT`): a submit that raises, a slow
   submit (`DS4_TORCH_FAULT_SLOW_S`), a decode step or prefill chunk that raises; API process 2
   killed (SIGKILL) or stopped for a while (SIGSTOP, SIGCONT) mid-stream.
@@ -17,9 +18,10 @@ runs it; `python tests/server/core/process_simulation.py SEED...` too.
   killed, a submit the core was made to fail: a 500 naming it); none waits past its own work (no
   gap between two of its events, or before its first, longer than `WAIT_S`, but for one wait of
   the one request the slow submit slowed, up to that time more, and the stop for requests of
-  the stopped process); and the core finished no request that no client was answered for (its prompt
-  tokens counted in `ds4_prompt_tokens_total` equal the answered requests', unless requests
-  were lost with a killed process).
+  the stopped process; a request given nothing for `TIMEOUT` is given up); and the core finished
+  no request that no client was answered for (its prompt tokens counted in
+  `ds4_prompt_tokens_total`, read once a slow submit has ended and nothing is queued or running,
+  equal the answered requests', unless requests were lost with a killed process).
 
 Timing depends on the machine: a seed replays the same workload, routing and faults, not the
 same interleaving.
