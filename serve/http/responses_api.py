@@ -190,10 +190,12 @@ def _input(body: dict, names: ToolNames) -> list[dict]:
                 {"id": item["call_id"], "type": "function",
                  "function": {"name": names.offered(namespace, item["name"]), "arguments": arguments}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            if not isinstance(item.get("call_id"), str):
+            # Without a call_id it answers no call of ours: Codex adds its own tools' outputs this way
+            # (its goal's objective). It reads as a tool result all the same.
+            if item.get("call_id") is not None and not isinstance(item.get("call_id"), str):
                 raise bad(f"{where}.call_id must be a string", f"{where}.call_id", "invalid_type")
             assistant = None
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _parts_text(item.get("output"), f"{where}.output", ("input_text", "text"))})
         elif kind == "reasoning":
             text = _reasoning_text(item, where)

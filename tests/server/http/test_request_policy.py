@@ -307,3 +307,23 @@ def test_every_request_has_an_access_log_line(srv, model, tok, caplog):
         with caplog.at_level(logging.INFO, logger="ds4.serve"):
             httpx.post(quiet.url + "/v1/chat/completions", json={"model": "m", "messages": "nope"})
         assert not [rec for rec in caplog.records if "/v1/chat/completions" in rec.getMessage()]
+
+
+def test_a_function_call_output_without_a_call_id_is_a_tool_result(srv):
+    """Codex 0.169 sends its own tools' outputs with no call_id (`{"type": "function_call_output",
+    "name": "goal_objective", "namespace": "agent", "output": ...}`): the model reads it as the
+    same tool result with an id would be (ids are not in the prompt), and the turn is answered.
+    A call_id that is there but not a string is still the client's error."""
+    def body(**output):
+        return {"model": "m", "max_output_tokens": 4, "temperature": 0, "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]},
+            {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "find the weather",
+             **output}]}
+
+    plain = post(srv, "/v1/responses/render", body(call_id="call_1")).json()["token_ids"]
+    assert post(srv, "/v1/responses/render", body()).json()["token_ids"] == plain
+    r = post(srv, "/v1/responses", body())
+    assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
+    assert r.json()["usage"]["input_tokens"] == len(plain) and r.json()["usage"]["output_tokens"] > 0
+    r = httpx.post(srv.url + "/v1/responses", json=body(call_id=7), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].call_id"
