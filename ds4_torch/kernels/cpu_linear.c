@@ -838,7 +838,8 @@ static void *dst_row(const unpacking *p, long r, long k0) {
     return p->dst_f32 ? (void *)((float *)p->dst + r * p->K + k0) : (void *)((bf16 *)p->dst + r * p->K + k0);
 }
 
-static void dequantize_fp8_unit(void *arg, long u) {
+/* rows of an FP4 weight (scale8: its e8m0 bytes) or an FP8 one (scale: its float block scales) */
+static void dequantize_unit(void *arg, long u) {
     unpacking *p = arg;
     float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
     if (!tile) {
@@ -848,8 +849,14 @@ static void dequantize_fp8_unit(void *arg, long u) {
     for (long r = u * p->unit; r < (u + 1) * p->unit && r < p->R; r++)
         for (long k0 = 0; k0 < p->K; k0 += K_BLOCK) {
             long k1 = k0 + K_BLOCK < p->K ? k0 + K_BLOCK : p->K;
-            unpack_fp8_paired(p->w + r * p->ldw, k0, k1, tile);
-            store_dequantized(tile, k1 - k0, k0, p->scale + (r / p->bm) * p->lds, p->bn, dst_row(p, r, k0), p->dst_f32);
+            if (p->scale8) {
+                unpack_fp4_paired(p->w + r * p->ldw, p->scale8 + r * p->lds, k0, k1, tile);
+                store_dequantized(tile, k1 - k0, k0, NULL, 1, dst_row(p, r, k0), p->dst_f32);
+            } else {
+                unpack_fp8_paired(p->w + r * p->ldw, k0, k1, tile);
+                store_dequantized(tile, k1 - k0, k0, p->scale + (r / p->bm) * p->lds, p->bn, dst_row(p, r, k0),
+                                  p->dst_f32);
+            }
         }
 }
 
@@ -860,23 +867,8 @@ int ds4_dequantize_fp8(const uint8_t *w, long ldw, long R, long K, const float *
     int t = thread_count(threads, R, R * K);
     unpacking p = {.w = w, .scale = scale, .ldw = ldw, .R = R, .K = K, .bm = bm, .bn = bn, .lds = lds, .dst = dst,
                    .dst_f32 = dst_f32, .unit = unit_rows(R, K, 16, t)};
-    pool_run(dequantize_fp8_unit, &p, (R + p.unit - 1) / p.unit, t);
+    pool_run(dequantize_unit, &p, (R + p.unit - 1) / p.unit, t);
     return p.failed ? -1 : 0;
-}
-
-static void dequantize_fp4_unit(void *arg, long u) {
-    unpacking *p = arg;
-    float *tile = scratch_get(SCRATCH_TILE, sizeof(float) * K_BLOCK);
-    if (!tile) {
-        p->failed = 1;
-        return;
-    }
-    for (long r = u * p->unit; r < (u + 1) * p->unit && r < p->R; r++)
-        for (long k0 = 0; k0 < p->K; k0 += K_BLOCK) {
-            long k1 = k0 + K_BLOCK < p->K ? k0 + K_BLOCK : p->K;
-            unpack_fp4_paired(p->w + r * p->ldw, p->scale8 + r * p->lds, k0, k1, tile);
-            store_dequantized(tile, k1 - k0, k0, NULL, 1, dst_row(p, r, k0), p->dst_f32);
-        }
 }
 
 int ds4_dequantize_fp4(const uint8_t *w, long ldw, long R, long K, const uint8_t *scale, long lds,
@@ -886,7 +878,7 @@ int ds4_dequantize_fp4(const uint8_t *w, long ldw, long R, long K, const uint8_t
     int t = thread_count(threads, R, R * K / 2);
     unpacking p = {.w = w, .scale8 = scale, .ldw = ldw, .R = R, .K = K, .lds = lds, .dst = dst, .dst_f32 = dst_f32,
                    .unit = unit_rows(R, K / 2, 16, t)};
-    pool_run(dequantize_fp4_unit, &p, (R + p.unit - 1) / p.unit, t);
+    pool_run(dequantize_unit, &p, (R + p.unit - 1) / p.unit, t);
     return p.failed ? -1 : 0;
 }
 

@@ -27,17 +27,12 @@ compiler, or with `DS4_TORCH_NATIVE=0`, nothing here runs.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from . import native
-
-log = logging.getLogger("ds4_torch")
 
 __all__ = ["MAX_ROWS", "available", "bf16_linear", "fp8_linear", "fp4_linear", "dequantize_fp8_rows",
            "dequantize_fp4_rows", "features", "read_words"]
@@ -50,10 +45,6 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 # Tried in order: the first that compiles serves (a compiler without -march=native, a system
 # without pthreads: one thread).
 FLAG_SETS = (["-O3", "-march=native", "-pthread"], ["-O3", "-pthread"], ["-O3", "-DDS4_SINGLE_THREAD"])
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 _long, _int, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -85,21 +76,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled library, built on first use; None when native code is off or cannot be built
-    (logged once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if os.environ.get("DS4_TORCH_NATIVE", "1") != "0":
-                try:
-                    _lib = _load()
-                except Exception as e:  # noqa: BLE001 - no compiler: the torch path serves
-                    log.info("native CPU linears unavailable (%s); using torch ops", e)
-            _tried = True
-    return _lib
+library = native.OnceBuilt(_load, "native CPU linears")
 
 
 def available() -> bool:

@@ -53,11 +53,6 @@ void ds4_sinkhorn(float *x, long count, long n, long iters, float eps) {
 }
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
 def _cache_dir() -> Path:
     root = os.environ.get("DS4_TORCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ds4_torch")
     return Path(root)
@@ -103,21 +98,32 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled library, built on first use; None when native code is off or cannot be built
-    (logged once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if os.environ.get("DS4_TORCH_NATIVE", "1") != "0":
-                try:
-                    _lib = _build()
-                except Exception as e:  # noqa: BLE001 - no compiler, a read-only cache: the torch loop serves
-                    log.info("native CPU kernels unavailable (%s: %s); using torch ops", type(e).__name__, e)
-            _tried = True
-    return _lib
+class OnceBuilt:
+    """A native library built on first call by `load` (compile, then declare its signatures), once
+    per process behind a lock; None when native code is off (`DS4_TORCH_NATIVE=0`) or `load`
+    fails (no compiler, a read-only cache: logged once, and the caller's torch path serves)."""
+
+    def __init__(self, load, what: str):
+        self.load, self.what = load, what
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                if os.environ.get("DS4_TORCH_NATIVE", "1") != "0":
+                    try:
+                        self._lib = self.load()
+                    except Exception as e:  # noqa: BLE001 - see the class docstring
+                        log.info("%s unavailable (%s: %s); using torch ops", self.what, type(e).__name__, e)
+                self._tried = True
+        return self._lib
+
+
+library = OnceBuilt(_build, "native CPU kernels")
 
 
 def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor | None:

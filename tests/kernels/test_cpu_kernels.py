@@ -188,8 +188,8 @@ def test_steps_aside_for_traces_autograd_and_other_dtypes(native):
 
 
 def _fresh_library(monkeypatch, **env):
-    monkeypatch.setattr(cpu_linear, "_lib", None)
-    monkeypatch.setattr(cpu_linear, "_tried", False)
+    monkeypatch.setattr(cpu_linear.library, "_lib", None)
+    monkeypatch.setattr(cpu_linear.library, "_tried", False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 
