@@ -782,6 +782,88 @@ int ds4_linear_fp4(const void *x, int x_bf16, long N, long K, const uint8_t *w, 
     return p.failed ? -1 : 0;
 }
 
+/* ------------------------------------------------------------------ groups of products
+ * G products of one weight shape in one call, the units of all of them handed out together: a
+ * decode step's routed experts (FP4) or a grouped projection's groups (FP8, attention's wo_a)
+ * cost one handoff to the helper threads, not one each (a handoff is a wake-up, and between the
+ * products torch's own threads hold the other core). Group g is x[g] [N[g] >= 1, K] (contiguous,
+ * x_bf16 for all) times w[g] (its scales scale[g]) into out[g] (row stride ldo); each group's
+ * bits are those of its own call. */
+typedef struct {
+    product *p;
+    long per;  /* units per group */
+    unit_fn fn;
+} product_groups;
+
+static void group_unit(void *arg, long u) {
+    product_groups *g = arg;
+    g->fn(&g->p[u / g->per], u % g->per);
+}
+
+static int run_groups(product *p, long G, unit_fn fn, int t) {
+    product_groups groups = {p, (p[0].R + p[0].unit - 1) / p[0].unit, fn};
+    pool_run(group_unit, &groups, G * groups.per, t);
+    int failed = 0;
+    for (long g = 0; g < G; g++) failed |= p[g].failed;
+    return failed ? -1 : 0;
+}
+
+static long group_rows(long G, const long *N) {  /* all groups' rows; -1 for a group of none */
+    long rows = 0;
+    for (long g = 0; g < G; g++) {
+        if (N[g] < 1) return -1;
+        rows += N[g];
+    }
+    return rows;
+}
+
+int ds4_linear_fp4_groups(long G, const void *const *x, const long *N, int x_bf16, long K, const uint8_t *const *w,
+                          long ldw, long R, const uint8_t *const *scale, long lds, void *const *out, int out_bf16,
+                          long ldo, int threads) {
+    long rows = group_rows(G, N), ldx = round_up(K, CHUNK);
+    if (K % CHUNK || G < 1 || rows < 1) return -2;
+    ensure_tables();
+    product *p = calloc(G, sizeof(product));
+    float *xc = aligned_alloc(64, round_up(sizeof(float) * rows * ldx, 64));
+    int rc = -1;
+    if (p && xc) {
+        int t = thread_count(threads, R * G, R * G * K / 2);
+        long unit = unit_rows(R, K / 2, ROWS, t), at = 0;
+        for (long g = 0; g < G; g++) {
+            for (long n = 0; n < N[g]; n++)
+                x_row_to_compute((const char *)x[g] + n * K * (x_bf16 ? 2 : 4), x_bf16, K, NULL, 1,
+                                 xc + (at + n) * ldx);
+            p[g] = (product){.x = x[g], .xc = xc + at * ldx, .x_bf16 = x_bf16, .out_bf16 = out_bf16, .N = N[g],
+                             .K = K, .ldx = ldx, .R = R, .ldw = ldw, .lds = lds, .ldo = ldo, .w = w[g],
+                             .scale = scale[g], .out = out[g], .unit = unit};
+            at += N[g];
+        }
+        rc = run_groups(p, G, fp4_unit, t);
+    }
+    free(p);
+    free(xc);
+    return rc;
+}
+
+/* scale[g]: float32 [ceil(R / bm), lds], as ds4_linear_fp8's */
+int ds4_linear_fp8_groups(long G, const void *const *x, const long *N, int x_bf16, long K, const uint8_t *const *w,
+                          long ldw, long R, const float *const *scale, long bm, long bn, long lds, void *const *out,
+                          int out_bf16, long ldo, int threads) {
+    if (bn % CHUNK || bm < 1 || G < 1 || group_rows(G, N) < 1) return -2;
+    ensure_tables();
+    product *p = calloc(G, sizeof(product));
+    if (!p) return -1;
+    int t = thread_count(threads, R * G, R * G * K);
+    long unit = unit_rows(R, K, bm % ROWS == 0 ? bm : ROWS, t);
+    for (long g = 0; g < G; g++)
+        p[g] = (product){.x = x[g], .x_bf16 = x_bf16, .out_bf16 = out_bf16, .N = N[g], .K = K,
+                         .ldx = round_up(K, CHUNK), .R = R, .ldw = ldw, .lds = lds, .bm = bm, .bn = bn, .ldo = ldo,
+                         .w = w[g], .scale = scale[g], .out = out[g], .unit = unit};
+    int rc = run_groups(p, G, fp8_unit, t);
+    free(p);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ prefill: dequantized rows
  * dst [R, K] contiguous, bf16 or float (dst_f32): quant.dequantize's values (scale applied in
  * float32, rounded once), in column order, for torch's dense product on a tile of rows. */

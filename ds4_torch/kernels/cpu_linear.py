@@ -34,8 +34,8 @@ from torch import Tensor
 
 from . import native
 
-__all__ = ["MAX_ROWS", "available", "bf16_linear", "fp8_linear", "fp4_linear", "dequantize_fp8_rows",
-           "dequantize_fp4_rows", "features", "read_words"]
+__all__ = ["MAX_ROWS", "available", "bf16_linear", "fp8_linear", "fp4_linear", "fp8_linear_groups",
+           "fp4_linear_groups", "dequantize_fp8_rows", "dequantize_fp4_rows", "features", "read_words"]
 
 # Rows of x the native products take. Above it (prefill) a dense product (oneDNN, AMX where the CPU
 # has it) on unpacked tiles is faster than a GEMV that re-reads the tile for every 4 rows.
@@ -52,6 +52,10 @@ _SIGNATURES = {
     "ds4_linear_fp8": [_ptr, _int, _long, _long, _ptr, _long, _long, _ptr, _long, _long, _long, _ptr, _int, _long,
                        _int],
     "ds4_linear_fp4": [_ptr, _int, _long, _long, _ptr, _long, _long, _ptr, _long, _ptr, _int, _long, _int],
+    "ds4_linear_fp4_groups": [_long, _ptr, _ptr, _int, _long, _ptr, _long, _long, _ptr, _long, _ptr, _int, _long,
+                              _int],
+    "ds4_linear_fp8_groups": [_long, _ptr, _ptr, _int, _long, _ptr, _long, _long, _ptr, _long, _long, _long, _ptr,
+                              _int, _long, _int],
     "ds4_dequantize_fp8": [_ptr, _long, _long, _long, _ptr, _long, _long, _long, _ptr, _int, _int],
     "ds4_dequantize_fp4": [_ptr, _long, _long, _long, _ptr, _long, _ptr, _int, _int],
     "ds4_features": [],
@@ -198,6 +202,71 @@ def fp4_linear(x: Tensor, packed: Tensor, scale: Tensor, max_rows: int = MAX_ROW
                             packed.stride(0), R, s.data_ptr(), s.stride(0), out.data_ptr(),
                             out.dtype == torch.bfloat16, R, torch.get_num_threads())
     return _finish(rc, x, out)
+
+
+def fp8_linear_groups(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int,
+                      max_rows: int = MAX_ROWS) -> Tensor | None:
+    """A grouped FP8 projection (attention's wo_a) in one native call: x [..., G, K], group g
+    times its own rows of weight [G * R, K] (each group starting on a block row of scale): out
+    [..., G, R], the same bits as `fp8_linear` on each group. None where it cannot run."""
+    G, K = x.shape[-2], x.shape[-1]
+    if weight.dtype != torch.float8_e4m3fn or block_cols % 32 or block_rows < 1 or weight.shape[0] % G \
+            or (weight.shape[0] // G) % block_rows or scale.shape[0] % G:
+        return None
+    R, blocks = weight.shape[0] // G, scale.shape[0] // G
+    n = x[..., 0, 0].numel()
+    if not _runnable(x, weight) or not _rows_view(weight) or weight.shape[1] != K or not 1 <= n <= max_rows:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xg = x.reshape(n, G, K).transpose(0, 1).contiguous()  # [G, n, K]: each group's rows together
+    out = xg.new_empty(n, G, R)
+    s = _float_scale(scale)
+    esize, pointers = xg.element_size(), ctypes.c_void_p * G
+    rc = lib.ds4_linear_fp8_groups(
+        G, pointers(*[xg.data_ptr() + g * n * K * esize for g in range(G)]), (ctypes.c_long * G)(*[n] * G),
+        xg.dtype == torch.bfloat16, K, pointers(*[weight.data_ptr() + g * R * weight.stride(0) for g in range(G)]),
+        weight.stride(0), R, pointers(*[s.data_ptr() + g * blocks * s.stride(0) * 4 for g in range(G)]),
+        block_rows, block_cols, s.stride(0), pointers(*[out.data_ptr() + g * R * esize for g in range(G)]),
+        out.dtype == torch.bfloat16, G * R, torch.get_num_threads())
+    return out.view(*x.shape[:-1], R) if rc == 0 else None
+
+
+def fp4_linear_groups(xs: list[Tensor], packed: Tensor, scale: Tensor, experts: list[int],
+                      max_rows: int = MAX_ROWS) -> list[Tensor] | None:
+    """[xs[i] @ dequantize_fp4(packed[experts[i]], scale[experts[i]]).T for each i] in one native
+    call (the same bits as `fp4_linear` on each), FP4 bytes [E, R, K/2] with e8m0 scales
+    [E, R, K/32]; each xs[i] [n_i, K] with 1 <= n_i <= max_rows, one dtype. None where it cannot run.
+    What a decode step's routed experts use: their rows go to the threads as one piece of work."""
+    if not xs or packed.dim() != 3 or packed.element_size() != 1 or len(xs) != len(experts):
+        return None
+    from ..quant import is_e8m0_dtype
+
+    E, R, K = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
+    if tuple(scale.shape) != (E, R, K // 32) or not is_e8m0_dtype(scale.dtype) or K % 32 \
+            or not _rows_view(packed[0]) or not all(0 <= e < E for e in experts):
+        return None
+    dtype = xs[0].dtype
+    if any(x.dtype != dtype or x.dim() != 2 or x.shape[1] != K or not 1 <= x.shape[0] <= max_rows
+           or not _runnable(x, packed) for x in xs):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    s = scale.view(torch.uint8)
+    if s.stride(2) != 1:
+        s = s.contiguous()
+    xs = [x.contiguous() for x in xs]
+    outs = [x.new_empty(x.shape[0], R) for x in xs]
+    G = len(xs)
+    pointers = (ctypes.c_void_p * G)
+    rc = lib.ds4_linear_fp4_groups(
+        G, pointers(*[x.data_ptr() for x in xs]), (ctypes.c_long * G)(*[x.shape[0] for x in xs]),
+        dtype == torch.bfloat16, K, pointers(*[packed.data_ptr() + e * packed.stride(0) for e in experts]),
+        packed.stride(1), R, pointers(*[s.data_ptr() + e * s.stride(0) for e in experts]), s.stride(1),
+        pointers(*[o.data_ptr() for o in outs]), dtype == torch.bfloat16, R, torch.get_num_threads())
+    return outs if rc == 0 else None
 
 
 def _into_ok(weight: Tensor, out: Tensor, K: int) -> bool:

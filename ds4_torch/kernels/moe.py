@@ -26,7 +26,9 @@ Implementations (chosen as for the attention ops, `ops.kernel_for`; backend "aut
   over the experts actually selected that multiplies each expert's token group by *views* of its
   weights (never a gathered copy of the selected set); on a CPU, when most experts are hit
   anyway by small groups, one grouped product per projection instead (`moe_grouped`). Quantized experts are unpacked there, only
-  when selected, tile by tile into a reused buffer (`quantized.py`). It reads the expert counts on the host; as
+  when selected, tile by tile into a reused buffer (`quantized.py`); FP4 experts with at most
+  `cpu_linear.MAX_ROWS` tokens each (decode) are read by the native products instead, all the
+  selected experts in one call per projection (`_fp4_experts_at_once`). It reads the expert counts on the host; as
   one opaque op under `make_fx` / `torch.compile` that sync is not part of any traced graph.
 - CUDA ("auto" / "triton"), or CPU under TRITON_INTERPRET=1 with "triton": the fused Triton kernels
   of `triton_moe.py`, with no host sync and no data-dependent shape (CUDA-graph capturable).
@@ -159,6 +161,9 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
     pair_out = hidden.new_empty(N * k, H) if all_valid else hidden.new_zeros(N * k, H)
     tokens, sorted_weights = order // k, pair_weights[order]  # per sorted pair; sliced per expert below
     begin = counts[0]
+    if gate_up_scale is not None and _fp4_experts_at_once(hidden, tokens, counts, gate_up, down, gate_up_scale,
+                                                          down_scale, swiglu_limit, order, sorted_weights, pair_out):
+        return pair_out.view(N, k, H).sum(1)
     for e in range(E):
         n = counts[e + 1]
         if n == 0:
@@ -174,6 +179,36 @@ def moe_torch(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_
         pair_out.index_copy_(0, order[begin:end], y * sorted_weights[begin:end, None])
         begin = end
     return pair_out.view(N, k, H).sum(1)
+
+
+def _fp4_experts_at_once(hidden: Tensor, tokens: Tensor, counts: list[int], gate_up: Tensor, down: Tensor,
+                         gate_up_scale: Tensor, down_scale: Tensor, swiglu_limit: float, order: Tensor,
+                         sorted_weights: Tensor, pair_out: Tensor) -> bool:
+    """The loop's products for FP4 experts with few tokens each (decode), the selected experts'
+    rows in one native call per projection (`cpu_linear.fp4_linear_groups`: one handoff to the
+    threads, and no per-expert torch ops between), writing the loop's values into `pair_out`;
+    False (nothing written) where that cannot run."""
+    if not is_fp4_packed_dtype(gate_up.dtype) or hidden.device.type != "cpu":
+        return False
+    from . import cpu_linear
+
+    E, N = gate_up.shape[0], hidden.shape[0]
+    experts = [e for e in range(E) if counts[e + 1]]
+    begin, xs = counts[0], []
+    for e in experts:
+        end = begin + counts[e + 1]
+        xs.append(hidden if N == 1 and end - begin == 1 else hidden.index_select(0, tokens[begin:end]))
+        begin = end
+    gate_ups = cpu_linear.fp4_linear_groups(xs, gate_up, gate_up_scale, experts)
+    if gate_ups is None:
+        return False
+    h = swiglu(torch.cat(gate_ups), swiglu_limit)
+    ys = cpu_linear.fp4_linear_groups(list(h.split([counts[e + 1] for e in experts])), down, down_scale, experts)
+    if ys is None:
+        return False
+    pairs = slice(counts[0], begin)  # the valid pairs, in expert order as `ys` is
+    pair_out.index_copy_(0, order[pairs], torch.cat(ys) * sorted_weights[pairs, None])
+    return True
 
 
 def _implementation(backend: str, device: torch.device):

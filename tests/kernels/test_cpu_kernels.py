@@ -166,6 +166,100 @@ def test_quantized_linear_and_op_use_it_for_decode_and_prefill(native):
         quantized.NATIVE_TILE_ELEMENTS = tiles
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_expert_groups_in_one_call_give_each_experts_product(native, dtype):
+    """fp4_linear_groups (a decode step's routed experts in one call): each group's output is
+    the dense product with its own expert's weight, the same bits as that expert's own
+    fp4_linear call, at 1 and 2 threads, with groups of different row counts; it declines (None)
+    what it does not take."""
+    E, R, K = 5, 130, 96
+    g = torch.Generator().manual_seed(9)
+    quantized = [fp4_quantize(torch.randn(R, K, generator=g) * 3, "e8m0") for _ in range(E)]
+    packed = torch.stack([q[0] for q in quantized])
+    scale = torch.stack([q[1] for q in quantized])
+    experts, rows = [3, 0, 4, 1], [1, 3, 16, 2]
+    xs = [torch.randn(n, K, generator=g).to(dtype) for n in rows]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs = cpu_linear.fp4_linear_groups(xs, packed, scale, experts)
+            assert outs is not None and [o.shape for o in outs] == [(n, R) for n in rows]
+            for x, e, out in zip(xs, experts, outs):
+                assert_near(out, x.double() @ quantized[e][2].double().T, dtype)
+                assert torch.equal(out, cpu_linear.fp4_linear(x, packed[e], scale[e]))
+    finally:
+        torch.set_num_threads(before)
+    assert cpu_linear.fp4_linear_groups([torch.randn(17, K).to(dtype)], packed, scale, [0]) is None  # > MAX_ROWS
+    assert cpu_linear.fp4_linear_groups(xs[:1], packed, scale, [E]) is None  # no such expert
+    assert cpu_linear.fp4_linear_groups([xs[0][:, :64]], packed, scale, [0]) is None  # another K
+    assert cpu_linear.fp4_linear_groups([xs[0], xs[1].float().double()], packed, scale, [0, 1]) is None
+    assert cpu_linear.fp4_linear_groups(xs[:1], packed, scale.float(), [0]) is None  # not e8m0 scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_a_grouped_fp8_projection_runs_in_one_call(native, dtype, monkeypatch):
+    """A grouped FP8 projection (attention's wo_a: x [..., G, K], group g through its own rows)
+    on a CPU: one native call for all groups, each group the dense product with its own rows and
+    the same bits as fp8_linear on them, at 1 and 2 threads; more rows than the native products
+    take (prefill) go group by group through the op."""
+    from ds4_torch.kernels import quantized  # noqa: F401 - registers ds4::fp8_linear
+
+    G, R, K = 4, 256, 200
+    g = torch.Generator().manual_seed(6)
+    q, s = fp8_quantize(torch.randn(G * R, K, generator=g) * 3, "e8m0")
+    dense = fp8_reference(q, s).double().view(G, R, K)
+    layer = Q.FP8BlockLinear(K, G * R, groups=G)
+    layer.weight.copy_(q)
+    layer.weight_scale_inv.copy_(s.float() if s.dtype != torch.float32 else s)
+    calls = []
+    grouped = cpu_linear.fp8_linear_groups
+    monkeypatch.setattr(cpu_linear, "fp8_linear_groups", lambda *a: calls.append(a[0].shape) or grouped(*a))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n in (1, 3):
+                x = torch.randn(1, n, G, K, generator=g).to(dtype)
+                got = layer(x)
+                assert got.shape == (1, n, G, R)
+                for j in range(G):
+                    assert_near(got[..., j, :], x[..., j, :].double() @ dense[j].T, dtype)
+                    assert torch.equal(got[..., j, :], cpu_linear.fp8_linear(x[..., j, :], q[j * R:(j + 1) * R],
+                                                                           s[j * 2:(j + 1) * 2], 128, 128))
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 4
+    x = torch.randn(40, G, K, generator=g).to(dtype)
+    assert grouped(x, layer.weight, layer.weight_scale_inv, 128, 128) is None  # more than MAX_ROWS rows
+    want = torch.stack([x[:, j].double() @ dense[j].T for j in range(G)], dim=1)
+    assert_near(layer(x), want, dtype)
+
+
+@torch.no_grad()
+def test_moe_decode_on_fp4_experts_reads_them_in_one_call_per_projection(native, monkeypatch):
+    """ds4::moe on FP4 experts in decode (one token, several experts; a pair with no expert):
+    two grouped calls, and the same bits as the per-expert loop it replaces."""
+    from ds4_torch.kernels import moe as moe_module
+
+    E, H, I = 6, 128, 64
+    g = torch.Generator().manual_seed(3)
+    gate_up = [fp4_quantize(torch.randn(2 * I, H, generator=g), "e8m0") for _ in range(E)]
+    down = [fp4_quantize(torch.randn(H, I, generator=g), "e8m0") for _ in range(E)]
+    args = [torch.stack([q[i] for q in qs]) for qs in (gate_up, down) for i in (0, 1)]
+    hidden = torch.randn(1, H, generator=g).to(torch.bfloat16)
+    ids, weights = torch.tensor([[4, -1, 1, 5]]), torch.rand(1, 4, generator=g)
+    calls = []
+    grouped = cpu_linear.fp4_linear_groups
+    monkeypatch.setattr(cpu_linear, "fp4_linear_groups", lambda *a: calls.append(a[3]) or grouped(*a))
+    got = moe_module.moe(hidden, ids, weights, args[0], args[2], 7.0, "torch", args[1], args[3])
+    assert calls == [[1, 4, 5], [1, 4, 5]]
+    monkeypatch.setattr(cpu_linear, "fp4_linear_groups", lambda *a: None)  # the loop, expert by expert
+    assert torch.equal(got, moe_module.moe(hidden, ids, weights, args[0], args[2], 7.0, "torch", args[1], args[3]))
+
+
 @torch.no_grad()
 def test_steps_aside_for_traces_autograd_and_other_dtypes(native):
     from torch.fx.experimental.proxy_tensor import make_fx

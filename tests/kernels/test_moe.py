@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds4_torch.kernels import cpu_linear
 from ds4_torch.kernels import moe as moe_module  # registers torch.ops.ds4.moe
 from helpers import assert_close
 
@@ -399,6 +400,14 @@ def test_op_on_quantized_experts_matches_loop(case, fmt, backend, monkeypatch):
             return original(x, weight, scale)
 
         monkeypatch.setattr(moe_module, fn, spy)
+    grouped = cpu_linear.fp4_linear_groups  # FP4 decode: every selected expert's rows in one call
+
+    def grouped_spy(xs, stack, scale, experts):
+        out = grouped(xs, stack, scale, experts)
+        unpacked.extend((stack.dim(), e) for e in experts if out is not None)  # None: the loop reads them
+        return out
+
+    monkeypatch.setattr(cpu_linear, "fp4_linear_groups", grouped_spy)
     gu, dn, gus, dns = packed
     for dtype in (torch.float32, torch.bfloat16):
         unpacked.clear()

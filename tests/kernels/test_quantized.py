@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ckpt_utils import fp4_quantize, fp8_quantize, fp8_reference
 from ds4_torch import quant as Q
-from ds4_torch.kernels import quantized
+from ds4_torch.kernels import cpu_linear, quantized
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
 
@@ -377,6 +377,15 @@ def test_expert_parallel_ranks_unpack_only_their_selected_experts(monkeypatch):
     unpacked = []
     original = moe_module.expert_gate_up
     monkeypatch.setattr(moe_module, "expert_gate_up", lambda x, w, s: unpacked.append(w.data_ptr()) or original(x, w, s))
+    grouped = cpu_linear.fp4_linear_groups  # a few tokens an expert: the selected experts in one call
+
+    def grouped_spy(xs, stack, scale, chosen):
+        out = grouped(xs, stack, scale, chosen)
+        if out is not None and stack.shape[-1] == H // 2:  # the gate_up projection (its inputs: H)
+            unpacked.extend(stack[e].data_ptr() for e in chosen)
+        return out
+
+    monkeypatch.setattr(cpu_linear, "fp4_linear_groups", grouped_spy)
     flat = torch.randn(3, H, generator=g)
     ids = torch.tensor([[0, 5], [1, 0], [6, 5]])
     weights = torch.rand(3, 2, generator=g)
