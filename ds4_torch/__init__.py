@@ -6,9 +6,20 @@ such as ``ds4_torch.tokenizer`` import without pulling in the model code.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# CPU decode runs torch's ops on torch's OpenMP threads and the native products on helper threads
+# of their own (kernels/cpu_linear.c). OpenMP's default wait spins for a while after each torch op,
+# holding the core a helper needs (2 threads then decoded a 2-layer checkpoint 1.4x faster than one;
+# with a passive wait, 1.7-1.9x). OpenMP reads the policy once, when torch loads it: so it is set
+# here, before torch is imported, unless the environment already names one.
+OMP_WAIT_POLICY_DEFAULTED = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ
+if OMP_WAIT_POLICY_DEFAULTED:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 # public name -> submodule that defines it
 _LAZY = {

@@ -228,30 +228,14 @@ class FP8BlockLinear(nn.Module):
         return dequantize_fp8(self.weight, self.weight_scale_inv, dtype or self.compute_dtype, self.block_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The registered op (ds4_torch.kernels.quantized, imported with the model): the kernels
+        # The registered ops (ds4_torch.kernels.quantized, imported with the model): the kernels
         # import this module's formats, so this module does not import them.
-        fp8_linear = torch.ops.ds4.fp8_linear
         if self.groups == 1:
-            out = fp8_linear(x, self.weight, self.weight_scale_inv, *self.block_size, self.backend)
-        elif (out := self._groups_in_one_native_call(x)) is None:  # x [..., groups, in]: each group its own rows
-            rows, blocks = self.out_features // self.groups, self.weight_scale_inv.shape[0] // self.groups
-            out = torch.stack([
-                fp8_linear(x[..., g, :], self.weight[g * rows:(g + 1) * rows],
-                           self.weight_scale_inv[g * blocks:(g + 1) * blocks], *self.block_size, self.backend)
-                for g in range(self.groups)], dim=-2)
+            out = torch.ops.ds4.fp8_linear(x, self.weight, self.weight_scale_inv, *self.block_size, self.backend)
+        else:  # x [..., groups, in]: group g through its own rows of the weight
+            out = torch.ops.ds4.fp8_linear_grouped(x, self.weight, self.weight_scale_inv, *self.block_size,
+                                                   self.backend)
         return out if self.bias is None else out + self.bias.to(out.dtype)
-
-    def _groups_in_one_native_call(self, x: torch.Tensor) -> torch.Tensor | None:
-        """CPU decode where the op would run its torch implementation: every group's product in
-        one native call (one handoff to the threads, not one per group); None elsewhere."""
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return None
-        from .kernels import cpu_linear  # deferred, as the op above
-        from .kernels.ops import kernel_for
-
-        if kernel_for(self.backend, x.device) != "torch":
-            return None
-        return cpu_linear.fp8_linear_groups(x, self.weight, self.weight_scale_inv, *self.block_size)
 
     def extra_repr(self) -> str:
         return (

@@ -156,7 +156,18 @@ SETTINGS = ([], ["--repack", "0"])
 def _run(llama: LlamaCpp, gguf: Path, threads: int, prompt_len: int, new_tokens: int, flags: list[str]):
     cmd = [str(llama.bench), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_len), "-n", str(new_tokens),
            "-r", "1", "-o", "json", *flags]
-    return cmd, subprocess.run(cmd, capture_output=True, text=True)
+    return cmd, subprocess.run(cmd, capture_output=True, text=True, env=peer_environment())
+
+
+def peer_environment() -> dict:
+    """This process's environment as the user gave it: without the OpenMP wait policy ds4_torch
+    chose for itself (its __init__), so that llama.cpp runs as its own users run it."""
+    import ds4_torch
+
+    env = dict(os.environ)
+    if ds4_torch.OMP_WAIT_POLICY_DEFAULTED:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
 
 
 def working_flags(llama: LlamaCpp, gguf: Path) -> list[str]:

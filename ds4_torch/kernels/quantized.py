@@ -1,5 +1,5 @@
-"""Block-quantized weights consumed in place: the `torch.ops.ds4.fp8_linear` op and the CPU
-unpacking that `ds4::moe` uses for FP4/FP8 experts (formats: `ds4_torch.quant`).
+"""Block-quantized weights consumed in place: the `ds4::fp8_linear` and `ds4::fp8_linear_grouped`
+ops and the CPU unpacking that `ds4::moe` uses for FP4/FP8 experts (formats: `ds4_torch.quant`).
 
     ds4::fp8_linear(x [..., K], weight [R, K] float8_e4m3fn, scale [ceil(R/bm), ceil(K/bn)],
                     block_rows: int, block_cols: int, backend: str) -> [..., R]
@@ -7,6 +7,13 @@ unpacking that `ds4::moe` uses for FP4/FP8 experts (formats: `ds4_torch.quant`).
 computes `x @ dequantize_fp8(weight, scale).T` in x's dtype (bf16, fp16 or fp32) with fp32
 accumulation, and never builds the dense weight. `scale` is float32, e8m0 (`float8_e8m0fnu`)
 or uint8 holding an e8m0 exponent.
+
+    ds4::fp8_linear_grouped(x [..., G, K], weight [G * R, K], scale, block_rows, block_cols, backend)
+        -> [..., G, R]
+
+is a grouped projection (attention's `wo_a`): group g of x through its own R rows of the weight,
+each group starting on a block row; `ds4::fp8_linear` group by group, except on a CPU for decode
+rows, where one native call serves every group (`cpu_linear.fp8_linear_groups`).
 
 Implementations (chosen as for the other ops, `ops.kernel_for`):
 - CUDA ("auto"/"triton"), or CPU under TRITON_INTERPRET=1 with "triton": `triton_quantized.py`,
@@ -326,3 +333,52 @@ def _fp8_linear_cuda(x, weight, scale, block_rows, block_cols, backend):
 def _fp8_linear_fake(x, weight, scale, block_rows, block_cols, backend):
     check_fp8_linear_inputs(x, weight, scale, block_rows, block_cols)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# --------------------------------------------------------------------------- grouped projection
+def check_grouped_inputs(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int) -> None:
+    """x [..., G, K]: G groups of rows of the weight, each starting on a block row of the scale."""
+    if x.dim() < 2:
+        raise ValueError(f"a grouped fp8_linear takes x [..., groups, in], got {tuple(x.shape)}")
+    G = x.shape[-2]
+    if G < 1 or weight.dim() != 2 or weight.shape[0] % G or scale.dim() != 2 or scale.shape[0] % G \
+            or (weight.shape[0] // G) % block_rows:
+        raise ValueError(f"a grouped fp8_linear needs each of its {G} groups of weight rows ({tuple(weight.shape)}, "
+                         f"scale {tuple(scale.shape)}) to start on a {block_rows}-row block border")
+    check_fp8_linear_inputs(x[..., 0, :], weight[:weight.shape[0] // G], scale[:scale.shape[0] // G], block_rows,
+                            block_cols)
+
+
+def fp8_linear_grouped_impl(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int,
+                            backend: str) -> Tensor:
+    """Group g of x through rows [g * R, (g + 1) * R) of the weight: on a CPU, decode rows in one
+    native call for all groups (one handoff to the threads, not one per group); else `ds4::fp8_linear`'s
+    implementation group by group."""
+    G = x.shape[-2]
+    if kernel_for(backend, x.device) == "torch":
+        out = cpu_linear.fp8_linear_groups(x, weight, scale, block_rows, block_cols)
+        if out is not None:
+            return out
+    run = _implementation(backend, x.device)
+    rows, blocks = weight.shape[0] // G, scale.shape[0] // G
+    return torch.stack([run(x[..., g, :], weight[g * rows:(g + 1) * rows], scale[g * blocks:(g + 1) * blocks],
+                            block_rows, block_cols) for g in range(G)], dim=-2)
+
+
+@torch.library.custom_op("ds4::fp8_linear_grouped", mutates_args=())
+def fp8_linear_grouped(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int,
+                       backend: str) -> Tensor:
+    check_grouped_inputs(x, weight, scale, block_rows, block_cols)
+    return fp8_linear_grouped_impl(x, weight, scale, block_rows, block_cols, backend)
+
+
+@fp8_linear_grouped.register_kernel("cuda")
+def _fp8_linear_grouped_cuda(x, weight, scale, block_rows, block_cols, backend):
+    check_grouped_inputs(x, weight, scale, block_rows, block_cols)
+    return fp8_linear_grouped_impl(x, weight, scale, block_rows, block_cols, backend)
+
+
+@fp8_linear_grouped.register_fake
+def _fp8_linear_grouped_fake(x, weight, scale, block_rows, block_cols, backend):
+    check_grouped_inputs(x, weight, scale, block_rows, block_cols)
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // x.shape[-2])

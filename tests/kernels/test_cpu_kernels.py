@@ -489,3 +489,27 @@ def test_read_words_sums_what_it_reads(native):
     data = torch.randint(0, 2**40, (300_001,), dtype=torch.int64, generator=torch.Generator().manual_seed(6))
     want = int(data.sum()) % 2**64
     assert cpu_linear.read_words(data, 1) == want == cpu_linear.read_words(data, 2)
+
+
+def test_openmp_waits_passively_unless_the_environment_or_torch_came_first():
+    """ds4_torch sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (torch's spinning threads
+    would hold the cores the native products' helpers need), keeps a policy the environment
+    names, changes nothing once torch is imported, and hands llama.cpp (bench quant's peer) the
+    environment without its own choice."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, ds4_torch; from ds4_torch.bench.llama_cpp import peer_environment; "
+             "print(os.environ.get('OMP_WAIT_POLICY'), peer_environment().get('OMP_WAIT_POLICY'))")
+
+    def run(code, **env):
+        base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run(probe) == ["PASSIVE", "None"]
+    assert run(probe, OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", "ACTIVE"]
+    assert run("import torch\n" + probe) == ["None", "None"]

@@ -90,6 +90,28 @@ def test_fp8_linear_passes_opcheck(backend):
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@torch.no_grad()
+def test_grouped_fp8_linear_is_fp8_linear_group_by_group(backend):
+    """ds4::fp8_linear_grouped: group g of x through its own block rows, as ds4::fp8_linear on
+    them (decode rows on a CPU take one native call for all groups; "triton" the kernel group by
+    group), decode and prefill sizes; it passes opcheck and names a misaligned group."""
+    G, R, K = 3, 256, 200
+    g = torch.Generator().manual_seed(8)
+    q, s = fp8_quantize(torch.randn(G * R, K, generator=g), "e8m0")
+    for lead in ((1,), (2, 20)):
+        x = torch.randn(*lead, G, K, generator=g)
+        got = torch.ops.ds4.fp8_linear_grouped(x, q, s, 128, 128, backend)
+        assert got.shape == (*lead, G, R)
+        for j in range(G):
+            want = quantized.fp8_linear(x[..., j, :], q[j * R:(j + 1) * R], s[j * 2:(j + 1) * 2], 128, 128, backend)
+            torch.testing.assert_close(got[..., j, :], want, rtol=0, atol=1e-6 * want.abs().max().item())
+    torch.library.opcheck(torch.ops.ds4.fp8_linear_grouped.default, (torch.randn(2, G, K), q, s, 128, 128, backend),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    with pytest.raises(ValueError, match="block border"):
+        torch.ops.ds4.fp8_linear_grouped(torch.randn(2, 4, K), q[:4 * 100], s, 128, 128, backend)
+
+
 def test_op_does_not_mutate_its_inputs():
     q, s = fp8_quantize(torch.randn(130, 129), "uint8")
     x = torch.randn(3, 129)
