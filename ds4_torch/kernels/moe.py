@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..quant import is_fp4_packed_dtype
+from . import cpu_linear
 from .ops import kernel_for
 from .linear import fastest_linear as _linear
 from .quantized import expert_block, expert_down, expert_gate_up
@@ -190,8 +191,6 @@ def _fp4_experts_at_once(hidden: Tensor, tokens: Tensor, counts: list[int], gate
     False (nothing written) where that cannot run."""
     if not is_fp4_packed_dtype(gate_up.dtype) or hidden.device.type != "cpu":
         return False
-    from . import cpu_linear
-
     E, N = gate_up.shape[0], hidden.shape[0]
     experts = [e for e in range(E) if counts[e + 1]]
     begin, xs = counts[0], []
