@@ -99,13 +99,15 @@ def test_seeded_penalised_and_logprobs_match_plain(model):
     plain, _, _ = run_all(model, 0, requests)
     spec, metrics, _ = run_all(model, 2, requests)
     assert [c["token_ids"] for c in spec] == [c["token_ids"] for c in plain]
+    # Verify steps score several positions in one forward, so fp32 sums run in another order:
+    # the house's fp32 tolerance (1e-4), not bit equality (CI saw 1.0e-5 on a logprob of -4.7).
     for got, want in zip(spec, plain):
         if want["logprobs"] is None:
             continue
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
-        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
         for g, w in zip(got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"]):
-            assert g.keys() == w.keys() and list(g.values()) == pytest.approx(list(w.values()), abs=1e-5)
+            assert g.keys() == w.keys() and list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
     assert metrics.value("ds4_spec_accepted_tokens_total") > 0
 
 
