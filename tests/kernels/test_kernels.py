@@ -508,8 +508,9 @@ MODEL_CONFIG = dict(
 
 @torch.no_grad()
 def test_model_triton_backend_equals_torch():
-    """Chunked prefill of two staggered prompts, then 42 batched decode steps (ring wraps, every
-    emit phase, indexer past top-k): the triton backend's logits match the torch backend's."""
+    """Chunked prefill of two staggered prompts, then 18 batched decode steps (three ring wraps of
+    the 5-token window, every emit phase of rates 2 and 3, the indexer choosing 3 of up to 15 CSA
+    rows): the triton backend's logits match the torch backend's."""
     import copy
 
     from ds4_torch import DS4Config, DS4ForCausalLM
@@ -523,7 +524,7 @@ def test_model_triton_backend_equals_torch():
     models["triton"].load_state_dict(models["torch"].state_dict())
     assert models["triton"].attn_backend == "triton" and models["torch"].attn_backend == "torch"
 
-    prompt_lens, steps, chunk = (13, 6), 42, 4
+    prompt_lens, steps, chunk = (13, 6), 18, 4
     logits, caches = {}, {}
     for backend, model in models.items():
         cache, first = model.new_cache(2, 64), []
