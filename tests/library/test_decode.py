@@ -18,7 +18,7 @@ from oracle import randomise
 SMALL = dict(
     vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
     head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8,
-    sliding_window=5,  # small window: hundreds of ring wraps in 600 steps
+    sliding_window=5,  # small window: over sixty ring wraps in 320 steps
     layer_types=["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention"],
     compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 3},
     mlp_layer_types=["hash_moe", "moe", "moe"], index_n_heads=8, index_head_dim=8, index_topk=3,
@@ -48,8 +48,8 @@ def greedy(decoder, first_logits, steps):
 
 @pytest.mark.parametrize("prompt_len", [1, 23])  # 23 > window (5) and > prefill chunk (8)
 @torch.no_grad()
-def test_graph_equals_eager_over_600_steps(model, prompt_len):
-    steps = 600
+def test_graph_equals_eager_over_320_steps(model, prompt_len):
+    steps = 320
     ids = torch.randint(2, 64, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     results = {}
     for mode in ("eager", "graph"):
@@ -66,7 +66,7 @@ def test_graph_equals_eager_over_600_steps(model, prompt_len):
     # The run crossed what it should: window fill and many ring wraps, every emit phase of both
     # rates, the first compressed row, indexer activation (visible rows > top-k).
     total = prompt_len + steps
-    assert total > 100 * SMALL["sliding_window"]
+    assert total > 60 * SMALL["sliding_window"]
     assert total // 2 > SMALL["index_topk"] and total // 3 > 100
 
 
