@@ -14,13 +14,14 @@ import torch
 
 from .decode import MODES as DECODE_MODES
 from .runtime import (DTYPES, UserError, add_model_arguments, add_tp_argument, check_tokenizer_vocabulary,
-                      load_config, load_model, load_model_tokenizer, positive_float, positive_int)
+                      check_tp_launcher, load_config, load_model, load_model_tokenizer, positive_float, positive_int)
 
 EXIT_USAGE = 2  # argparse's code for bad input; we use it for every user-facing error
 
 
 # --------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
+    check_tp_launcher(args.tp)
     tok = load_model_tokenizer(args.model)
     check_tokenizer_vocabulary(tok, load_config(args.model).vocab_size, args.allow_vocab_mismatch)
     model = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp, quantized=args.quantized)

@@ -72,6 +72,16 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
+def check_launcher(tp: int) -> None:
+    """ValueError unless a launcher (torchrun) described the process group `--tp tp` joins, or this
+    process is already in one: the CLI asks before loading anything, so the mistake costs no wait."""
+    if tp > 1 and not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(f"--tp {tp} needs a launcher such as `torchrun --nproc-per-node {tp}` "
+                             f"(missing environment: {', '.join(missing)})")
+
+
 def init_tensor_parallel(tp: int, device: torch.device | None = None,
                          timeout_s: float | None = None) -> TensorParallel:
     """Join (or create) the default process group from the launcher's environment (torchrun sets
@@ -80,10 +90,7 @@ def init_tensor_parallel(tp: int, device: torch.device | None = None,
     from datetime import timedelta
 
     if not dist.is_initialized():
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-        if missing:
-            raise ValueError(f"--tp {tp} needs a launcher such as `torchrun --nproc-per-node {tp}` "
-                             f"(missing environment: {', '.join(missing)})")
+        check_launcher(tp)
         backend = "nccl" if device is not None and torch.device(device).type == "cuda" else "gloo"
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         if backend == "nccl":

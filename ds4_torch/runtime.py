@@ -76,6 +76,18 @@ def add_tp_argument(p: argparse.ArgumentParser) -> None:
                         "--nnodes/--rdzv-endpoint); NCCL on CUDA, gloo on CPU (default 1)")
 
 
+def check_tp_launcher(tp: int) -> None:
+    """UserError when `--tp tp` (> 1) has no launcher to join (`parallel.check_launcher`): said
+    before the tokenizer or the model loads."""
+    if tp > 1:
+        from .parallel import check_launcher
+
+        try:
+            check_launcher(tp)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+
 # --------------------------------------------------------------------------- device and dtype
 def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     """'auto' (or None): CUDA if available, else MPS, else CPU; otherwise the named device, which
