@@ -10,7 +10,8 @@ The benchmarks sit on top of the library (and `bench serve` on top of the server
 - `decode`     (`decode.py`): eager, graph and torch.compile decode paths, and which one `auto` picks;
   over the static and (`--cache static paged`) the paged cache.
 - `kernels`    (`kernels.py`): the Triton kernels on a CUDA GPU, achieved GB/s against the peak.
-- `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode.
+- `serve`      (`serve.py`): HTTP streaming through a local server vs direct decode; its clients
+  run in a process of their own (`serve_clients.py`, which imports no torch).
 - `moe`        (`moe.py`): one routed-experts layer at V4-Flash sizes vs transformers' experts.
 - `checkpoint` (`checkpoint.py`): cache checkpoints (take, restore, branch, import) at V4-Flash's
   layout vs copying the whole sequence.
