@@ -256,6 +256,18 @@ def test_cli_tp_without_a_launcher_is_a_clear_error():
     assert "torchrun --nproc-per-node 2" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_the_missing_launcher_is_named_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """--tp 2 with no launcher and a model directory that does not exist: the launcher is what the
+    error names (checked first), so the user waits for no tokenizer or weights to learn it."""
+    from ds4_torch.cli import main
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["generate", "-p", "x", "-n", "1", "--tp", "2", "--model", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2" in err and "absent" not in err, err
+
+
 def test_each_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
     """torchrun starts N ranks on one machine with LOCAL_RANK 0..N-1: `--device cuda` (no index)
     must mean cuda:LOCAL_RANK, or every rank would load onto cuda:0. Named devices stay as named."""
