@@ -127,72 +127,77 @@ def converse_where_held(router, replicas, keys: list[str | None]) -> None:
             convs[c].append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
 
 
-def test_tenants_keys_go_through_the_router():
-    """Replicas with two keys (two tenants) and --kv-events-all-tenants, the router given none: a
-    request without a key is refused by the replica, through the router; each tenant's
-    conversations reach the replica holding them, the router rendering each prompt with the
-    client's own key (a tenant's replayed turns are its own)."""
-    tenants = ["--api-key", "alice-key", "--api-key", "bob-key", "--kv-events-all-tenants"]
+def test_tenants_keys_go_through_the_router_and_a_killed_replica_leaves_the_other_serving():
+    """Replicas with keys (tenants) and --kv-events-all-tenants, the router given none: a request
+    without a key is refused by the replica, through the router; each tenant's conversations reach
+    the replica holding them, the router rendering each prompt with the client's own key (a
+    tenant's replayed turns are its own). Then, on the same replicas (one start for both: the
+    failover is the router's and the survivor's, whatever the keys), a tenant with nothing cached
+    yet has conversations on both replicas, their next turns streaming on both when one replica
+    is killed (SIGKILL). At most the streams running on it fail; every later request is answered
+    200 by the other, the dead one's conversations prefilled there again."""
+    tenants = ["--api-key", "alice-key", "--api-key", "bob-key", "--api-key", "carol-key", "--kv-events-all-tenants"]
     with replicas_behind_router(2, REPLICA + tenants, "kv_aware", ROUTER) as (router, replicas):
         r = httpx.post(router.url + "/v1/chat/completions", json={"model": MODEL, "messages": [
             {"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 401, r.text
         converse_where_held(router, replicas, keys=["alice-key", "bob-key", "alice-key"])
+        kill_one_mid_run(router, replicas, key="carol-key")  # (carol: no prefix of hers held anywhere)
 
 
 # --------------------------------------------------------------------------- failover
-def test_a_replica_killed_mid_run_leaves_the_other_serving():
-    """Conversations on both replicas; their next turns streaming on both when one replica is
-    killed (SIGKILL). At most the streams running on it fail; every later request is answered
-    200 by the other, the dead one's conversations prefilled there again."""
-    with replicas_behind_router(2, REPLICA, "kv_aware", ROUTER) as (router, replicas):
-        convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user(c, 0)}] for c in range(4)]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            firsts = list(pool.map(lambda m: chat(router.url, m), convs))
-        for c, r in enumerate(firsts):
-            convs[c] += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": user(c, 1)}]
-        dead, alive = replicas
+def kill_one_mid_run(router, replicas, key: str) -> None:
+    """Conversations on both replicas; their next turns streaming on both when `replicas[0]` is
+    killed (SIGKILL): at most the streams running on it fail; every later request is answered 200
+    by the other, the dead one's conversations prefilled there again."""
+    auth = {"Authorization": f"Bearer {key}"}
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user(c, 0)}] for c in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        firsts = list(pool.map(lambda m: chat(router.url, m, key=key), convs))
+    for c, r in enumerate(firsts):
+        convs[c] += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": user(c, 1)}]
+    dead, alive = replicas
 
-        def running(replica) -> float:
-            m = re.search(r"^ds4_requests_running (\S+)$", httpx.get(replica.url + "/metrics").text, re.M)
-            return float(m.group(1)) if m else 0.0
+    def running(replica) -> float:
+        m = re.search(r"^ds4_requests_running (\S+)$", httpx.get(replica.url + "/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
 
-        started = []  # one entry per stream past its first token (list.append is atomic)
+    started = []  # one entry per stream past its first token (list.append is atomic)
 
-        def long_turn(msgs) -> str:  # "ok", or how it failed
-            try:
-                with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=120, json={
-                        "model": MODEL, "messages": msgs, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                        "stream": True}) as r:
-                    if r.status_code != 200:
-                        return f"HTTP {r.status_code}"
-                    lines = r.iter_lines()
-                    for line in lines:
-                        if line.startswith("data: "):
-                            break
-                    started.append(1)
-                    done = any(line == "data: [DONE]" for line in lines)
-                    return "ok" if done else "cut"
-            except httpx.HTTPError as e:
-                return type(e).__name__
+    def long_turn(msgs) -> str:  # "ok", or how it failed
+        try:
+            with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=120, headers=auth, json={
+                    "model": MODEL, "messages": msgs, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+                if r.status_code != 200:
+                    return f"HTTP {r.status_code}"
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: "):
+                        break
+                started.append(1)
+                done = any(line == "data: [DONE]" for line in lines)
+                return "ok" if done else "cut"
+        except httpx.HTTPError as e:
+            return type(e).__name__
 
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(long_turn, m) for m in convs]
-            wait_for(lambda: len(started) == 4, 120, "every stream's first token")
-            on_dead = running(dead)
-            assert on_dead >= 1, "the router spread the running turns over both replicas"
-            dead.kill()
-            outcomes = [f.result() for f in futures]
-        failed = [o for o in outcomes if o != "ok"]
-        assert len(failed) <= on_dead, outcomes  # only what ran on the dead replica
-        for c in range(4):  # the next turn of every conversation: the survivor answers them all
-            convs[c].append({"role": "assistant", "content": "Noted."})
-            convs[c].append({"role": "user", "content": user(c, 2)})
-            r = httpx.post(router.url + "/v1/chat/completions", timeout=120, json={
-                "model": MODEL, "messages": convs[c], "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, (c, r.status_code, r.text)
-        assert httpx.get(alive.url + "/health").status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(long_turn, m) for m in convs]
+        wait_for(lambda: len(started) == 4, 120, "every stream's first token")
+        on_dead = running(dead)
+        assert on_dead >= 1, "the router spread the running turns over both replicas"
+        dead.kill()
+        outcomes = [f.result() for f in futures]
+    failed = [o for o in outcomes if o != "ok"]
+    assert len(failed) <= on_dead, outcomes  # only what ran on the dead replica
+    for c in range(4):  # the next turn of every conversation: the survivor answers them all
+        convs[c].append({"role": "assistant", "content": "Noted."})
+        convs[c].append({"role": "user", "content": user(c, 2)})
+        r = httpx.post(router.url + "/v1/chat/completions", timeout=120, headers=auth, json={
+            "model": MODEL, "messages": convs[c], "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, (c, r.status_code, r.text)
+    assert httpx.get(alive.url + "/health").status_code == 200
 
 
 # --------------------------------------------------------------------------- the benchmark
