@@ -515,87 +515,110 @@ def test_an_api_process_dying_leaves_the_others_serving():
         wait_for(lambda: gone(core) and gone(pid), 10, "no process left")
 
 
-def test_a_stopped_api_process_never_holds_up_the_others(model, tok, capfd):
+@pytest.fixture(scope="module")
+def two_api_processes(tmp_path_factory):
+    """A real engine core and two API processes, A and B, each on a port of its own (`--api-servers
+    2`: one exact-replay store for both), the output the core queues for one bounded at 4 KiB;
+    started once for the tests below, which leave them serving. Yields the core, [(Popen, url)]
+    and a function giving everything the processes have logged so far. At the end each must have
+    drained (uvicorn re-raises SIGTERM) and exited, none killed, and no process is left."""
+    log = tmp_path_factory.mktemp("api_processes") / "output.log"
+    with open(log, "wb") as out, contextlib.ExitStack() as stack:
+        saved = [os.dup(1), os.dup(2)]  # the processes inherit this file as their stdout and stderr
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            core, api = stack.enter_context(api_processes("--ctx", "1024", "--prefill-chunk", "32", "--api-servers",
+                                                          "2", "--api-backlog-mb", str(4 / 1024)))
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        yield core, api, lambda: log.read_text(errors="replace")
+    (a, _), (b, _) = api
+    assert (a.returncode in (0, -signal.SIGTERM), b.returncode in (0, -signal.SIGTERM), core.proc.returncode) == \
+        (True, True, 0), log.read_text(errors="replace")
+    wait_for(lambda: all(gone(p.pid) for p in (core.proc, a, b)), 10, "no process left")
+
+
+def test_a_stopped_api_process_never_holds_up_the_others(model, tok, two_api_processes):
     """Real processes: a core and two API processes, A and B. B streams two long replies (20
     logprobs a token: big step messages) and is SIGSTOPped; A's stream then answers the plain
     greedy text while B reads nothing: the core drops B's output past the bound and cancels B's
     requests (its metrics, its log). SIGCONT: B's streams end with a 503-coded error event, and
-    B answers new requests correctly. Every process exits at the end."""
-    backlog = str(4 / 1024)
-    with api_processes("--ctx", "1024", "--prefill-chunk", "32", "--api-backlog-mb",
-                                             backlog) as (core, api):
-        (a, a_url), (b, b_url) = api
-        pool = concurrent.futures.ThreadPoolExecutor(2)  # B's streams
-        started = threading.Semaphore(0)
+    B answers new requests correctly. (Every process exits at the end: `two_api_processes`.)"""
+    core, ((a, a_url), (b, b_url)), output = two_api_processes
 
-        def long_stream(i):
-            return stream_text(b_url, dict(prompt=f"Stream {i}:\n", max_tokens=900, temperature=0, ignore_eos=True,
-                                           logprobs=20), started.release)
+    def counted(name: str) -> float:  # A's /metrics, merged with the core's
+        m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(a_url + "/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
 
-        streams = [pool.submit(long_stream, i) for i in range(2)]
-        for _ in streams:
-            assert started.acquire(timeout=60)
-        os.kill(b.pid, signal.SIGSTOP)
-        try:
-            prompt = tok.encode("ROMEO:\n")
-            assert stream_text(a_url, dict(prompt=prompt, max_tokens=160, temperature=0, ignore_eos=True)) == \
-                (tok.decode(list(generate(model, prompt, 160))), [])
-            wait_for(lambda: re.search(r'^ds4_requests_aborted_total\{stage="decode"\} 2\.0$',
-                                       httpx.get(a_url + "/metrics").text, re.M), 30, "B's requests to be cancelled")
-            metrics = httpx.get(a_url + "/metrics").text  # A's, merged with the core's
-            assert re.search(r"^ds4_api_process_behind_total 1\.0$", metrics, re.M), metrics
-        finally:
-            os.kill(b.pid, signal.SIGCONT)
-        for stream in streams:
-            text, errors = stream.result(timeout=60)
-            assert text and [e["code"] for e in errors] == ["api_process_behind"], (text, errors)
-        for url in (a_url, b_url):
-            assert stream_text(url, dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)) == \
-                (tok.decode(list(generate(model, prompt, 8))), [])
-        pids = [core.proc.pid, a.pid, b.pid]
-    log = capfd.readouterr().err
+    aborted, behind = 'ds4_requests_aborted_total{stage="decode"}', "ds4_api_process_behind_total"
+    before = counted(aborted), counted(behind)
+    pool = concurrent.futures.ThreadPoolExecutor(2)  # B's streams
+    started = threading.Semaphore(0)
+
+    def long_stream(i):
+        return stream_text(b_url, dict(prompt=f"Stream {i}:\n", max_tokens=900, temperature=0, ignore_eos=True,
+                                       logprobs=20), started.release)
+
+    streams = [pool.submit(long_stream, i) for i in range(2)]
+    for _ in streams:
+        assert started.acquire(timeout=60)
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        prompt = tok.encode("ROMEO:\n")
+        assert stream_text(a_url, dict(prompt=prompt, max_tokens=160, temperature=0, ignore_eos=True)) == \
+            (tok.decode(list(generate(model, prompt, 160))), [])
+        wait_for(lambda: counted(aborted) == before[0] + 2, 30, "B's requests to be cancelled")
+        assert counted(behind) == before[1] + 1
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    for stream in streams:
+        text, errors = stream.result(timeout=60)
+        assert text and [e["code"] for e in errors] == ["api_process_behind"], (text, errors)
+    for url in (a_url, b_url):
+        assert stream_text(url, dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)) == \
+            (tok.decode(list(generate(model, prompt, 8))), [])
+    log = output()
     assert len(re.findall(rf"engine core: API process \d \(process {b.pid}\) is not reading its output", log)) == 1, log
     assert "this API process fell behind the engine core's output; 2 request(s) cancelled" in log, log
-    assert (a.returncode in (0, -signal.SIGTERM), b.returncode in (0, -signal.SIGTERM), core.proc.returncode) == \
-        (True, True, 0), log  # each drained (uvicorn re-raises SIGTERM), none killed
-    wait_for(lambda: all(gone(pid) for pid in pids), 10, "no process left")
 
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city today",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def test_a_conversation_continues_the_same_on_either_api_process():
+def test_a_conversation_continues_the_same_on_either_api_process(two_api_processes):
     """Real processes, `--api-servers 2` (each API process on a port of its own, so the test picks
-    which serves a turn): tool loops, the call made on A, its result sent to B, then to A again.
+    which serves a turn: `two_api_processes`): tool loops, the call made on A, its result sent to B, then to A again.
     Exact replay is one store for both processes, so B encodes the call A generated from its
     sampled ids: the same prompt as A's, the same answer, and the cache reused through the call.
     (Each process had a store of its own: B rendered the call from its parsed arguments, which
     for Mantua's gave 605 prompt tokens instead of 606, and another answer. Plain replies re-encode to
     the ids sampled with the current weights, so chats without calls do not show it.)"""
-    with api_processes("--ctx", "1024", "--prefill-chunk", "64", "--api-servers", "2") as (_, api):
-        (_, a_url), (_, b_url) = api
+    _, ((_, a_url), (_, b_url)), _ = two_api_processes
 
-        def chat(url, messages):
-            r = httpx.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
-                "model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 40, "temperature": 0})
-            assert r.status_code == 200, r.text
-            data = r.json()
-            return data["choices"][0]["message"], data["usage"]
+    def chat(url, messages):
+        r = httpx.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
+            "model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 40, "temperature": 0})
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return data["choices"][0]["message"], data["usage"]
 
-        for city in ["Mantua", "Paris", "Oslo"]:
-            turn = [{"role": "user", "content": f"Weather for {city}, please."}]
-            call, usage1 = chat(a_url, turn)
-            assert call.get("tool_calls"), (city, call)
-            turn2 = turn + [{k: call[k] for k in ("role", "content", "tool_calls")}] + [
-                {"role": "tool", "tool_call_id": c["id"], "content": '{"temp_c": 18, "sky": "clear"}'}
-                for c in call["tool_calls"]]
-            on_b, usage_b = chat(b_url, turn2)
-            on_a, usage_a = chat(a_url, turn2)
-            assert (on_b.get("content"), usage_b["prompt_tokens"]) == (on_a.get("content"), usage_a["prompt_tokens"]), \
-                (city, usage_b["prompt_tokens"], usage_a["prompt_tokens"])
-            reused = usage_b["prompt_tokens_details"]["cached_tokens"]
-            assert reused >= usage1["prompt_tokens"] + usage1["completion_tokens"] - 1, (city, reused, usage1)
+    for city in ["Mantua", "Paris", "Oslo"]:
+        turn = [{"role": "user", "content": f"Weather for {city}, please."}]
+        call, usage1 = chat(a_url, turn)
+        assert call.get("tool_calls"), (city, call)
+        turn2 = turn + [{k: call[k] for k in ("role", "content", "tool_calls")}] + [
+            {"role": "tool", "tool_call_id": c["id"], "content": '{"temp_c": 18, "sky": "clear"}'}
+            for c in call["tool_calls"]]
+        on_b, usage_b = chat(b_url, turn2)
+        on_a, usage_a = chat(a_url, turn2)
+        assert (on_b.get("content"), usage_b["prompt_tokens"]) == (on_a.get("content"), usage_a["prompt_tokens"]), \
+            (city, usage_b["prompt_tokens"], usage_a["prompt_tokens"])
+        reused = usage_b["prompt_tokens_details"]["cached_tokens"]
+        assert reused >= usage1["prompt_tokens"] + usage1["completion_tokens"] - 1, (city, reused, usage1)
 
 
 def test_a_message_that_cannot_be_decoded_fails_its_request_alone(model, monkeypatch):
