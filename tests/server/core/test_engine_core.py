@@ -461,22 +461,11 @@ def test_the_api_process_dying_takes_the_core_with_it():
         wait_for(lambda: gone(pid), 10, "the engine core to exit")
 
 
-def test_sigterm_drains_and_stops_the_core():
-    with serve_process("--ctx", "512", "--prefill-chunk", "32") as proc:
-        pid = core_pid(proc)
-        assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "a", "max_tokens": 3}).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) in (0, -signal.SIGTERM), "".join(proc.lines)  # uvicorn re-raises SIGTERM
-        proc.drain.join(10)
-        wait_for(lambda: gone(pid), 10, "the engine core to exit")
-    assert "engine core: stopping" in "".join(proc.lines)
-
-
 def test_an_api_process_dying_leaves_the_others_serving():
     """--api-servers 2: ten streams spread over both processes by the kernel; kill -9 of the second
     breaks its streams alone, the core cancels exactly those, the first process's streams end
-    normally and new requests are answered; Ctrl-C then ends everything cleanly."""
+    normally and new requests are answered; SIGTERM (a service manager stopping the server) then
+    drains the first process and the core, and no process is left. (Ctrl-C: test_serve_cli.py.)"""
     with serve_process("--ctx", "512", "--prefill-chunk", "32", "--max-batch", "10", "--api-servers", "2") as proc:
         pid = int(re.search(r"API process 2: process (\d+)", "".join(proc.lines)).group(1))
         wait_for(lambda: "".join(proc.lines).count("Application startup complete") == 2, 60, "both API processes")
@@ -510,9 +499,11 @@ def test_an_api_process_dying_leaves_the_others_serving():
             assert httpx.post(proc.url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
         core = core_pid(proc)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0, "".join(proc.lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM), "".join(proc.lines)  # uvicorn re-raises SIGTERM
+        proc.drain.join(10)
         wait_for(lambda: gone(core) and gone(pid), 10, "no process left")
+    assert "engine core: stopping" in "".join(proc.lines)
 
 
 @pytest.fixture(scope="module")

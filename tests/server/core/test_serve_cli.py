@@ -8,7 +8,7 @@ import pytest
 
 from ds4_torch.cli import build_parser, main
 from serve.cli import API_KEY_ENV, _api_key, build_parser as serve_parser
-from helpers import interrupt, serve_process
+from helpers import gone, interrupt, serve_process, wait_for
 
 
 def _options(parser) -> dict:
@@ -83,7 +83,8 @@ def test_serve_bad_model_dir(capsys, tmp_path):
 
 
 def test_python_m_serve_process():
-    """A real process, its key from the environment (DS4_TORCH_API_KEY, no --api-key)."""
+    """A real process, its key from the environment (DS4_TORCH_API_KEY, no --api-key); Ctrl-C ends
+    it (status 0) and its engine core process."""
     with serve_process("--ctx", "256", "--prefill-chunk", "64", timeout=60, env_extra={API_KEY_ENV: "k3y"}) as proc:
         body = {"model": "ds4-default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                 "ignore_eos": True}
@@ -92,7 +93,9 @@ def test_python_m_serve_process():
         r = httpx.post(proc.url + "/v1/chat/completions", timeout=30, json=body, headers={"Authorization": "Bearer k3y"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         log = interrupt(proc)
-    assert re.search(r"engine core: process \d+", log), log  # by default the engine runs in a process of its own
+    core = re.search(r"engine core: process (\d+)", log)
+    assert core, log  # by default the engine runs in a process of its own
+    wait_for(lambda: gone(int(core.group(1))), 10, "the engine core to exit")
     # A first request reuses nothing: every prompt token is recomputed.
     assert re.search(r"ds4\.serve: .*\"POST /v1/chat/completions\" 200 .*prompt_tokens=(\d+) cached_tokens=0 "
                      r"recomputed_tokens=\1 generated_tokens=3 finish=length", log), log
