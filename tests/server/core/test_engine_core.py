@@ -244,11 +244,11 @@ def test_a_submit_the_core_answers_late_is_never_left_without_an_owner(model, sl
         else:
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body}, timeout=0.3)
-            time.sleep(3.5)  # the core took the request meanwhile
+            aborted = lambda: sum(engine.metrics.value("ds4_requests_aborted_total", stage=stage)  # noqa: E731
+                                  for stage in ("queued", "prefill", "decode"))
+            wait_for(lambda: aborted() >= 1, 10, "the core to take the request (3 s) and cancel it")
             wait_for(lambda: engine.idle() and not srv.app.state.engine.requests, 10, "the engine to go idle")
-            assert engine.served == 0
-            assert sum(engine.metrics.value("ds4_requests_aborted_total", stage=stage)
-                       for stage in ("queued", "prefill", "decode")) == 1
+            assert engine.served == 0 and aborted() == 1
 
 
 def test_a_disconnect_stops_prefill_within_one_chunk_through_the_core(model):
