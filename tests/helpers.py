@@ -203,13 +203,25 @@ def wait_healthy(url: str, deadline: float, output=lambda: "") -> None:
 
 
 def gone(pid: int) -> bool:
-    """Process `pid` has exited (a zombie waiting for its parent counts as gone)."""
+    """Process `pid` has exited (a zombie waiting for its parent counts as gone once every thread
+    of it has ended: its main thread is a zombie while the others may still be closing its
+    sockets, a listening one still taking connections it then resets)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] == "Z"
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().split(")")[-1].split()[0] not in ("Z", "X"):
+                    return False
+        except FileNotFoundError:  # (that thread has just ended)
+            continue
+    return True
 
 
 def interrupt(proc) -> str:
