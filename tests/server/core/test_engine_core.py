@@ -582,9 +582,10 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
 
 def test_a_conversation_continues_the_same_on_either_api_process(two_api_processes):
     """Real processes, `--api-servers 2` (each API process on a port of its own, so the test picks
-    which serves a turn: `two_api_processes`): tool loops, the call made on A, its result sent to B, then to A again.
-    Exact replay is one store for both processes, so B encodes the call A generated from its
-    sampled ids: the same prompt as A's, the same answer, and the cache reused through the call.
+    which serves a turn: `two_api_processes`): tool loops, the call made on A, its result sent to
+    B, then to A again. Exact replay is one store for both processes, so B encodes the call A
+    generated from its sampled ids: the same prompt as A's, the same answer, and the cache reused
+    through the call.
     (Each process had a store of its own: B rendered the call from its parsed arguments, which
     for Mantua's gave 605 prompt tokens instead of 606, and another answer. Plain replies re-encode to
     the ids sampled with the current weights, so chats without calls do not show it.)"""
