@@ -22,8 +22,10 @@ from simulation import REPLAY, simulate
 # reference attention's masking; rows past a table on the scratch row fail the slot-map check at
 # once; 4: a failed forward's blocks staying registered; 5: a preemption for nothing (a plain step
 # reserving a verify step's room: seeds 18, 37), or again before progress (2, 18, 37)).
+# (Seed 4, an OOM in a decode step and a device error in a prefill chunk, finding 4, was dropped:
+# both its faults fire in the seeds below, each seed's 2 faults counted by its report: a decode
+# OOM in 860494638, prefill device errors in 18, 32 and 37; 4 is found by 32 and 37.)
 SEEDS = [2,    # a disk store: evictions written and restored; 2 tenants; a restore OOM (finds 1, 5)
-         4,    # an OOM in a decode step, a device error in a prefill chunk (finds 4)
          18,   # speculation, a disk store, 3 tenants, 3 batch slots, step faults (finds 5)
          32,   # two prefill faults, one tenant, 2 batch slots (finds 1, 4)
          37,   # speculation over 4 batch slots in a 7-block pool, step faults (finds 4, 5)
@@ -59,6 +61,8 @@ def test_the_fixed_seeds_cover_the_features(model, tok):
     assert any(p.disk for p in plans) and any(len(p.tenants) == 3 for p in plans)
     assert {f.split(":")[0] for p in plans for f in p.faults.split(",") if f} >= {"prefill", "decode"}
     assert {f.split(":")[2] for p in plans for f in p.faults.split(",") if f} == {"device", "oom"}
+    sites_kinds = {(f.split(":")[0], f.split(":")[2]) for p in plans for f in p.faults.split(",") if f}
+    assert sites_kinds >= {(site, kind) for site in ("prefill", "decode") for kind in ("device", "oom")}
 
 
 if os.environ.get("DS4_SIM_SECONDS"):
