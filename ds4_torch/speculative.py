@@ -106,10 +106,10 @@ class Speculator:
     inside a step's tokens gives the rest back with `trim`.
 
     `acceptance`: "match" (the default, see the module docstring: the tokens of plain decoding
-    with the same sampler) or "rejection" (batch 1): drafts drawn from the MTP layer's
-    distribution and accepted by `rejection_sample` with `generator`, the textbook algorithm,
-    for samplers whose noise is not a function of the position (the same distribution, other
-    tokens).
+    with the same sampler) or "rejection": drafts drawn from the MTP layer's distribution and
+    accepted by `rejection_sample` with `generator`, the textbook algorithm, row by row, for
+    samplers whose noise is not a function of the position (the same distribution, other tokens).
+    Its rows start together (`start_batch`) and every step runs them all.
 
     `mode`: how the three forwards of a step run: "eager", or "graph" / "compile" (see
     `ds4_torch.decode`): one captured or compiled function per fixed shape; a step over r rows
@@ -121,8 +121,6 @@ class Speculator:
         check_draft_tokens(model, draft_tokens)
         if acceptance not in ("match", "rejection"):
             raise ValueError(f"acceptance must be 'match' or 'rejection', got {acceptance!r}")
-        if acceptance == "rejection" and batch != 1:
-            raise ValueError("rejection sampling runs one sequence at a time (batch=1)")
         if cache.mtp is None:
             raise ValueError("the cache has no MTP layer state: make it with the MTP model's new_cache()")
         if not 1 <= batch <= cache.batch_size:
@@ -147,7 +145,7 @@ class Speculator:
         self.positions = [0] * batch  # host copies, moved by what steps emit
         self.last = None  # what finish() and trim() need of the last step
         self.last_sample = None  # the last step's verified rows as the sampler gave them (detailed steps)
-        self.draft_probs: list[torch.Tensor] = []  # "rejection": the distributions the drafts came from
+        self.draft_probs: list[torch.Tensor] = []  # "rejection": the distributions [B, V] the drafts came from
 
     def forwards_for(self, rows: int):
         """The forwards a step over `rows` rows runs: eager ones over exactly those rows, captured
@@ -185,13 +183,17 @@ class Speculator:
         MTP positions never run ahead."""
         if len(prompts) != self.B:
             raise ValueError(f"start_batch needs {self.B} prompts, got {len(prompts)}")
-        logits, streams = [], []
-        for b, prompt in enumerate(prompts):
-            ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
-            row, last = prefill(self.model, self.cache.slot(b), ids, chunk, mtp=True)
-            logits.append(row)
-            streams.append(last)
-        logits, streams = torch.cat(logits), torch.cat(streams)
+        if len({len(prompt) for prompt in prompts}) == 1:  # equal lengths: one batched prefill
+            ids = torch.as_tensor(prompts, dtype=torch.long, device=self.device).view(self.B, -1)
+            logits, streams = prefill(self.model, self.cache, ids, chunk, mtp=True)
+        else:
+            logits, streams = [], []
+            for b, prompt in enumerate(prompts):
+                ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).view(1, -1)
+                row, last = prefill(self.model, self.cache.slot(b), ids, chunk, mtp=True)
+                logits.append(row)
+                streams.append(last)
+            logits, streams = torch.cat(logits), torch.cat(streams)
         self.draft_probs = []  # a new sequence: the next draft's distribution is the one picked below
         first = self.sampler.sample(logits, slots=self.slots).tokens
         self.sampler.append(first, slots=self.slots)
@@ -225,7 +227,7 @@ class Speculator:
         if not 0 <= b < self.B:
             raise IndexError(f"row {b} outside [0, {self.B})")
         if self.acceptance == "rejection":
-            raise ValueError("rows join one by one with acceptance='match' (rejection sampling: start_batch, batch 1)")
+            raise ValueError("rows join one by one with acceptance='match' (rejection sampling: start_batch)")
 
     def join_row(self, b: int, first: int, streams: torch.Tensor | None) -> None:
         """Row b joins: its cache slot holds its sequence (filled by the caller), `first` is the
@@ -298,7 +300,7 @@ class Speculator:
         places past each slot's next one."""
         if self.acceptance == "rejection":
             q = self.sampler.probabilities(logits, slots=self.slots[:width], ahead=ahead)
-            self.draft_probs.append(q[0])
+            self.draft_probs.append(q)
             return torch.multinomial(q, 1, generator=self.generator)[:, 0]
         return self.sampler.sample(logits, slots=self.slots[:width], ahead=ahead, tokens_only=True).tokens
 
@@ -347,9 +349,11 @@ class Speculator:
         wanted = self.n if forwards.mode != "eager" else max(limits) - 1
         n = max(0, min(self.n, wanted, self.room(r)))
         T = n + 1
-        if self.acceptance == "rejection":
-            self.draft_probs = self.draft_probs[:1] if n else []
         idle_rows = min(limits) == 0
+        if self.acceptance == "rejection":
+            if idle_rows:  # (an idle row would need its draft's distribution kept too)
+                raise ValueError(f"rejection sampling steps every row, got limits {limits}")
+            self.draft_probs = self.draft_probs[:1] if n else []
         pending = self.pending[:B]
         if idle_rows:  # idle rows keep their state (copies: a captured graph's outputs change in place)
             mtp_before, draft_before = self.mtp_out[:B].clone(), self.draft[:B].clone()
@@ -445,12 +449,17 @@ class Speculator:
             mask = torch.ones(B, T, V, dtype=torch.bool, device=self.device)
             mask[:allowed.shape[0], 0] = allowed.to(self.device)
             mask = mask.view(B * T, V)
-        if self.acceptance == "rejection":  # batch 1: the target of position j is plain sampling's after d0..d(j-1)
-            p = self.sampler.probabilities(rows.reshape(B * T, V), slots=slots, allowed=mask, ahead=ahead, prior=prior)
-            q = torch.stack(self.draft_probs) if n else p[:0]
-            emitted = rejection_sample(p, q, drafts[0], self.generator)
-            tokens = torch.cat([emitted, emitted.new_zeros(T - emitted.shape[0])])
-            return torch.tensor([emitted.shape[0] - 1], device=self.device), tokens.view(1, T), None
+        if self.acceptance == "rejection":  # the target of position j is plain sampling's after d0..d(j-1)
+            p = self.sampler.probabilities(rows.reshape(B * T, V), slots=slots, allowed=mask, ahead=ahead,
+                                           prior=prior).view(B, T, V)
+            q = torch.stack(self.draft_probs, dim=1) if n else p[:, :0]   # [B, n, V]
+            tokens = torch.zeros(B, T, dtype=torch.long, device=self.device)
+            accepted = torch.zeros(B, dtype=torch.long, device=self.device)
+            for b in range(B):
+                emitted = rejection_sample(p[b], q[b], drafts[b], self.generator)
+                tokens[b, :emitted.shape[0]] = emitted
+                accepted[b] = emitted.shape[0] - 1
+            return accepted, tokens, None
         out = self.sampler.sample(rows.reshape(B * T, V), mask, logprobs, slots=slots, ahead=ahead,
                                   tokens_only=not detailed, prior=prior)
         target = out.tokens.view(B, T)

@@ -42,6 +42,21 @@ def model():
     return m.eval()
 
 
+@pytest.fixture(scope="module")
+def plain(model):
+    """Plain decoding's tokens (`generate` without drafts), each run once per module: several
+    tests and parametrizations compare speculation with the same plain runs."""
+    runs = {}
+
+    def tokens(prompt, n=NEW, **settings):
+        key = (tuple(prompt), n, tuple(sorted(settings.items())))
+        if key not in runs:
+            runs[key] = list(generate(model, prompt, n, **settings))
+        return runs[key]
+
+    return tokens
+
+
 def test_config_keeps_the_mtp_slot():
     config = DS4Config.from_dict(SMALL)
     assert config.num_nextn_predict_layers == 1 and config.mtp_layer_types == (CSA,)
@@ -67,12 +82,12 @@ def plain_decode(model, prompt, n):
 
 
 @pytest.mark.parametrize("draft_tokens", [1, 2, 3])
-def test_greedy_speculation_is_plain_greedy(model, draft_tokens):
+def test_greedy_speculation_is_plain_greedy(model, plain, draft_tokens):
     for prompt in PROMPTS:
-        plain = list(generate(model, prompt, NEW, prefill_chunk=4))
+        want = plain(prompt, prefill_chunk=4)
         stats = SpeculationStats()
         spec = list(generate(model, prompt, NEW, prefill_chunk=4, speculative_tokens=draft_tokens, stats=stats))
-        assert spec == plain
+        assert spec == want
         assert stats.emitted == NEW - 1 and stats.drafted > 0
 
 
@@ -142,12 +157,18 @@ class OracleDrafts(Speculator):
         return torch.tensor([drafts])
 
 
+@pytest.fixture(scope="module")
+def plain_decodes(model):
+    """`plain_decode` of each prompt, run once for both parametrizations below."""
+    return {tuple(prompt): plain_decode(model, prompt, NEW) for prompt in PROMPTS}
+
+
 @pytest.mark.parametrize("draft_tokens,pattern", [(1, [0, 1, 1]), (3, [3, 0, 2, 1, 3, 3])])
-def test_verified_logits_are_plain_decodes(model, draft_tokens, pattern):
+def test_verified_logits_are_plain_decodes(model, plain_decodes, draft_tokens, pattern):
     """Rollback is exact: the tokens and the fp32 logits of every verified position equal plain
     decoding's (<= 1e-5), whatever was accepted and rejected before."""
     for prompt in PROMPTS:
-        truth, plain_rows = plain_decode(model, prompt, NEW)
+        truth, plain_rows = plain_decodes[tuple(prompt)]
         sampler = BatchSampler(1, 64)
         sampler.admit(0, SamplingParams())
         cache = model.new_cache(1, len(prompt) + NEW)
@@ -166,15 +187,15 @@ def test_verified_logits_are_plain_decodes(model, draft_tokens, pattern):
 
 
 @pytest.mark.parametrize("draft_tokens", [1, 3])
-def test_seeded_sampling_gives_plain_seeded_tokens(model, draft_tokens):
+def test_seeded_sampling_gives_plain_seeded_tokens(model, plain, draft_tokens):
     """Noise of (seed, position) only, and a draft accepted exactly when it is the token the
     target samples there: the same tokens as plain seeded decoding."""
     for i, prompt in enumerate(PROMPTS):
         settings = dict(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, prefill_chunk=4)
-        plain = list(generate(model, prompt, NEW, **settings))
+        want = plain(prompt, **settings)
         stats = SpeculationStats()
-        assert list(generate(model, prompt, NEW, speculative_tokens=draft_tokens, stats=stats, **settings)) == plain
-        assert list(generate(model, prompt, NEW, **dict(settings, seed=999))) != plain  # the seed matters
+        assert list(generate(model, prompt, NEW, speculative_tokens=draft_tokens, stats=stats, **settings)) == want
+        assert plain(prompt, **dict(settings, seed=999)) != want  # the seed matters
 
 
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -211,8 +232,9 @@ def test_rejection_sampling_matches_the_target():
 
 def test_rejection_speculator_samples_the_model(model):
     """End to end through the model: the first two tokens after a prompt (the second from one
-    verify step with one draft, accepted or not) are distributed as the model's own two steps."""
-    prompt = [5, 9, 11, 2, 40, 33, 7]
+    verify step with one draft, accepted or not) are distributed as the model's own two steps.
+    1000 independent runs as the rows of one batch (each row its own seed and draws)."""
+    prompt, runs = [5, 9, 11, 2, 40, 33, 7], 1000
     sampler = BatchSampler(1, 64)
     sampler.admit(0, SamplingParams(temperature=1.5, top_k=4))
     with torch.no_grad():
@@ -221,19 +243,20 @@ def test_rejection_speculator_samples_the_model(model):
         for t in torch.nonzero(first).flatten().tolist():
             logits = prefill(model, model.new_cache(1, 8), torch.tensor([prompt + [t]]))
             joint[t] = first[t] * sampler.probabilities(logits)[0]
-        g = torch.Generator().manual_seed(11)
-        counts, drafted, accepted = torch.zeros(64, 64), 0, 0
-        cache = model.new_cache(1, len(prompt) + 2)
-        for run in range(1000):
-            cache.reset()
-            sampler.admit(0, SamplingParams(temperature=1.5, top_k=4, seed=run))
-            spec = Speculator(model, cache, sampler, 1, acceptance="rejection", generator=g)
-            t, _ = spec.start(torch.tensor([prompt]), 8)
-            counts[t, spec.step(2)[0][0]] += 1
-            drafted, accepted = drafted + spec.stats.drafted, accepted + spec.stats.accepted
+        sampler = BatchSampler(runs, 64)
+        for run in range(runs):
+            sampler.admit(run, SamplingParams(temperature=1.5, top_k=4, seed=run))
+        cache = model.new_cache(runs, len(prompt) + 2)
+        spec = Speculator(model, cache, sampler, 1, acceptance="rejection", generator=torch.Generator().manual_seed(11),
+                          batch=runs)
+        firsts, _ = spec.start_batch([prompt] * runs, 8)
+        seconds, _ = spec.step_batch([2] * runs)
+        counts = torch.zeros(64, 64)
+        for t, out in zip(firsts, seconds):
+            counts[t, out[0]] += 1
     support = joint > 0
     assert int(counts[~support].sum()) == 0
-    assert drafted == 1000 and 0 < accepted < drafted  # both paths taken
+    assert spec.stats.drafted == runs and 0 < spec.stats.accepted < runs  # both paths taken
     # 16 cells (top-k 4 twice): chi-square, 15 degrees of freedom, p = 0.001: 37.70
     assert _chi2(counts[support], joint[support]) < 37.70
 
@@ -290,31 +313,33 @@ def test_rejection_targets_are_plain_sampling_after_the_drafts(model, monkeypatc
 
 def test_rejection_speculation_never_emits_a_masked_token(model, monkeypatch):
     """A grammar mask handed to a rejection-sampling step (`allowed`, limit 1) allowing the odd
-    token ids only: the target is plain sampling's masked distribution, and 100 seeded steps emit
-    only allowed tokens (unmasked, about half of the model's mass is on even ids)."""
+    token ids only: the target is plain sampling's masked distribution, and 100 seeded sequences
+    (the rows of one batched step) emit only allowed tokens (unmasked, about half of the model's
+    mass is on even ids)."""
     import ds4_torch.speculative as speculative
 
-    prompt = [5, 9, 11, 2, 40, 33, 7]
+    prompt, runs = [5, 9, 11, 2, 40, 33, 7], 100
     allowed = torch.arange(64) % 2 == 1
     targets, sample_rejection = [], speculative.rejection_sample
     monkeypatch.setattr(speculative, "rejection_sample",
                         lambda target, *args: targets.append(target.clone()) or sample_rejection(target, *args))
-    sampler = BatchSampler(1, 64)
-    cache = model.new_cache(1, len(prompt) + 2)
-    generator = torch.Generator().manual_seed(3)
-    masked_mass = []
+    sampler = BatchSampler(runs, 64)
+    params = [SamplingParams(temperature=1.0, seed=run) for run in range(runs)]
+    for run in range(runs):
+        sampler.admit(run, params[run])
+    cache = model.new_cache(runs, len(prompt) + 2)
     with torch.no_grad():
-        for run in range(100):
-            cache.reset()
-            params = SamplingParams(temperature=1.0, seed=run)
-            sampler.admit(0, params)
-            spec = Speculator(model, cache, sampler, 2, acceptance="rejection", generator=generator)
-            first, _ = spec.start(torch.tensor([prompt]), 8)
-            tokens, rows = spec.step_batch([1], allowed=allowed[None])
-            assert len(tokens[0]) == 1 and allowed[tokens[0][0]], (run, tokens)
-            want = plain_probabilities(rows[0][0], params, [first], prompt, [], allowed)
-            torch.testing.assert_close(targets[-1][0], want, rtol=1e-5, atol=1e-6)
-            masked_mass.append(float(torch.softmax(rows[0][0], -1)[~allowed].sum()))
+        spec = Speculator(model, cache, sampler, 2, acceptance="rejection", generator=torch.Generator().manual_seed(3),
+                          batch=runs)
+        firsts, _ = spec.start_batch([prompt] * runs, 8)
+        tokens, rows = spec.step_batch([1] * runs, allowed=allowed.expand(runs, -1))
+    assert len(targets) == runs  # row by row
+    masked_mass = []
+    for run in range(runs):
+        assert len(tokens[run]) == 1 and allowed[tokens[run][0]], (run, tokens[run])
+        want = plain_probabilities(rows[run][0], params[run], [firsts[run]], prompt, [], allowed)
+        torch.testing.assert_close(targets[run][0], want, rtol=1e-5, atol=1e-6)
+        masked_mass.append(float(torch.softmax(rows[run][0], -1)[~allowed].sum()))
     assert sum(masked_mass) / len(masked_mass) > 0.3  # the mask really cuts
 
 
@@ -327,7 +352,7 @@ def test_rejection_speculator_reused_for_a_new_sequence_judges_drafts_by_their_o
 
     def spy_pick(self, *args):
         drafts = pick(self, *args)
-        picks.append((int(drafts[0]), self.draft_probs[-1].clone()))
+        picks.append((int(drafts[0]), self.draft_probs[-1][0].clone()))  # (row 0 of [B, V])
         return drafts
 
     def spy_rejection(target, draft, drafts, generator=None):
