@@ -333,6 +333,8 @@ def test_rejection_speculation_never_emits_a_masked_token(model, monkeypatch):
                           batch=runs)
         firsts, _ = spec.start_batch([prompt] * runs, 8)
         tokens, rows = spec.step_batch([1] * runs, allowed=allowed.expand(runs, -1))
+        with pytest.raises(ValueError, match="steps every row"):  # an idle row would lose its draft's distribution
+            spec.step_batch([1] * (runs - 1) + [0])
     assert len(targets) == runs  # row by row
     masked_mass = []
     for run in range(runs):
