@@ -37,13 +37,14 @@ def truth(model):
     return [plain_decode(model, p, NEW) for p in PROMPTS]
 
 
-def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut=True, paged=False):
+def speculate_batch(model, prompts, n, mode="eager", forwards=None, new=NEW, cut=True, paged=False, room=None):
     """Greedy speculation of every prompt in one batch: per prompt, its first `new` tokens and
     the fp32 logits each came from; and the speculator (stats, forwards). `cut`: the last steps
     draft fewer tokens to stop at `new` (else every step drafts n, and the extra is dropped).
-    `paged`: over a `PagedDS4Cache` of 6-token blocks."""
+    `paged`: over a `PagedDS4Cache` of 6-token blocks. `room`: the cache sized for that many new
+    tokens (default `new`; the cache's size is in its shapes, so runs compared bit for bit share it)."""
     B = len(prompts)
-    ctx = max(map(len, prompts)) + new + 2 * n + 2
+    ctx = max(map(len, prompts)) + (room or new) + 2 * n + 2
     cache = PagedDS4Cache(model.config, B, ctx, block_tokens=6) if paged else model.new_cache(B, ctx)
     sampler = BatchSampler(B, model.config.vocab_size, model.device)
     for b in range(B):
@@ -117,35 +118,40 @@ def test_graph_path_refuses_a_host_read_in_a_step(model, monkeypatch):
         speculate_batch(model, PROMPTS[:1], 2, mode="graph", new=10)
 
 
-@pytest.mark.parametrize("n", [2])
-def test_compiled_batch_is_plain_greedy_without_graph_breaks(model, truth, n):
+@pytest.fixture(scope="module")
+def compiled(model):
     """torch.compile(fullgraph=True) of the three forwards (aot_eager: dynamo's capture without
-    the C++ build); one graph per kind and shape, none recompiled across positions or for a new
-    cache."""
+    the C++ build), N = 2, every step drafting N (so a run's first k tokens are those of any
+    longer run): two batches in turn (the second a new cache and speculator, as the next request
+    is), and dynamo's graph-break and unique-graph counts over both. Compiled once for the tests
+    below."""
     torch._dynamo.reset()
     counters.clear()
-    tokens, rows, spec = speculate_batch(model, PROMPTS, n,
-                                         forwards=lambda cache: CompiledForwards(model, cache, backend="aot_eager"),
-                                         cut=False)
-    check(truth, tokens, rows)
-    # a new cache and speculator (the next request) reuse the compiled functions
-    tokens, rows, _ = speculate_batch(model, PROMPTS, n, cut=False,
-                                      forwards=lambda cache: CompiledForwards(model, cache, backend="aot_eager"))
-    check(truth, tokens, rows)
-    assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] <= 3
+    runs = [speculate_batch(model, PROMPTS, 2, cut=False,
+                            forwards=lambda cache: CompiledForwards(model, cache, backend="aot_eager"))[:2]
+            for _ in range(2)]
+    return runs, dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
+def test_compiled_batch_is_plain_greedy_without_graph_breaks(truth, compiled):
+    """One graph per kind and shape, none recompiled across positions or for a new cache."""
+    runs, graph_breaks, unique_graphs = compiled
+    for tokens, rows in runs:  # the second reuses the compiled functions
+        check(truth, tokens, rows)
+    assert not graph_breaks
+    assert unique_graphs <= 3
 
 
 @torch.no_grad()
-def test_compiled_batch_over_a_paged_cache_is_the_static_ones(model, truth):
-    """The compiled forwards over a paged cache: the static cache's tokens and logits, bit for bit."""
-    torch._dynamo.reset()
+def test_compiled_batch_over_a_paged_cache_is_the_static_ones(model, truth, compiled):
+    """The compiled forwards over a paged cache: the static cache's tokens and logits, bit for bit
+    (a cache of the same size: the static run's first 30 tokens are those of a 30-token run)."""
+    static = [tokens[:30] for tokens in compiled[0][0][0]], [rows[:30] for rows in compiled[0][0][1]]
     counters.clear()
-    runs = [speculate_batch(model, PROMPTS, 2, cut=False, paged=paged, new=30,
+    paged = speculate_batch(model, PROMPTS, 2, cut=False, paged=True, new=30, room=NEW,
                             forwards=lambda cache: CompiledForwards(model, cache, backend="aot_eager"))
-            for paged in (False, True)]
-    check([(tokens[:30], rows[:30]) for tokens, rows in truth], *runs[1][:2])
-    assert runs[1][0] == runs[0][0] and all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[0][1]))
+    check([(tokens[:30], rows[:30]) for tokens, rows in truth], *paged[:2])
+    assert paged[0] == static[0] and all(torch.equal(a, b) for a, b in zip(paged[1], static[1]))
     assert not counters["graph_break"]
 
 
