@@ -52,21 +52,14 @@ def run_ranks(args: list[str], world: int = 2, timeout: float = 240) -> None:
         assert p.returncode == 0, f"rank {r} failed:\n{out}"
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def checkpoint(request, tmp_path_factory):
-    _, path = make_oracle(tmp_path_factory.mktemp(request.param), seed=3, **CONFIGS[request.param])
-    return path
-
-
-@pytest.fixture(scope="module")
-def single_process(checkpoint, tmp_path_factory):
-    """The reference: ids, and the single-process model's logits on them, with the indexer watched
-    so that no top-k boundary is a tie (a tie would make the comparison meaningless)."""
-    model = DS4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+def reference_logits(checkpoint, decode: int, tmp_path_factory, **load):
+    """The reference: ids (saved for the ranks), and the single-process model's logits on them,
+    with the indexer watched so that no top-k boundary is a tie (a tie would make the comparison
+    meaningless)."""
+    model = DS4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **load)
     watch = TieWatch()
     model.ops = dataclasses.replace(attention_ops("torch"), indexer_topk=watch)
-    vocab = model.config.vocab_size
-    ids = torch.randint(2, vocab, (1, PREFILL + DECODE), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(2, model.config.vocab_size, (1, PREFILL + decode), generator=torch.Generator().manual_seed(7))
     expected = prefill_decode_logits(model, ids, PREFILL)
     assert watch.calls > 0 and watch.min_gap > 1e-4, f"indexer tie at the top-k boundary (gap {watch.min_gap})"
     ids_path = tmp_path_factory.mktemp("ids") / "ids.pt"
@@ -74,14 +67,40 @@ def single_process(checkpoint, tmp_path_factory):
     return ids_path, expected
 
 
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """Per config: its checkpoint, and `reference_logits` on it."""
+    refs = {}
+    for name, config in CONFIGS.items():
+        _, path = make_oracle(tmp_path_factory.mktemp(name), seed=3, **config)
+        refs[name] = (path, *reference_logits(path, DECODE, tmp_path_factory))
+    return refs
+
+
 # Each config once and each decode mode once (the graph path's collectives are the same code for both
 # configs; the alt shapes' splits are the same in both modes).
-@pytest.mark.parametrize("checkpoint,mode", [("base", "graph"), ("alt", "eager")], indirect=["checkpoint"])
-def test_tp2_logits_equal_single_process(checkpoint, single_process, tmp_path, mode):
-    ids_path, expected = single_process
-    run_ranks(["logits", str(checkpoint), str(ids_path), str(PREFILL), str(tmp_path), mode])
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+LOGITS_CASES = [("base", "graph"), ("alt", "eager")]
+
+
+@pytest.fixture(scope="module")
+def tp2_logits(single_process, keep_checkpoint, keep_reference, tmp_path_factory):
+    """Every --tp 2 logits run of this module from one launch (one start of the two ranks): per
+    run, each rank's logits."""
+    import json
+
+    out = tmp_path_factory.mktemp("tp2_logits")
+    jobs = {f"{name}-{mode}": dict(checkpoint=str(single_process[name][0]), ids=str(single_process[name][1]),
+                                   mode=mode, quantized="dequantize") for name, mode in LOGITS_CASES}
+    jobs["keep"] = dict(checkpoint=str(keep_checkpoint), ids=str(keep_reference[0]), mode="eager", quantized="keep")
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    run_ranks(["logits", str(out / "jobs.json"), str(PREFILL), str(out)])
+    return {name: [torch.load(out / f"{name}.rank{rank}.pt") for rank in range(2)] for name in jobs}
+
+
+@pytest.mark.parametrize("config,mode", LOGITS_CASES)
+def test_tp2_logits_equal_single_process(single_process, tp2_logits, config, mode):
+    _, _, expected = single_process[config]
+    for rank, got in enumerate(tp2_logits[f"{config}-{mode}"]):
         assert got.shape == expected.shape
         err = (got - expected).abs().max().item()
         assert err <= TOL, f"rank {rank} ({mode}): max logit error {err:.3g}"
@@ -189,17 +208,16 @@ def test_kept_quantized_each_rank_keeps_only_its_slices(keep_checkpoint):
         assert not isinstance(model.lm_head, Q.FP8BlockLinear) and model.lm_head.weight.shape == (150, 64)
 
 
-def test_kept_quantized_tp2_logits_equal_single_process(keep_checkpoint, tmp_path):
-    model = DS4ForCausalLM.from_pretrained(keep_checkpoint, dtype=torch.float32, quantized="keep")
-    watch = TieWatch()
-    model.ops = dataclasses.replace(attention_ops("torch"), indexer_topk=watch)
-    ids = torch.randint(2, model.config.vocab_size, (1, PREFILL + 12), generator=torch.Generator().manual_seed(7))
-    expected = prefill_decode_logits(model, ids, PREFILL)
-    assert watch.calls > 0 and watch.min_gap > 1e-4, f"indexer tie at the top-k boundary (gap {watch.min_gap})"
-    torch.save(ids, tmp_path / "ids.pt")
-    run_ranks(["logits", str(keep_checkpoint), str(tmp_path / "ids.pt"), str(PREFILL), str(tmp_path), "eager", "keep"])
-    for rank in range(2):
-        err = (torch.load(tmp_path / f"rank{rank}.pt") - expected).abs().max().item()
+@pytest.fixture(scope="module")
+def keep_reference(keep_checkpoint, tmp_path_factory):
+    """`reference_logits` of the single-process model with the checkpoint kept quantized."""
+    return reference_logits(keep_checkpoint, 12, tmp_path_factory, quantized="keep")
+
+
+def test_kept_quantized_tp2_logits_equal_single_process(keep_reference, tp2_logits):
+    _, expected = keep_reference
+    for rank, got in enumerate(tp2_logits["keep"]):
+        err = (got - expected).abs().max().item()
         assert err <= TOL, f"rank {rank}: max logit error {err:.3g}"
 
 
@@ -297,22 +315,35 @@ def mtp_checkpoint(tmp_path_factory):
     return model, path
 
 
-@pytest.mark.parametrize("mode,seed", [("eager", None), ("graph", 4)])
-def test_tp2_speculation_gives_single_process_plain_tokens(mtp_checkpoint, tmp_path, mode, seed):
+SPEC_CASES = [("eager", None), ("graph", 4)]
+SPEC_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tp2_speculation(mtp_checkpoint, tmp_path_factory):
+    """Both cases below from one --tp 2 launch (one model load per rank): per rank, per case, what
+    `tp_worker.speculate` wrote."""
+    out = tmp_path_factory.mktemp("speculate")
+    cases = [mode if seed is None else f"{mode}:{seed}" for mode, seed in SPEC_CASES]
+    run_ranks(["speculate", str(mtp_checkpoint[1]), str(out), "2", str(SPEC_NEW), *cases])
+    results = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return [{case: result[name] for case, name in zip(SPEC_CASES, cases)} for result in results]
+
+
+@pytest.mark.parametrize("mode,seed", SPEC_CASES)
+def test_tp2_speculation_gives_single_process_plain_tokens(mtp_checkpoint, tp2_speculation, mode, seed):
     """Speculative decoding under --tp 2 (the MTP layer split like the others; every rank drafts,
     verifies and rolls back alike): greedy and seeded tokens equal single-process plain decoding
     (one sequence through generate, two through one batched Speculator), drafts accepted."""
     from ds4_torch import generate
     from tp_worker import SPEC_PROMPTS
 
-    model, path = mtp_checkpoint
-    new = 40
+    model, _ = mtp_checkpoint
     settings = dict(temperature=0.9, seed=seed) if seed is not None else {}
-    plain = list(generate(model, SPEC_PROMPTS[0], new, prefill_chunk=4, **settings))
-    plain_batch = [list(generate(model, p, new, prefill_chunk=4)) for p in SPEC_PROMPTS]
-    run_ranks(["speculate", str(path), str(tmp_path), "2", str(new), mode] + ([str(seed)] if seed is not None else []))
+    plain = list(generate(model, SPEC_PROMPTS[0], SPEC_NEW, prefill_chunk=4, **settings))
+    plain_batch = [list(generate(model, p, SPEC_NEW, prefill_chunk=4)) for p in SPEC_PROMPTS]
     for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+        got = tp2_speculation[rank][mode, seed]
         assert got["tokens"] == plain, f"rank {rank}"
         assert got["batch"] == plain_batch, f"rank {rank}"
         assert 0 < got["accepted"] <= got["drafted"]
