@@ -213,26 +213,35 @@ def test_anthropic_tool_use_names_an_offered_tool(model, thinking):
     assert not any("｜DSML｜" in b.text for b in m.content if b.type == "text")
 
 
+def constrained_calls(model, **config):
+    """Three greedy weather questions in one batch, each offered other tools: (finish reason,
+    content, calls) of each."""
+    with calls_server(model, **config) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(tools):
+            r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=tools, temperature=0,
+                                            max_tokens=80)
+            c = r.choices[0]
+            return c.finish_reason, c.message.content, [(t.function.name, t.function.arguments)
+                                                        for t in c.message.tool_calls or []]
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:  # one batch
+            return list(ex.map(ask, [[BASH, READ], [READ], [PLACEHOLDER, BASH]]))
+
+
+@pytest.fixture(scope="module")
+def plain_constrained_calls(model):
+    """`constrained_calls` without speculation: once for the module (every `n` compares with it)."""
+    return constrained_calls(model)
+
+
 @pytest.mark.parametrize("n", [1, 3])
-def test_speculating_gives_the_same_constrained_calls(model, n):
+def test_speculating_gives_the_same_constrained_calls(model, plain_constrained_calls, n):
     """The grammar starts at the block's opening token, inside a speculative step: the step's
     later tokens (not masked by it) go back, and the request goes on one masked token a step."""
-    def run(**config):
-        with calls_server(model, **config) as srv:
-            oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-            def ask(tools):
-                r = oai.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=tools, temperature=0,
-                                                max_tokens=80)
-                c = r.choices[0]
-                return c.finish_reason, c.message.content, [(t.function.name, t.function.arguments)
-                                                            for t in c.message.tool_calls or []]
-            with concurrent.futures.ThreadPoolExecutor(3) as ex:  # one batch
-                return list(ex.map(ask, [[BASH, READ], [READ], [PLACEHOLDER, BASH]]))
-
-    plain = run()
+    plain = plain_constrained_calls
     assert all(calls for _, _, calls in plain)  # the block opened in each: the grammar took part
-    assert run(speculative_tokens=n, speculative_policy="always") == plain
+    assert constrained_calls(model, speculative_tokens=n, speculative_policy="always") == plain
 
 
 def test_speculating_a_grammar_that_starts_inside_a_step_gives_back_the_rest(model, tok, monkeypatch):
