@@ -29,6 +29,7 @@ before reuse) and re-raises: nothing that could poison a later request survives.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -371,13 +372,42 @@ def emulate_capture(fn, inputs):
     value read on the host and every branch taken is frozen into the graph, as a CUDA-graph
     capture freezes them. The trace runs under one fake mode for the whole capture: otherwise
     make_fx builds a new one (and walks the Python stack) for every node's metadata, which made a
-    capture twice as slow."""
+    capture twice as slow. Nor does it record node metadata (a fake tensor per node, the torch
+    function called), which only later compilers read: that halves a capture again."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
-        return make_fx(fn, tracing_mode="real")(*inputs)
+    _skip_node_values_when_emulating()
+    _emulating.active = True
+    try:
+        with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+            return make_fx(fn, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*inputs)
+    finally:
+        _emulating.active = False
+
+
+_emulating = threading.local()  # per thread: another thread's make_fx (torch.compile's) keeps its metadata
+
+
+def _skip_node_values_when_emulating() -> None:
+    """make_fx gives each node a fake tensor of its value (`meta["val"]`, through `set_meta` and
+    `extract_val`) for compilers to read; a replayed graph never reads it. In the emulator's
+    thread those two record nothing; everywhere else they are torch's own."""
+    from torch.fx.experimental import proxy_tensor
+
+    if getattr(proxy_tensor.set_meta, "skipped_when_emulating", False):
+        return
+    set_meta, extract_val = proxy_tensor.set_meta, proxy_tensor.extract_val
+
+    def set_meta_unless_emulating(proxy, val):
+        return proxy if getattr(_emulating, "active", False) else set_meta(proxy, val)
+
+    def extract_val_unless_emulating(val, include_real=False):
+        return None if getattr(_emulating, "active", False) else extract_val(val, include_real)
+
+    set_meta_unless_emulating.skipped_when_emulating = True
+    proxy_tensor.set_meta, proxy_tensor.extract_val = set_meta_unless_emulating, extract_val_unless_emulating
 
 
 class _CapturedCall:

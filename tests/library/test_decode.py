@@ -9,7 +9,7 @@ import torch
 
 from ds4_torch import DS4Config, DS4ForCausalLM
 from ds4_torch import capabilities
-from ds4_torch.decode import GraphDecoder, choose_mode, make_decoder, prefill
+from ds4_torch.decode import GraphDecoder, choose_mode, emulate_capture, make_decoder, prefill
 
 CHUNK = 8  # prefill chunk: smaller than the prompts, so chunk boundaries are crossed
 from ds4_torch.faults import InjectedDeviceError, parse_faults, reset_fault_counts
@@ -258,3 +258,16 @@ def test_a_paged_cache_decodes_as_the_static_one(model, mode, monkeypatch):
     assert paged.table(3).blocks == [] and len(paged.table(0).blocks) > held
     if mode == "graph":
         assert list(decoders[1].graphs) == [4] and decoders[1].eager_fallbacks == 0
+
+
+def test_the_emulator_drops_node_values_in_its_own_trace_only():
+    """The capture emulator's trace records no per-node values (no compiler reads them), and
+    replays the function; a make_fx after it (torch.compile's, say) still gets every node's value."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.arange(4.0)
+    emulated = emulate_capture(lambda t: (t * 2).sum(), [x])
+    assert torch.equal(emulated(x + 1), ((x + 1) * 2).sum())
+    assert all(n.meta.get("val") is None for n in emulated.graph.nodes)
+    traced = make_fx(lambda t: (t * 2).sum())(x)
+    assert all(isinstance(n.meta.get("val"), torch.Tensor) for n in traced.graph.nodes if n.op != "output")
