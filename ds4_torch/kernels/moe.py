@@ -46,6 +46,7 @@ from torch import Tensor
 from ..quant import is_fp4_packed_dtype
 from . import cpu_linear
 from .ops import kernel_for
+from .registration import define_op
 from .linear import fastest_linear as _linear
 from .quantized import expert_block, expert_down, expert_gate_up
 
@@ -219,25 +220,16 @@ def _implementation(backend: str, device: torch.device):
 
 
 # --------------------------------------------------------------------------- the op
-@torch.library.custom_op("ds4::moe", mutates_args=())
+def _moe_fake(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend, gate_up_scale=None,
+              down_scale=None):
+    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
+    return hidden.new_empty(hidden.shape)
+
+
+@define_op("moe", _moe_fake)
 def moe(hidden: Tensor, expert_ids: Tensor, routing_weights: Tensor, gate_up: Tensor, down: Tensor,
         swiglu_limit: float, backend: str, gate_up_scale: Optional[Tensor] = None,
         down_scale: Optional[Tensor] = None) -> Tensor:
     check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
     return _implementation(backend, hidden.device)(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit,
                                                    gate_up_scale, down_scale)
-
-
-@moe.register_kernel("cuda")
-def _moe_cuda(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend, gate_up_scale=None,
-              down_scale=None):
-    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
-    return _implementation(backend, hidden.device)(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit,
-                                                   gate_up_scale, down_scale)
-
-
-@moe.register_fake
-def _moe_fake(hidden, expert_ids, routing_weights, gate_up, down, swiglu_limit, backend, gate_up_scale=None,
-              down_scale=None):
-    check_moe_inputs(hidden, expert_ids, routing_weights, gate_up, down, gate_up_scale, down_scale)
-    return hidden.new_empty(hidden.shape)

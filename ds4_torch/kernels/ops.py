@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .registration import define_op
 
 BACKENDS = ("auto", "torch", "triton")
 ENV_VAR = "DS4_TORCH_ATTN_BACKEND"
@@ -83,11 +84,27 @@ def _kernels(backend: str, device: torch.device):
     return triton_kernels
 
 
+# --------------------------------------------------------------------------- fakes (shapes only)
+def _attention_fake(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend, comp_slots=None):
+    return q.new_empty(q.shape)
+
+
+def _compress_rows_fake(kv, gate, norm_weight, eps, cos, sin, backend):
+    B, J, _, D = kv.shape
+    return kv.new_empty(B, J, D)
+
+
+def _indexer_topk_fake(q, head_weights, rows, start, rate, k, backend, rows_slots=None):
+    B, T = q.shape[:2]
+    C = (rows if rows_slots is None else rows_slots).shape[1]  # a pool's rows are the slots'
+    return q.new_empty(B, T, min(k, C), dtype=torch.int64)
+
+
 # --------------------------------------------------------------------------- ops
-# custom_op reads the schema from the annotations, so each op spells its signature out. The body
-# serves every device without a kernel of its own (CPU, MPS: the reference, or Triton's
-# interpreter when forced); `register_kernel("cuda")` below gives CUDA the Triton kernel.
-@torch.library.custom_op("ds4::attention", mutates_args=())
+# The schema is read from the annotations, so each op spells its signature out. The body serves
+# every device: the Triton kernel on CUDA ("auto"/"triton"), the reference elsewhere (CPU, MPS) or
+# when "torch" is forced, Triton's interpreter when forced off CUDA.
+@define_op("attention", _attention_fake)
 def attention(q: Tensor, ring: Tensor, chunk_kv: Tensor, start: Tensor, comp: Tensor,
               comp_sel: Optional[Tensor], rate: int, sinks: Tensor, scale: float, backend: str,
               comp_slots: Optional[Tensor] = None) -> Tensor:
@@ -95,49 +112,13 @@ def attention(q: Tensor, ring: Tensor, chunk_kv: Tensor, start: Tensor, comp: Te
                                                  comp_slots)
 
 
-@torch.library.custom_op("ds4::compress_rows", mutates_args=())
+@define_op("compress_rows", _compress_rows_fake)
 def compress_rows(kv: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
                   backend: str) -> Tensor:
     return _kernels(backend, kv.device).compress_rows(kv, gate, norm_weight, eps, cos, sin)
 
 
-@torch.library.custom_op("ds4::indexer_topk", mutates_args=())
+@define_op("indexer_topk", _indexer_topk_fake)
 def indexer_topk(q: Tensor, head_weights: Tensor, rows: Tensor, start: Tensor, rate: int, k: int,
                  backend: str, rows_slots: Optional[Tensor] = None) -> Tensor:
     return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k, rows_slots)
-
-
-# CUDA: the Triton kernels ("auto"/"triton"), or the reference when "torch" is forced.
-@attention.register_kernel("cuda")
-def _attention_cuda(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend, comp_slots=None):
-    return _kernels(backend, q.device).attention(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale,
-                                                 comp_slots)
-
-
-@compress_rows.register_kernel("cuda")
-def _compress_rows_cuda(kv, gate, norm_weight, eps, cos, sin, backend):
-    return _kernels(backend, kv.device).compress_rows(kv, gate, norm_weight, eps, cos, sin)
-
-
-@indexer_topk.register_kernel("cuda")
-def _indexer_topk_cuda(q, head_weights, rows, start, rate, k, backend, rows_slots=None):
-    return _kernels(backend, q.device).indexer_topk(q, head_weights, rows, start, rate, k, rows_slots)
-
-
-# --------------------------------------------------------------------------- fakes (shapes only)
-@attention.register_fake
-def _attention_fake(q, ring, chunk_kv, start, comp, comp_sel, rate, sinks, scale, backend, comp_slots=None):
-    return q.new_empty(q.shape)
-
-
-@compress_rows.register_fake
-def _compress_rows_fake(kv, gate, norm_weight, eps, cos, sin, backend):
-    B, J, _, D = kv.shape
-    return kv.new_empty(B, J, D)
-
-
-@indexer_topk.register_fake
-def _indexer_topk_fake(q, head_weights, rows, start, rate, k, backend, rows_slots=None):
-    B, T = q.shape[:2]
-    C = (rows if rows_slots is None else rows_slots).shape[1]  # a pool's rows are the slots'
-    return q.new_empty(B, T, min(k, C), dtype=torch.int64)

@@ -50,6 +50,7 @@ from ..quant import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, infer_block_size, is_fp8_
 from . import cpu_linear
 from .linear import fastest_linear as _linear
 from .ops import kernel_for
+from .registration import define_op
 
 __all__ = ["fp8_linear", "fp8_linear_cpu", "fp8_linear_torch", "dequantize_fp4_rows", "quantized_linear",
            "expert_block", "check_fp8_linear_inputs"]
@@ -317,22 +318,15 @@ def _implementation(backend: str, device):
     return triton_quantized.fp8_linear
 
 
-@torch.library.custom_op("ds4::fp8_linear", mutates_args=())
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int, backend: str) -> Tensor:
-    check_fp8_linear_inputs(x, weight, scale, block_rows, block_cols)
-    return _implementation(backend, x.device)(x, weight, scale, block_rows, block_cols)
-
-
-@fp8_linear.register_kernel("cuda")
-def _fp8_linear_cuda(x, weight, scale, block_rows, block_cols, backend):
-    check_fp8_linear_inputs(x, weight, scale, block_rows, block_cols)
-    return _implementation(backend, x.device)(x, weight, scale, block_rows, block_cols)
-
-
-@fp8_linear.register_fake
 def _fp8_linear_fake(x, weight, scale, block_rows, block_cols, backend):
     check_fp8_linear_inputs(x, weight, scale, block_rows, block_cols)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@define_op("fp8_linear", _fp8_linear_fake)
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int, backend: str) -> Tensor:
+    check_fp8_linear_inputs(x, weight, scale, block_rows, block_cols)
+    return _implementation(backend, x.device)(x, weight, scale, block_rows, block_cols)
 
 
 # --------------------------------------------------------------------------- grouped projection
@@ -365,20 +359,13 @@ def fp8_linear_grouped_impl(x: Tensor, weight: Tensor, scale: Tensor, block_rows
                             block_rows, block_cols) for g in range(G)], dim=-2)
 
 
-@torch.library.custom_op("ds4::fp8_linear_grouped", mutates_args=())
+def _fp8_linear_grouped_fake(x, weight, scale, block_rows, block_cols, backend):
+    check_grouped_inputs(x, weight, scale, block_rows, block_cols)
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // x.shape[-2])
+
+
+@define_op("fp8_linear_grouped", _fp8_linear_grouped_fake)
 def fp8_linear_grouped(x: Tensor, weight: Tensor, scale: Tensor, block_rows: int, block_cols: int,
                        backend: str) -> Tensor:
     check_grouped_inputs(x, weight, scale, block_rows, block_cols)
     return fp8_linear_grouped_impl(x, weight, scale, block_rows, block_cols, backend)
-
-
-@fp8_linear_grouped.register_kernel("cuda")
-def _fp8_linear_grouped_cuda(x, weight, scale, block_rows, block_cols, backend):
-    check_grouped_inputs(x, weight, scale, block_rows, block_cols)
-    return fp8_linear_grouped_impl(x, weight, scale, block_rows, block_cols, backend)
-
-
-@fp8_linear_grouped.register_fake
-def _fp8_linear_grouped_fake(x, weight, scale, block_rows, block_cols, backend):
-    check_grouped_inputs(x, weight, scale, block_rows, block_cols)
-    return x.new_empty(*x.shape[:-1], weight.shape[0] // x.shape[-2])

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import _eager_reference, native
 from .ops import kernel_for
+from .registration import define_op
 
 __all__ = ["sinkhorn", "sinkhorn_op", "sinkhorn_torch"]
 
@@ -75,22 +76,15 @@ def _implementation(backend: str, device: torch.device):
     return triton_kernels.sinkhorn
 
 
-@torch.library.custom_op("ds4::sinkhorn", mutates_args=())
-def sinkhorn_op(comb: Tensor, iters: int, eps: float, backend: str) -> Tensor:
-    check_sinkhorn_inputs(comb, iters)
-    return _implementation(backend, comb.device)(comb, iters, eps)
-
-
-@sinkhorn_op.register_kernel("cuda")
-def _sinkhorn_cuda(comb, iters, eps, backend):
-    check_sinkhorn_inputs(comb, iters)
-    return _implementation(backend, comb.device)(comb, iters, eps)
-
-
-@sinkhorn_op.register_fake
 def _sinkhorn_fake(comb, iters, eps, backend):
     check_sinkhorn_inputs(comb, iters)
     return comb.new_empty(comb.shape)
+
+
+@define_op("sinkhorn", _sinkhorn_fake)
+def sinkhorn_op(comb: Tensor, iters: int, eps: float, backend: str) -> Tensor:
+    check_sinkhorn_inputs(comb, iters)
+    return _implementation(backend, comb.device)(comb, iters, eps)
 
 
 def sinkhorn(comb: Tensor, iters: int, eps: float, backend: str = "auto") -> Tensor:
