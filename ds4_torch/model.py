@@ -71,12 +71,20 @@ def rope_inv_freq(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
     return (1.0 / (spec.yarn_factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+def _building_on_meta() -> bool:
+    """Whether modules are being built under `torch.device("meta")` (to be loaded into): values
+    computed there are never read, and computing them runs Python references, the first of which
+    imports torch._dynamo (a second or two of every process that loads a model)."""
+    return torch.empty(0).device.type == "meta"
+
+
 class Rotary(nn.Module):
     """cos/sin for given positions; interleaved pairs on the last `rope_dim` channels."""
 
     def __init__(self, spec: RopeSpec, rope_dim: int):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(spec, rope_dim), persistent=False)
+        inv_freq = torch.empty(rope_dim // 2) if _building_on_meta() else rope_inv_freq(spec, rope_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (on meta: see _init_buffers)
         self.scaling = spec.attention_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -751,7 +759,10 @@ class DS4Model(nn.Module):
     def __init__(self, config: DS4Config):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        if not _building_on_meta():  # nn.Embedding's own init
+            nn.init.normal_(embedding)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)
