@@ -204,6 +204,17 @@ def test_info_subprocess():
     assert "parameters:" in r.stdout and "bytes/token" in r.stdout
 
 
+
+def test_loading_and_generating_leave_torch_compile_unimported():
+    """A process that loads the default model and generates (the CLI, a server's core process)
+    never imports torch._dynamo, an import that alone adds 1-2 s to each process start: the
+    ds4 ops' registration and the model built on meta used to pull it in."""
+    code = ("import sys\nfrom ds4_torch.cli import main\ntry:\n    main(['generate', '-p', 'To be', '-n', '4'])\n"
+            "except SystemExit:\n    pass\nprint('imported' if 'torch._dynamo' in sys.modules else 'not imported')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "not imported", r.stdout
+
 # --------------------------------------------------------------------------- bench, misc
 def test_bench_model(capsys, tmp_path):
     table = tmp_path / "bench.csv"
