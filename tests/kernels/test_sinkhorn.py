@@ -54,6 +54,14 @@ def test_op_passes_opcheck(backend):
     torch.library.opcheck(torch.ops.ds4.sinkhorn.default, (matrices((2, 3, 4, 4), seed=1), 20, 1e-6, backend))
 
 
+def test_the_op_refuses_a_backward_saying_why():
+    """The ops are inference kernels: a backward through one is an error naming it, not a
+    silent zero gradient (training runs the torch loop: `sinkhorn` calls it when autograd records)."""
+    comb = matrices((2, 4, 4), 0).requires_grad_()
+    out = torch.ops.ds4.sinkhorn(comb, 20, 1e-6, "torch")
+    with pytest.raises(RuntimeError, match="ds4::sinkhorn is forward-only"):
+        out.sum().backward()
+
 def test_op_has_a_cuda_kernel_and_a_fake_and_traces_as_one_node():
     from torch.fx.experimental.proxy_tensor import make_fx
 
