@@ -287,6 +287,7 @@ class GraphDecoder(Decoder):
             return n
         return min(1 << (n - 1).bit_length(), self.cache.batch_size)
 
+    @torch.no_grad()  # as eager's inference mode: a capture under autograd replayed other values
     def _step(self, input_ids, n):
         b = self.bucket(n)
         if b > n:
