@@ -275,10 +275,10 @@ def test_the_emulator_drops_node_values_in_its_own_trace_only():
 
 def test_graph_steps_equal_eager_where_autograd_records(model):
     """Steps called with autograd on (a notebook or script without no_grad): a capture traced
-    under autograd used to replay other logits (off by up to 3 on this model from the first step)."""
+    under autograd used to replay other logits at batch 1 (off by 1.7 on this model at once)."""
     assert torch.is_grad_enabled()
-    ids = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(4))
-    eager_cache, graph_cache = model.new_cache(2, 32), model.new_cache(2, 32)
+    ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(4))
+    eager_cache, graph_cache = model.new_cache(1, 128), model.new_cache(1, 128)
     eager, graph = make_decoder(model, eager_cache, "eager"), make_decoder(model, graph_cache, "graph")
     for t in range(6):
         torch.testing.assert_close(graph.step(ids[:, t]), eager.step(ids[:, t]), atol=1e-5, rtol=0)
