@@ -78,7 +78,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens per request (default 256)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--repeat", type=positive_int, default=3, help="direct runs; the median is reported (default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="direct runs (the median is reported) and runs of the model alone's decode steps (the best is "
+                        "reported; default 3)")
     p.add_argument("--speculative-tokens", type=int, nargs="+", choices=range(0, 4), default=[0], metavar="N",
                    help="the server's --speculative-tokens; several values run the streams once per value, in this "
                         "run, and compare each with the first (default 0: no speculation)")
@@ -147,15 +148,16 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
             "wall": time.perf_counter() - start}
 
 
-def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, steps: int = 32,
+def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, steps: int | None = None,
                 repeat: int = 3) -> dict:
     """The model's own work for these streams, with nothing around it: every prompt prefilled in
     one batch (faster than the engine's one prompt at a time), then decode steps of all rows
-    (best of `repeat` x `steps`, argmax fed back). No sampler, scheduler, output thread or HTTP,
+    (best of `repeat` x `steps`, argmax fed back; `steps` None: the streams' own new_tokens - 1). No sampler, scheduler, output thread or HTTP,
     so no server can beat it: `new_tokens` per stream over prefill + (new_tokens - 1) steps is the
     ceiling on the streams' aggregate tokens/s, and the step time the floor on their ITL."""
     from ..decode import make_decoder, prefill
 
+    steps = new_tokens - 1 if steps is None else steps
     ids = torch.tensor(prompts, device=model.device)
     cache = model.new_cache(len(prompts), ids.shape[1] + 1 + repeat * steps)
     start = time.perf_counter()
@@ -256,7 +258,7 @@ def run(args) -> int:
     floor = []
     for c in counts:
         bar.set_postfix_str(f"the model alone, {c} client(s)")
-        floor.append(model_floor(model, prompts(c), args.new_tokens, args.prefill_chunk))
+        floor.append(model_floor(model, prompts(c), args.new_tokens, args.prefill_chunk, repeat=args.repeat))
         bar.update()
     all_rows, first = [], None
     for core in cores:

@@ -236,9 +236,18 @@ def test_graph_mode_equals_eager_as_the_batch_grows_and_shrinks(model):
 
 
 # --------------------------------------------------------------------------- benchmark
-def test_bench_serve_prints_every_client_count(tmp_path, capsys):
+def test_bench_serve_prints_every_client_count(tmp_path, capsys, monkeypatch):
+    from ds4_torch.bench import serve as bench_serve
     from ds4_torch.cli import main
 
+    floors = []  # what the model alone decoded, per client count
+
+    def recorded_floor(*args, **kwargs):
+        floors.append(model_floor(*args, **kwargs))
+        return floors[-1]
+
+    model_floor = bench_serve.model_floor
+    monkeypatch.setattr(bench_serve, "model_floor", recorded_floor)
     table = tmp_path / "serve.csv"
     rc = main(["bench", "serve", "--clients", "1", "2", "--new-tokens", "4", "--prompt-len", "16",
                "--prefill-chunk", "16", "--stall-prompt-len", "48", "--stall-clients", "2", "--repeat", "1",
@@ -249,6 +258,8 @@ def test_bench_serve_prints_every_client_count(tmp_path, capsys):
     assert rows[0].startswith("clients,") and "tok_s_total" in rows[0].split(",")
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2"]
     assert "48-token prompt arriving while 2 streams decode" in out
+    # the model alone decodes what its arguments ask: the streams' 3 steps after the first token, --repeat 1 time
+    assert [[len(row) for row in f["tokens"]] for f in floors] == [[1 + 3], [1 + 3] * 2]
     header = rows[0].split(",")
     for column in ("host_us_per_seq_step", "mean_batch", "step_model_ms", "step_sampling_ms", "step_host_ms",
                    "client_cores", "loop_us_per_token", "api_us_per_token", "core_step_ms", "alone_tok_s"):
