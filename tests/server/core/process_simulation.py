@@ -370,8 +370,12 @@ def simulate_processes(seed: int, model) -> ProcessReport:
     with api_processes(*FLAGS, env=env) as (core, api):
         urls = [url for _, url in api]
         report.sent = run_workload(plan, urls, [proc for proc, _ in api])
-        if "slow" in plan.core_faults:  # a submit the core is still taking is neither queued nor running yet
-            time.sleep(max(0.0, max(s.at for s in report.sent) + SLOW_S + 1 - time.monotonic()))
+        # A submit the core is still taking is neither queued nor running yet: wait out the slow one.
+        # An answered request's submit has ended, so only an unanswered one (given up on, failed,
+        # its process killed) can still be in the core's submit: wait from the latest one's sending.
+        unanswered = [s.at for s in report.sent if s.status != 200]
+        if "slow" in plan.core_faults and unanswered:
+            time.sleep(max(0.0, max(unanswered) + SLOW_S + 1 - time.monotonic()))
         wait_for(lambda: metric(urls[0], "ds4_requests_running") == 0 and metric(urls[0], "ds4_queue_depth") == 0,
                  60, "the core to go idle")
         core_prompt_tokens = metric(urls[0], "ds4_prompt_tokens_total")
