@@ -168,8 +168,8 @@ def kill_one_mid_run(router, replicas, key: str) -> None:
     def long_turn(msgs) -> str:  # "ok", or how it failed
         try:
             with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=120, headers=auth, json={
-                    "model": MODEL, "messages": msgs, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                    "stream": True}) as r:
+                    "model": MODEL, "messages": msgs, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:  # (still running at the kill: `on_dead` below; the survivor's run to their end)
                 if r.status_code != 200:
                     return f"HTTP {r.status_code}"
                 lines = r.iter_lines()
