@@ -78,8 +78,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens per request (default 256)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--repeat", type=positive_int, default=3, help="direct runs (the median is reported) and runs of the model alone's decode steps (the best is "
-                        "reported; default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3,
+                   help="direct runs (the median is reported) and runs of the model alone's decode steps (the best "
+                        "is reported; default 3)")
     p.add_argument("--speculative-tokens", type=int, nargs="+", choices=range(0, 4), default=[0], metavar="N",
                    help="the server's --speculative-tokens; several values run the streams once per value, in this "
                         "run, and compare each with the first (default 0: no speculation)")
@@ -152,8 +153,8 @@ def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, st
                 repeat: int = 3) -> dict:
     """The model's own work for these streams, with nothing around it: every prompt prefilled in
     one batch (faster than the engine's one prompt at a time), then decode steps of all rows
-    (best of `repeat` x `steps`, argmax fed back; `steps` None: the streams' own new_tokens - 1). No sampler, scheduler, output thread or HTTP,
-    so no server can beat it: `new_tokens` per stream over prefill + (new_tokens - 1) steps is the
+    (best of `repeat` x `steps`, argmax fed back; by default the streams' own new_tokens - 1
+    steps). No sampler, scheduler, output thread or HTTP, so no server can beat it: `new_tokens` per stream over prefill + (new_tokens - 1) steps is the
     ceiling on the streams' aggregate tokens/s, and the step time the floor on their ITL."""
     from ..decode import make_decoder, prefill
 
