@@ -154,8 +154,9 @@ def model_floor(model, prompts: list[list[int]], new_tokens: int, chunk: int, st
     """The model's own work for these streams, with nothing around it: every prompt prefilled in
     one batch (faster than the engine's one prompt at a time), then decode steps of all rows
     (best of `repeat` x `steps`, argmax fed back; by default the streams' own new_tokens - 1
-    steps). No sampler, scheduler, output thread or HTTP, so no server can beat it: `new_tokens` per stream over prefill + (new_tokens - 1) steps is the
-    ceiling on the streams' aggregate tokens/s, and the step time the floor on their ITL."""
+    steps). No sampler, scheduler, output thread or HTTP, so no server can beat it: `new_tokens`
+    per stream over prefill + (new_tokens - 1) steps is the ceiling on the streams' aggregate
+    tokens/s, and the step time the floor on their ITL."""
     from ..decode import make_decoder, prefill
 
     steps = new_tokens - 1 if steps is None else steps
