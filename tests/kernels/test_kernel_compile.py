@@ -180,7 +180,9 @@ def specialise(kernel, args, kwargs):
 
 def compile_launches(launches) -> list[dict]:
     """Compile each recorded (case, kernel, args, kwargs) launch for sm_80 and sm_90; one row of
-    resources per kernel and target. Shared with the other kernels' compile tests (test_moe)."""
+    resources per kernel and target. Launches whose specialisation (signature, constexprs,
+    divisibility, warps, stages) is the same compile to the same binary, so they are compiled once
+    and the row repeated under each case. Shared with the other kernels' compile tests (test_moe)."""
     import contextlib
     import io
     import re
@@ -194,10 +196,15 @@ def compile_launches(launches) -> list[dict]:
     knobs.nvidia.dump_ptxas_log = True  # triton prints its `ptxas -v` log: registers and spills
     knobs.compilation.always_compile = True  # a cache hit would skip ptxas, and with it the log
     rows = []
+    compiled_rows = {}  # (kernel, specialisation, target) -> its row: launches that specialise alike share a build
     for case, kernel, args, kwargs in launches:
         signature, constexprs, attrs, options = specialise(kernel, args, kwargs)
         blocks = " ".join(f"{k}={v}" for k, v in constexprs.items() if k.startswith("BLOCK"))
         for cc in TARGETS:
+            key = (kernel, repr((signature, constexprs, attrs, options)), cc)
+            if key in compiled_rows:
+                rows.append({**compiled_rows[key], "case": case})
+                continue
             log = io.StringIO()
             began = time.perf_counter()
             with contextlib.redirect_stdout(log):
@@ -214,6 +221,7 @@ def compile_launches(launches) -> list[dict]:
                 spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
                 shared_bytes=compiled.metadata.shared,
                 tensor_cores=bool(re.search(r"\b(wgmma|mma)\.", compiled.asm["ptx"])), compile_s=round(seconds, 1)))
+            compiled_rows[key] = rows[-1]
     return rows
 
 
